@@ -1,0 +1,235 @@
+"""Incremental garbage collection: bounded steps, never a stop-the-world sweep.
+
+One `Collector.step()` does at most:
+  1. expiry:      scan `batch` index entries from a cursor that walks the key space round
+                  robin; delete expired ones, clear lapsed soft pins; also DRAM-only blocks
+  2. capacity:    while NVMe live bytes exceed the high watermark, evict approximately-LRU
+                  victims (oldest of random samples, Redis-style; pinned blocks skipped)
+  3. compaction:  one sealed segment whose live fraction is below `compact_below`: copy its
+                  live records forward, commit the new places, then unlink it
+Reads never wait for GC to learn that a block expired: the store checks expiry itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass
+
+from kvcache.kvstore.errors import CorruptBlockError
+from kvcache.kvstore.types import BlockMeta
+from kvcache.tiering.base import BlockWrite, Placement
+from kvcache.tiering.segment import ScannedRecord, read_head, scan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GcReport:
+    scanned: int = 0
+    expired: int = 0
+    evicted: int = 0
+    soft_pins_cleared: int = 0
+    segments_compacted: int = 0
+    segments_removed: int = 0
+    bytes_reclaimed: int = 0
+    wrapped: bool = False      # the expiry cursor finished a full pass of the key space
+
+    def add(self, other: "GcReport") -> None:
+        for k, v in vars(other).items():
+            setattr(self, k, (getattr(self, k) or v) if isinstance(v, bool) else getattr(self, k) + v)
+
+
+class Collector:
+    def __init__(self, store, batch: int = 1000, sample: int = 16, seed: int = 0):
+        self.store = store
+        self.batch = batch
+        self.sample = sample
+        self._cursor: bytes | None = None
+        self._rng = random.Random(seed)
+
+    def step(self) -> GcReport:
+        r = GcReport()
+        self._expire(r)
+        if self.store.nvme is not None:
+            self._evict_for_capacity(r)
+            self._compact_one(r)
+        return r
+
+    def run(self, max_steps: int = 1_000_000) -> GcReport:
+        """Steps until a full expiry pass is done and nothing is left to compact."""
+        total = GcReport()
+        for _ in range(max_steps):
+            r = self.step()
+            total.add(r)
+            if r.wrapped and not (r.segments_compacted or r.segments_removed or r.evicted):
+                break
+        return total
+
+    # ---------------------------------------------------------------- 1. expiry
+    def _expire(self, r: GcReport) -> None:
+        store, now = self.store, self.store.clock()
+        chunk = store.index.scan(self._cursor, self.batch)
+        r.scanned = len(chunk)
+        self._cursor = chunk[-1][0] if len(chunk) == self.batch else None
+        r.wrapped = self._cursor is None
+        expired, updates = [], {}
+        for key, meta in chunk:
+            if store._expired(meta, now):
+                expired.append(key)
+            elif 0 < meta.soft_pin_until <= now:
+                meta.soft_pin_until = 0.0
+                updates[key] = meta
+        with store._lock:
+            dram_expired = [k for k, m in list(store._dram_meta.items())[: self.batch] if store._expired(m, now)]
+            for k in dram_expired:
+                store._dram_meta.pop(k, None)
+            still = [k for k, m in zip(expired, store.index.get_many(expired)) if m and store._expired(m, now)]
+            store.index.commit(updates, deletes=still, counters={"expired": len(still) + len(dram_expired)})
+            if store.dram is not None:
+                for k in still + dram_expired:
+                    store.dram.delete(k)
+        r.expired, r.soft_pins_cleared = len(still) + len(dram_expired), len(updates)
+
+    # ---------------------------------------------------------------- 2. capacity
+    def _evict_for_capacity(self, r: GcReport, max_victims: int = 10_000) -> None:
+        store, cfg = self.store, self.store.nvme.config
+        live = sum(s.live_bytes for s in store.index.segments().values())
+        if live <= cfg.high_watermark * cfg.capacity_bytes:
+            return
+        target, now = cfg.low_watermark * cfg.capacity_bytes, store.clock()
+        while live > target and r.evicted < max_victims:
+            victim = self._pick_victim(now)
+            if victim is None:
+                log.warning("NVMe tier over its watermark but every sampled block is pinned")
+                return
+            key, meta = victim
+            with store._lock:
+                store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
+                if store.dram is not None:
+                    store.dram.delete(key)
+            live -= meta.record_len
+            r.evicted += 1
+
+    def _pick_victim(self, now: float) -> tuple[bytes, BlockMeta] | None:
+        cands = [(k, m) for k, m in self.store.index.sample(self.sample, self._rng) if not m.is_pinned(now)]
+        return min(cands, key=lambda km: max(km[1].last_access, km[1].created), default=None)
+
+    # ---------------------------------------------------------------- 3. compaction
+    def _compact_one(self, r: GcReport) -> None:
+        store, nvme = self.store, self.store.nvme
+        usage = store.index.segments()
+        best, best_ratio = None, nvme.config.compact_below
+        for sid in nvme.segment_ids():
+            if sid >= nvme.active_segment:
+                continue
+            size = _size(nvme.path(sid))
+            u = usage.get(sid)
+            ratio = (u.live_bytes / size) if (u and size) else 0.0
+            if ratio < best_ratio or (u is None or u.live_blocks == 0):
+                best, best_ratio = sid, ratio
+                if ratio == 0.0:
+                    break
+        if best is None:
+            return
+        size = _size(nvme.path(best))
+        u = usage.get(best)
+        if u is not None and u.live_blocks:
+            self._copy_live(best)
+            r.segments_compacted += 1
+        with store._lock:
+            left = store.index.segments().get(best)
+            if left is not None and left.live_blocks:
+                log.warning("segment %d still has %d live blocks after compaction; kept", best, left.live_blocks)
+                return
+            store.index.commit(drop_segments=[best])
+            nvme.remove_segment(best)
+        r.segments_removed += 1
+        r.bytes_reclaimed += size
+
+    def _copy_live(self, sid: int) -> None:
+        """Copy live records and still-needed tombstones of segment `sid` to the active one."""
+        store, nvme = self.store, self.store.nvme
+        older = [s for s in nvme.segment_ids() if s != sid]
+        oldest_other = min((_created(nvme.path(s)) for s in older), default=float("inf"))
+        moved: dict[bytes, tuple[int, BlockWrite]] = {}
+        tombstones: list[tuple[bytes, float]] = []
+        for item in scan(nvme.path(sid)):
+            if not isinstance(item, ScannedRecord) or item.error:
+                continue
+            h = item.header
+            if h.is_tombstone:
+                if h.created >= oldest_other:  # a segment it may shadow still exists
+                    tombstones.append((h.key, h.created))
+                continue
+            meta = store.index.get(h.key)
+            if meta is None or (meta.segment_id, meta.offset) != (sid, item.offset):
+                continue
+            payload = nvme.get(h.key, _placement(meta))
+            if payload is not None:
+                moved[h.key] = (item.offset, BlockWrite(h.key, h.namespace_id, payload, h.layout, h.created))
+        with store._lock:
+            for key, created in tombstones:
+                nvme.put_tombstones([key], created)
+            # re-check under the lock: a delete or a re-put may have raced the copy
+            current = store.index.get_many(list(moved))
+            todo = [(k, w, m) for (k, (off, w)), m in zip(moved.items(), current)
+                    if m is not None and (m.segment_id, m.offset) == (sid, off)]
+            if not todo:
+                return
+            placements = nvme.put([w for _, w, _ in todo])
+            puts = {}
+            for (key, _, m), p in zip(todo, placements):
+                m.segment_id, m.offset, m.record_len = p.segment_id, p.offset, p.record_len
+                puts[key] = m
+            store.index.commit(puts, new_segments={p.segment_id for p in placements})
+
+
+def _placement(meta: BlockMeta) -> Placement:
+    return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
+def _created(path: str) -> float:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return float("inf")
+    try:
+        return read_head(fd).created
+    except CorruptBlockError:
+        return 0.0
+    finally:
+        os.close(fd)
+
+
+class _GcThread(threading.Thread):
+    def __init__(self, store, interval_s: float):
+        super().__init__(name="kvcache-gc", daemon=True)
+        self.collector, self.interval_s = Collector(store), interval_s
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            try:
+                self.collector.step()
+            except Exception:  # GC must never take the store down; it retries next tick
+                log.exception("GC step failed")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def start_background_gc(store, interval_s: float) -> _GcThread:
+    t = _GcThread(store, interval_s)
+    t.start()
+    return t

@@ -1,0 +1,70 @@
+"""Retention policies as data.
+
+A block expires at   min(last_access + ttl, created + max_age)   unless it is pinned
+(hard pin, or soft pin whose TTL has not run out). The rule used for a block is the most
+specific one configured:  tenant override  >  namespace override  >  default.
+Defaults: 72 hours from last access, no maximum age.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+from kvcache.kvstore.types import BlockMeta
+
+HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class RetentionRule:
+    ttl_s: float = 72 * HOUR
+    max_age_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0:
+            raise ValueError(f"retention ttl must be positive, got {self.ttl_s}")
+        if self.max_age_s is not None and self.max_age_s <= 0:
+            raise ValueError(f"retention max_age must be positive, got {self.max_age_s}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RetentionRule":
+        unknown = set(d) - {"ttl_hours", "max_age_hours"}
+        if unknown:
+            raise ValueError(f"unknown retention keys {sorted(unknown)}; use ttl_hours and max_age_hours")
+        max_age = d.get("max_age_hours")
+        return cls(float(d.get("ttl_hours", 72)) * HOUR, None if max_age is None else float(max_age) * HOUR)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    default: RetentionRule = RetentionRule()
+    namespaces: Mapping[str, RetentionRule] = field(default_factory=dict)
+    tenants: Mapping[str, RetentionRule] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "namespaces", MappingProxyType(dict(self.namespaces)))
+        object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
+
+    def rule(self, namespace_name: str, tenant: str) -> RetentionRule:
+        if tenant in self.tenants:
+            return self.tenants[tenant]
+        return self.namespaces.get(namespace_name, self.default)
+
+    def expires_at(self, meta: BlockMeta, namespace_name: str = "") -> float:
+        rule = self.rule(namespace_name, meta.tenant)
+        at = max(meta.last_access, meta.created) + rule.ttl_s
+        if rule.max_age_s is not None:
+            at = min(at, meta.created + rule.max_age_s)
+        return at
+
+    def is_expired(self, meta: BlockMeta, now: float, namespace_name: str = "") -> bool:
+        return not meta.is_pinned(now) and now >= self.expires_at(meta, namespace_name)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RetentionPolicy":
+        d = dict(d)
+        ns = {k: RetentionRule.from_dict(v) for k, v in d.pop("namespaces", {}).items()}
+        tenants = {k: RetentionRule.from_dict(v) for k, v in d.pop("tenants", {}).items()}
+        return cls(RetentionRule.from_dict(d), ns, tenants)

@@ -1,0 +1,1 @@
+"""Accelerator kernels, each with a pure-torch reference. Not built yet: see issues 4-6."""

@@ -1,0 +1,34 @@
+"""Content addressing, the block format, the index and the store facade.
+
+Dependencies stay at the leaves: this package imports only the stdlib, lmdb,
+xxhash, zstandard and numpy. It never imports torch or aiohttp.
+"""
+
+from kvcache.kvstore.errors import (
+    BlockFormatError,
+    CorruptBlockError,
+    StoreError,
+    StoreLockedError,
+    TierFullError,
+    UnknownNamespaceError,
+)
+from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_block, hash_blocks
+from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, Tier, TensorSpec
+
+__all__ = [
+    "BlockFormatError",
+    "BlockMeta",
+    "CorruptBlockError",
+    "HashAlgo",
+    "LookupResult",
+    "Namespace",
+    "PutResult",
+    "StoreError",
+    "StoreLockedError",
+    "TensorSpec",
+    "Tier",
+    "TierFullError",
+    "UnknownNamespaceError",
+    "hash_block",
+    "hash_blocks",
+]

@@ -1,0 +1,28 @@
+"""The store's exceptions. Each message says what went wrong and what to do."""
+
+
+class StoreError(Exception):
+    """Base class: anything the store refuses or cannot do."""
+
+
+class BlockFormatError(StoreError, ValueError):
+    """A payload or layout that does not describe a valid block (caller's mistake)."""
+
+
+class CorruptBlockError(StoreError):
+    """Stored bytes failed verification. Never surfaces from a read: reads turn it into a miss."""
+
+
+class UnknownNamespaceError(StoreError, KeyError):
+    """A namespace id the store has never registered."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown namespace"
+
+
+class TierFullError(StoreError):
+    """A tier cannot make room (everything left is pinned, or the disk is full)."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the data directory open for writing."""

@@ -1,0 +1,170 @@
+"""THE block-hash function. Nothing else in the project computes block keys.
+
+    namespace root = H("kvcache.namespace" | scheme | algo | model fp | kv layout | block size | salt)
+
+    tokens:  [ t0 ............ t255 | t256 .......... t511 | t512 ... (partial: not hashed)
+    keys:      k0 = H(root | k-1.. )  k1 = H(k0 | tokens | extra)
+               ^ parent = root        ^ parent = k0
+
+    key_i = H( parent_i | u32 n_tokens | tokens_i as little-endian int32 | framed extra keys )
+
+Every field is length-framed, so no two different inputs share a byte string. The hash is
+seeded by nothing but its inputs: never Python's salted `hash()`, never a random seed, so
+every process, rank and restart computes the same keys (the silent 0 % hit rate that
+LMCache and vLLM users hit). xxh3-128 is the default; sha256 is for deployments that do not
+trust their tenants (a crafted collision could otherwise poison another tenant's prefix).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+SCHEME_VERSION = 1
+_U32 = struct.Struct("<I")
+ExtraKey = bytes | str | int
+
+
+class HashAlgo(str, enum.Enum):
+    XXH3_128 = "xxh3-128"
+    SHA256 = "sha256"
+
+    @property
+    def digest_size(self) -> int:
+        return 16 if self is HashAlgo.XXH3_128 else 32
+
+    def new(self):
+        return xxhash.xxh3_128() if self is HashAlgo.XXH3_128 else hashlib.sha256()
+
+
+def _frame(h, part: bytes) -> None:
+    h.update(_U32.pack(len(part)))
+    h.update(part)
+
+
+def _extra_bytes(extra: Iterable[ExtraKey]) -> bytes:
+    """Canonical bytes of extra keys (LoRA ids, image hashes...): type-tagged and framed."""
+    out = bytearray()
+    for item in extra:
+        if isinstance(item, bool) or item is None:
+            raise TypeError(f"extra keys must be bytes, str or int, got {item!r}")
+        if isinstance(item, bytes):
+            tag, body = b"b", item
+        elif isinstance(item, str):
+            tag, body = b"s", item.encode()
+        elif isinstance(item, int):
+            tag, body = b"i", item.to_bytes(16, "little", signed=True)
+        else:
+            raise TypeError(f"extra keys must be bytes, str or int, got {type(item).__name__}")
+        out += tag + _U32.pack(len(body)) + body
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything a block key depends on besides the tokens.
+
+    `name` is a human label for configs and reports (retention overrides are keyed by it);
+    it is not hashed, so renaming a namespace keeps its blocks.
+    """
+
+    model_fingerprint: str
+    kv_layout: str
+    block_size: int
+    tenant_salt: str = ""
+    algo: HashAlgo = HashAlgo.XXH3_128
+    scheme_version: int = SCHEME_VERSION
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_fingerprint or not self.kv_layout:
+            raise ValueError("a namespace needs a model_fingerprint and a kv_layout")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        object.__setattr__(self, "algo", HashAlgo(self.algo))
+        if self.scheme_version != SCHEME_VERSION:
+            raise ValueError(f"hash scheme {self.scheme_version} unsupported; this build speaks {SCHEME_VERSION}")
+
+    @property
+    def root(self) -> bytes:
+        h = self.algo.new()
+        for part in (b"kvcache.namespace", _U32.pack(self.scheme_version), self.algo.value.encode(),
+                     self.model_fingerprint.encode(), self.kv_layout.encode(),
+                     _U32.pack(self.block_size), self.tenant_salt.encode()):
+            _frame(h, part)
+        return h.digest()
+
+    @property
+    def id(self) -> bytes:
+        """16-byte namespace id stored in every block header and index entry."""
+        return self.root[:16]
+
+    def to_dict(self) -> dict:
+        return {"model_fingerprint": self.model_fingerprint, "kv_layout": self.kv_layout,
+                "block_size": self.block_size, "tenant_salt": self.tenant_salt,
+                "algo": self.algo.value, "scheme_version": self.scheme_version, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Namespace":
+        return cls(**d)
+
+
+def _as_tokens(tokens) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
+        raise ValueError("token ids must lie in [0, 2**31 - 1]")
+    return arr.astype("<i4", copy=False)
+
+
+def hash_block(ns: Namespace, parent: bytes | None, tokens, extra: Sequence[ExtraKey] = ()) -> bytes:
+    """Key of one full block whose predecessor has key `parent` (None: first block)."""
+    arr = _as_tokens(tokens)
+    if arr.size != ns.block_size:
+        raise ValueError(f"a block holds exactly {ns.block_size} tokens, got {arr.size}")
+    return _chain(ns.algo, ns.root if parent is None else parent, arr, _extra_bytes(extra))
+
+
+def _chain(algo: HashAlgo, parent: bytes, row: np.ndarray, extra: bytes) -> bytes:
+    h = algo.new()
+    h.update(parent)
+    h.update(_U32.pack(row.size))
+    h.update(row.data)
+    _frame(h, extra)
+    return h.digest()
+
+
+def hash_blocks(ns: Namespace, tokens, extra_keys=None, parent: bytes | None = None) -> list[bytes]:
+    """Keys of every full block of `tokens` (the partial tail is not hashed).
+
+    `extra_keys` is None, one sequence applied to every block, or a list with one sequence
+    per full block. The token array is converted once; each block then costs one hash call
+    over a view of it (a 128k-token prompt in 256-token blocks: ~500 calls, well under 1 ms
+    of hashing at memory bandwidth).
+    """
+    arr = _as_tokens(tokens)
+    n = arr.size // ns.block_size
+    rows = arr[: n * ns.block_size].reshape(n, ns.block_size)
+    if extra_keys is None:
+        extras = [b""] * n
+    elif extra_keys and isinstance(extra_keys[0], (list, tuple)):
+        if len(extra_keys) < n:
+            raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n} full blocks")
+        extras = [_extra_bytes(e) for e in extra_keys[:n]]
+    else:
+        extras = [_extra_bytes(extra_keys)] * n
+    keys: list[bytes] = []
+    prev = ns.root if parent is None else parent
+    for i in range(n):
+        prev = _chain(ns.algo, prev, rows[i], extras[i])
+        keys.append(prev)
+    return keys

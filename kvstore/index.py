@@ -1,0 +1,224 @@
+"""The block index: LMDB, key -> BlockMeta, plus namespaces, segments and counters.
+
+Four named databases in one environment, all changed together in one transaction:
+
+    blocks      block key          -> BlockMeta.pack()
+    namespaces  namespace id (16B) -> JSON descriptor
+    segments    segment id (u32 BE)-> live bytes, live blocks   (NVMe space accounting)
+    counters    name               -> i64                       (quarantined, expired, ...)
+
+Access times are not written on every read: `touch()` buffers them and `flush_touches()`
+writes a batch. A crash loses at most one flush interval of access times, which only
+makes blocks look slightly older; it never loses a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import lmdb
+
+from kvcache.kvstore.errors import StoreError, TierFullError
+from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.types import BlockMeta, Tier
+
+_SEG_KEY = struct.Struct(">I")
+_SEG_VAL = struct.Struct("<QQ")
+_I64 = struct.Struct("<q")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUsage:
+    segment_id: int
+    live_bytes: int
+    live_blocks: int
+
+
+class Index:
+    """Thread-safe: LMDB serialises writers; readers each use their own read transaction."""
+
+    def __init__(self, path: str, *, map_size: int = 64 << 30, sync: bool = True, readonly: bool = False):
+        self.path = path
+        self.readonly = readonly
+        try:
+            if not readonly:
+                os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=sync,
+                                 metasync=sync, readonly=readonly, lock=not readonly,
+                                 max_readers=512, create=not readonly)
+        except lmdb.Error as e:
+            raise StoreError(f"cannot open the index at {path}: {e}") from e
+        flags = {} if readonly else {"create": True}
+        with self.env.begin(write=not readonly) as txn:
+            self._blocks = self.env.open_db(b"blocks", txn=txn, **flags)
+            self._namespaces = self.env.open_db(b"namespaces", txn=txn, **flags)
+            self._segments = self.env.open_db(b"segments", txn=txn, **flags)
+            self._counters = self.env.open_db(b"counters", txn=txn, **flags)
+        self._touch_lock = threading.Lock()
+        self._touches: dict[bytes, tuple[float, int]] = {}
+
+    # ---------------------------------------------------------------- reads
+    def get(self, key: bytes) -> BlockMeta | None:
+        with self.env.begin(db=self._blocks, buffers=True) as txn:
+            raw = txn.get(key)
+            return None if raw is None else BlockMeta.unpack(raw)
+
+    def get_many(self, keys: Iterable[bytes]) -> list[BlockMeta | None]:
+        with self.env.begin(db=self._blocks, buffers=True) as txn:
+            out = []
+            for k in keys:
+                raw = txn.get(k)
+                out.append(None if raw is None else BlockMeta.unpack(raw))
+            return out
+
+    def scan(self, after: bytes | None = None, limit: int = 1000) -> list[tuple[bytes, BlockMeta]]:
+        """Up to `limit` entries in key order, strictly after `after` (None: from the start)."""
+        out: list[tuple[bytes, BlockMeta]] = []
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            ok = cur.set_range(after) if after is not None else cur.first()
+            if ok and after is not None and cur.key() == after:
+                ok = cur.next()
+            while ok and len(out) < limit:
+                out.append((cur.key(), BlockMeta.unpack(cur.value())))
+                ok = cur.next()
+        return out
+
+    def iter_all(self, batch: int = 10_000) -> Iterator[tuple[bytes, BlockMeta]]:
+        after = None
+        while True:
+            chunk = self.scan(after, batch)
+            if not chunk:
+                return
+            yield from chunk
+            after = chunk[-1][0]
+
+    def sample(self, n: int, rng) -> list[tuple[bytes, BlockMeta]]:
+        """About `n` entries at uniformly random places: keys are hashes, so a random
+        16-byte probe lands uniformly in the key space (approximate-LRU eviction input)."""
+        out = {}
+        with self.env.begin(db=self._blocks) as txn:
+            cur = txn.cursor()
+            for _ in range(n):
+                if cur.set_range(rng.randbytes(16)) or cur.first():
+                    out[cur.key()] = BlockMeta.unpack(cur.value())
+        return list(out.items())
+
+    def count(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self._blocks)["entries"]
+
+    def namespaces(self) -> dict[bytes, Namespace]:
+        with self.env.begin(db=self._namespaces) as txn:
+            return {k: Namespace.from_dict(json.loads(v)) for k, v in txn.cursor()}
+
+    def segments(self) -> dict[int, SegmentUsage]:
+        with self.env.begin(db=self._segments) as txn:
+            out = {}
+            for k, v in txn.cursor():
+                sid = _SEG_KEY.unpack(k)[0]
+                out[sid] = SegmentUsage(sid, *_SEG_VAL.unpack(v))
+            return out
+
+    def counters(self) -> dict[str, int]:
+        with self.env.begin(db=self._counters) as txn:
+            return {k.decode(): _I64.unpack(v)[0] for k, v in txn.cursor()}
+
+    # ---------------------------------------------------------------- writes
+    def add_namespace(self, ns: Namespace) -> None:
+        with self._write() as txn:
+            txn.put(ns.id, json.dumps(ns.to_dict(), sort_keys=True).encode(), db=self._namespaces)
+
+    def commit(self, puts: dict[bytes, BlockMeta] | None = None, deletes: Iterable[bytes] = (),
+               counters: dict[str, int] | None = None, new_segments: Iterable[int] = (),
+               drop_segments: Iterable[int] = ()) -> None:
+        """Apply puts, deletes and counter bumps atomically, keeping segment usage exact."""
+        with self._write() as txn:
+            seg_delta: dict[int, list[int]] = {}
+            for sid in new_segments:
+                if txn.get(_SEG_KEY.pack(sid), db=self._segments) is None:
+                    txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(0, 0), db=self._segments)
+            for key in deletes:
+                old = txn.pop(key, db=self._blocks)
+                if old is not None:
+                    self._account(seg_delta, BlockMeta.unpack(old), -1)
+            for key, meta in (puts or {}).items():
+                old = txn.get(key, db=self._blocks)
+                if old is not None:
+                    self._account(seg_delta, BlockMeta.unpack(old), -1)
+                self._account(seg_delta, meta, +1)
+                txn.put(key, meta.pack(), db=self._blocks)
+            for sid, (db, dn) in seg_delta.items():
+                raw = txn.get(_SEG_KEY.pack(sid), db=self._segments)
+                b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
+                txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._segments)
+            for sid in drop_segments:
+                txn.delete(_SEG_KEY.pack(sid), db=self._segments)
+            for name, delta in (counters or {}).items():
+                raw = txn.get(name.encode(), db=self._counters)
+                cur = _I64.unpack(raw)[0] if raw is not None else 0
+                txn.put(name.encode(), _I64.pack(cur + delta), db=self._counters)
+
+    def set_segment_usage(self, usage: dict[int, tuple[int, int]]) -> None:
+        """Replace the whole segment table (used by check --fix after recounting)."""
+        with self._write() as txn:
+            txn.drop(self._segments, delete=False)
+            for sid, (b, n) in usage.items():
+                txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(b, n), db=self._segments)
+
+    @staticmethod
+    def _account(delta: dict[int, list[int]], meta: BlockMeta, sign: int) -> None:
+        if Tier.NVME in meta.residency:
+            d = delta.setdefault(meta.segment_id, [0, 0])
+            d[0] += sign * meta.record_len
+            d[1] += sign
+
+    @contextlib.contextmanager
+    def _write(self):
+        if self.readonly:
+            raise StoreError(f"the index at {self.path} is open read-only")
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError as e:
+            raise TierFullError(f"the index map is full; raise index_map_bytes in the store config ({e})") from e
+
+    # ---------------------------------------------------------------- access times
+    def touch(self, key: bytes, now: float) -> None:
+        with self._touch_lock:
+            _, n = self._touches.get(key, (0.0, 0))
+            self._touches[key] = (now, n + 1)
+
+    def pending_touches(self) -> int:
+        return len(self._touches)
+
+    def flush_touches(self) -> int:
+        with self._touch_lock:
+            touches, self._touches = self._touches, {}
+        if not touches or self.readonly:
+            return 0
+        with self._write() as txn:
+            for key, (ts, n) in touches.items():
+                raw = txn.get(key, db=self._blocks)
+                if raw is None:
+                    continue
+                meta = BlockMeta.unpack(raw)
+                meta.last_access = max(meta.last_access, ts)
+                meta.access_count += n
+                txn.put(key, meta.pack(), db=self._blocks)
+        return len(touches)
+
+    def sync(self) -> None:
+        if not self.readonly:
+            self.env.sync(True)
+
+    def close(self) -> None:
+        if not self.readonly:
+            self.flush_touches()
+        self.env.close()

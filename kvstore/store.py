@@ -1,0 +1,433 @@
+"""BlockStore: the one store interface, over the DRAM and NVMe tiers and the LMDB index.
+
+    lookup(keys)    -> LookupResult: longest contiguous run of live hits, tier of each
+    get / get_into / get_many, put / put_many, pin / unpin, delete, stats, flush, close
+
+Where metadata lives:
+    blocks on a persistent tier  -> the LMDB index (survives restarts)
+    blocks only in DRAM          -> `_dram_meta` in memory (they die with the process anyway)
+
+Put, write-through (the default; durable when nvme.fsync = "always"):
+    NVMe append + fsync ──> index commit ──> copy into DRAM (clean)  ──> acknowledged
+Put, write-back:
+    copy into DRAM (dirty) ──> acknowledged (not durable); evictions and flush() demote
+
+Lock order: the store lock, then the DRAM tier's lock. Every DRAM mutation (put, pin,
+delete, promotion) happens under the store lock, because DRAM eviction calls back into
+the store to demote. DRAM reads take only the DRAM lock, briefly.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from kvcache.kvstore.block_format import check_layout
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import BlockFormatError, StoreError, StoreLockedError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.index import Index
+from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier
+from kvcache.tiering.base import BlockWrite, Placement
+from kvcache.tiering.dram import DramTier, EvictedBlock
+from kvcache.tiering.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    key: bytes
+    payload: bytes | bytearray | memoryview
+    namespace_id: bytes
+    layout: tuple[TensorSpec, ...] | None = None
+    tenant: str = ""
+
+
+def _placement(meta: BlockMeta) -> Placement:
+    return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
+
+
+class BlockStore:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time):
+        self.config = config
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._lockfile = _lock_data_dir(config.data_dir)
+        self.stats_counters: collections.Counter[str] = collections.Counter()
+        self._dram_meta: dict[bytes, BlockMeta] = {}
+        try:
+            fresh_index = not os.path.exists(os.path.join(config.index_dir, "data.mdb"))
+            sync = config.nvme is not None and config.nvme.fsync == "always"
+            self.index = Index(config.index_dir, map_size=config.index_map_bytes, sync=sync)
+            self.nvme = (NvmeTier(config.nvme_dir, config.nvme, self._quarantine, clock)
+                         if config.nvme else None)
+            if self.nvme is not None and fresh_index and self.nvme.segment_ids():
+                from kvcache.kvstore.rebuild import rebuild_index
+                log.warning("index missing at %s: rebuilding it from the NVMe segments", config.index_dir)
+                rebuild_index(self.index, self.nvme, clock())
+            self.dram = DramTier(config.dram, self._on_dram_evict, clock) if config.dram else None
+        except BaseException:
+            self._lockfile.close()
+            raise
+        self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
+        self._last_touch_flush = clock()
+        self._closed = False
+        self._gc_thread = None
+        if config.gc_interval_s > 0:
+            from kvcache.gc.collector import start_background_gc
+            self._gc_thread = start_background_gc(self, config.gc_interval_s)
+
+    # ---------------------------------------------------------------- namespaces
+    def register_namespace(self, ns: Namespace) -> bytes:
+        """Make `ns` known (persisted); returns its 16-byte id. Idempotent."""
+        with self._lock:
+            if ns.id not in self.namespaces:
+                self.index.add_namespace(ns)
+                self.namespaces[ns.id] = ns
+                if self.nvme is not None:
+                    self.nvme.save_namespaces({k.hex(): v.to_dict() for k, v in self.namespaces.items()})
+        return ns.id
+
+    def _namespace(self, namespace_id: bytes) -> Namespace:
+        ns = self.namespaces.get(namespace_id)
+        if ns is None:
+            raise UnknownNamespaceError(f"namespace {namespace_id.hex()} is not registered with this store; "
+                                        "call register_namespace() first")
+        return ns
+
+    # ---------------------------------------------------------------- metadata
+    def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
+        """Live metadata per key with DRAM residency folded in; expired or unknown -> None."""
+        now = self.clock()
+        stored = self.index.get_many(keys)
+        out: list[BlockMeta | None] = []
+        for key, meta in zip(keys, stored):
+            meta = self._dram_meta.get(key) or meta
+            if meta is not None:
+                if self.dram is not None and self.dram.contains(key):
+                    meta.residency |= Tier.DRAM
+                if not meta.residency or self._expired(meta, now):
+                    meta = None
+            out.append(meta)
+        return out
+
+    def _expired(self, meta: BlockMeta, now: float) -> bool:
+        ns = self.namespaces.get(meta.namespace_id)
+        return self.config.retention.is_expired(meta, now, ns.name if ns else "")
+
+    def _touch(self, key: bytes, now: float) -> None:
+        meta = self._dram_meta.get(key)
+        if meta is not None:
+            meta.last_access, meta.access_count = now, meta.access_count + 1
+        else:
+            self.index.touch(key, now)
+        if now - self._last_touch_flush >= self.config.touch_flush_s:
+            self._last_touch_flush = now
+            self.index.flush_touches()
+
+    # ---------------------------------------------------------------- lookup / get
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        tiers = []
+        for meta in self._metas(list(keys)):
+            if meta is None:
+                break
+            tiers.append(meta.residency.fastest())
+        self.stats_counters["lookup_blocks"] += len(keys)
+        self.stats_counters["lookup_hits"] += len(tiers)
+        return LookupResult(len(tiers), tuple(tiers))
+
+    def contains(self, key: bytes) -> bool:
+        return self._metas([key])[0] is not None
+
+    def get(self, key: bytes) -> bytes | None:
+        meta = self._metas([key])[0]
+        if meta is None:
+            return self._miss()
+        buf = bytearray(meta.payload_len)
+        return bytes(buf) if self._read(key, meta, buf) is not None else None
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def get_into(self, key: bytes, out) -> int | None:
+        """Copy the payload into `out` (any writable buffer); its length, or None on a miss."""
+        meta = self._metas([key])[0]
+        if meta is None:
+            return self._miss()
+        if memoryview(out).nbytes < meta.payload_len:
+            raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+        return self._read(key, meta, out)
+
+    def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:
+        now = self.clock()
+        if Tier.DRAM in meta.residency:
+            n = self.dram.get_into(key, None, out)
+            if n is not None:
+                self.stats_counters["hits_dram"] += 1
+                self._touch(key, now)
+                return n
+        if Tier.NVME in meta.residency and self.nvme is not None:
+            header = self.nvme.read_into(key, _placement(meta), out)
+            if header is None:  # compaction may have moved it between index read and file read
+                moved = self.index.get(key)
+                if moved is not None and (moved.segment_id, moved.offset) != (meta.segment_id, meta.offset):
+                    header = self.nvme.read_into(key, _placement(moved), out)
+            if header is not None:
+                self.stats_counters["hits_nvme"] += 1
+                self._touch(key, now)
+                self._promote(key, meta, header.layout, memoryview(out).cast("B")[: header.raw_len])
+                return header.raw_len
+        return self._miss()
+
+    def _miss(self) -> None:
+        self.stats_counters["misses"] += 1
+        return None
+
+    def _promote(self, key: bytes, meta: BlockMeta, layout, payload: memoryview) -> None:
+        """Copy a block read from NVMe into DRAM (clean), keeping its pins. Best effort."""
+        if self.dram is None:
+            return
+        with self._lock:
+            try:
+                self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created)])
+            except (TierFullError, ValueError) as e:
+                log.debug("block %s not promoted to DRAM: %s", key.hex(), e)
+                return
+            self.dram.set_pin(key, meta.hard_pins, meta.soft_pin_until)
+            self.stats_counters["promotions"] += 1
+
+    # ---------------------------------------------------------------- put
+    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "") -> PutResult:
+        return self.put_many([PutItem(key, payload, namespace_id, layout, tenant)])
+
+    def put_many(self, items: Sequence[PutItem]) -> PutResult:
+        now = self.clock()
+        writes, metas = self._validate(items, now)
+        present = len(items) - len(writes)
+        if not writes:
+            return PutResult(0, present, durable=self._durable())
+        with self._lock:
+            if self.config.write_policy == "write-back" or self.nvme is None:
+                durable = self._put_dram_only(writes, metas)
+            else:
+                self._put_through(writes, metas)
+                durable = self._durable()
+        self.stats_counters["puts"] += len(writes)
+        return PutResult(len(writes), present, durable)
+
+    def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
+        """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
+        writes, metas, seen = [], [], set()
+        for item, existing in zip(items, self._metas([i.key for i in items])):
+            ns = self._namespace(item.namespace_id)
+            if len(item.key) != ns.algo.digest_size:
+                raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
+                                       f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
+            payload = memoryview(item.payload).cast("B")
+            layout = check_layout(item.layout, payload.nbytes)
+            if existing is not None or item.key in seen:
+                continue
+            seen.add(item.key)
+            writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now))
+            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant))
+        return writes, metas
+
+    def _durable(self) -> bool:
+        return (self.nvme is not None and self.config.write_policy == "write-through"
+                and self.config.nvme.fsync == "always")
+
+    def _put_through(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> None:
+        placements = self.nvme.put(writes)
+        self._commit_nvme(writes, metas, placements)
+        if self.dram is not None:
+            try:
+                self.dram.put(writes)
+            except (TierFullError, ValueError) as e:
+                log.debug("write-through blocks not cached in DRAM: %s", e)
+
+    def _commit_nvme(self, writes, metas, placements: list[Placement]) -> None:
+        puts, new_segments = {}, set()
+        for w, meta, p in zip(writes, metas, placements):
+            meta.residency = Tier.NVME
+            meta.segment_id, meta.offset, meta.record_len = p.segment_id, p.offset, p.record_len
+            puts[w.key] = meta
+            new_segments.add(p.segment_id)
+        self.index.commit(puts, new_segments=new_segments)
+
+    def _put_dram_only(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> bool:
+        dirty = self.nvme is not None
+        for w, meta in zip(writes, metas):
+            meta.residency = Tier.DRAM
+            self._dram_meta[w.key] = meta
+        try:
+            self.dram.put(writes, dirty=dirty)
+        except (TierFullError, ValueError):
+            for w in writes:
+                if not self.dram.contains(w.key):
+                    self._dram_meta.pop(w.key, None)
+            if not dirty:
+                raise
+            self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
+            return self._durable()
+        return False
+
+    def _on_dram_evict(self, evicted: list[EvictedBlock]) -> None:
+        """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""
+        dirty = [e for e in evicted if e.dirty]
+        for e in evicted:
+            if not e.dirty and self._dram_meta.pop(e.key, None) is not None:
+                self.stats_counters["evictions_dram_dropped"] += 1
+        self.stats_counters["evictions_dram"] += len(evicted)
+        if dirty:
+            self._demote([e.write for e in dirty])
+
+    def _demote(self, writes: list[BlockWrite]) -> None:
+        metas = [self._dram_meta[w.key] for w in writes]
+        try:
+            placements = self.nvme.put(writes)
+            self._commit_nvme(writes, metas, placements)
+            self.stats_counters["demotions"] += len(writes)
+        except StoreError:
+            self.stats_counters["demotions_failed"] += len(writes)
+            log.exception("write-back of %d blocks to NVMe failed; they are lost from the cache", len(writes))
+        for w in writes:
+            self._dram_meta.pop(w.key, None)
+
+    def flush(self) -> None:
+        """Make everything acknowledged so far durable: dirty DRAM blocks, access times, fsyncs."""
+        with self._lock:
+            if self.dram is not None and self.nvme is not None:
+                with self.dram.leased_dirty() as writes:
+                    if writes:
+                        self._demote(writes)
+                        self.dram.mark_clean([w.key for w in writes])
+            if self.nvme is not None:
+                self.nvme.sync()
+            self.index.flush_touches()
+            self.index.sync()
+
+    # ---------------------------------------------------------------- pins / delete
+    def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
+        """Hard-pin (ttl_s None) or soft-pin for ttl_s seconds; returns blocks pinned."""
+        return self._update_pins(keys, +1, ttl_s)
+
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        """Drop one hard pin (or, if none, the soft pin); returns blocks whose pin changed.
+        Unpinning an unpinned block changes nothing: pin counts never go negative."""
+        return self._update_pins(keys, -1, None)
+
+    def _update_pins(self, keys: Iterable[bytes], sign: int, ttl_s: float | None) -> int:
+        now, changed, puts = self.clock(), 0, {}
+        with self._lock:
+            keys = list(keys)
+            for key, meta in zip(keys, self._metas(keys)):
+                if meta is None:
+                    continue
+                if sign > 0 and ttl_s is None:
+                    meta.hard_pins += 1
+                elif sign > 0:
+                    meta.soft_pin_until = max(meta.soft_pin_until, now + ttl_s)
+                elif meta.hard_pins > 0:
+                    meta.hard_pins -= 1
+                elif meta.soft_pin_until > now:
+                    meta.soft_pin_until = 0.0
+                else:
+                    self.stats_counters["unpin_unpinned"] += 1
+                    continue
+                changed += 1
+                if self.dram is not None:
+                    self.dram.set_pin(key, meta.hard_pins, meta.soft_pin_until)
+                if key not in self._dram_meta:
+                    meta.residency &= ~Tier.DRAM
+                    puts[key] = meta
+            if puts:
+                self.index.commit(puts)
+        return changed
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks from every tier (pins do not protect against an explicit delete)."""
+        keys = list(keys)
+        with self._lock:
+            stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
+            if stored and self.nvme is not None:
+                self.nvme.put_tombstones(stored, self.clock())
+            self.index.commit(deletes=stored)
+            gone = set(stored)
+            for k in keys:
+                if self._dram_meta.pop(k, None) is not None:
+                    gone.add(k)
+                if self.dram is not None:
+                    self.dram.delete(k)
+        return len(gone)
+
+    def _quarantine(self, key: bytes, placement: Placement, reason: str) -> None:
+        """A persistent copy failed verification: forget it, count it, log it. Never served.
+        A block that compaction has just moved elsewhere is left alone (the reader retries)."""
+        with self._lock:
+            meta = self.index.get(key)
+            if meta is None or (meta.segment_id, meta.offset) != (placement.segment_id, placement.offset):
+                return
+            log.error("quarantined block %s: %s", key.hex(), reason)
+            self.index.commit(deletes=[key], counters={"quarantined": 1})
+            self.stats_counters["quarantined"] += 1
+            line = json.dumps({"time": self.clock(), "key": key.hex(), "reason": reason})
+            with open(os.path.join(self.config.data_dir, "quarantine.jsonl"), "a") as f:
+                f.write(line + "\n")
+
+    # ---------------------------------------------------------------- stats / lifecycle
+    def stats(self):
+        from kvcache.kvstore.stats import collect_stats
+        return collect_stats(self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._gc_thread is not None:
+            self._gc_thread.stop()
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self.dram is not None:
+                self.dram.close()
+            if self.nvme is not None:
+                self.nvme.close()
+            self.index.close()
+            self._lockfile.close()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _lock_data_dir(data_dir: str):
+    """One writer process per data directory: a second one gets a clear error, not corruption."""
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        f = open(os.path.join(data_dir, "LOCK"), "a+")
+    except OSError as e:
+        raise StoreError(f"cannot use data directory {data_dir}: {e.strerror}; "
+                         "create it or choose a writable path") from e
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise StoreLockedError(f"data directory {data_dir} is in use by {holder}; stop it, or use its "
+                               "HTTP API, or run read-only commands such as `kvcache stats`") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f

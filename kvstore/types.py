@@ -1,0 +1,134 @@
+"""The store's vocabulary as small typed values (see ARCHITECTURE.md, "Vocabulary").
+
+block      the KV of `block_size` consecutive tokens, stored as one payload
+block key  the chained content hash of a block (16 bytes for xxh3-128, 32 for sha256)
+namespace  everything a key depends on besides tokens: model, KV layout, block size, salt
+tier       where a block's bytes live: DRAM, NVMe, OBJECT (HBM belongs to the engine)
+pin        a hold that keeps a block from eviction and expiry: hard, or soft with a TTL
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+
+class Tier(enum.IntFlag):
+    """Residency bits. A block may live in several tiers at once."""
+
+    NONE = 0
+    DRAM = 1
+    NVME = 2
+    OBJECT = 4
+
+    @property
+    def label(self) -> str:
+        return "|".join(t.name.lower() for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT) if t in self) or "none"
+
+    def fastest(self) -> "Tier":
+        for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT):
+            if t in self:
+                return t
+        return Tier.NONE
+
+
+# dtype name -> item size in bytes. Names follow torch's spelling so layouts read naturally.
+DTYPE_SIZES: dict[str, int] = {
+    "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
+    "float16": 2, "bfloat16": 2, "int16": 2,
+    "float32": 4, "int32": 4,
+    "float64": 8, "int64": 8,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One named tensor inside a block payload, stored contiguously in declaration order."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name.encode()) > 255:
+            raise ValueError(f"tensor name must be 1-255 bytes, got {self.name!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+        if len(self.shape) > 16 or any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ValueError(f"shape must be at most 16 non-negative ints, got {self.shape!r}")
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def raw_layout(nbytes: int) -> tuple[TensorSpec, ...]:
+    """The layout of an opaque payload: one uint8 tensor."""
+    return (TensorSpec("raw", "uint8", (nbytes,)),)
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """What the index knows about one block. Times are seconds on the store's clock.
+
+    `segment_id/offset/record_len/payload_len` locate the block's record in the NVMe
+    tier when `Tier.NVME in residency`.
+    """
+
+    namespace_id: bytes
+    payload_len: int
+    residency: Tier = Tier.NONE
+    created: float = 0.0
+    last_access: float = 0.0
+    access_count: int = 0
+    hard_pins: int = 0
+    soft_pin_until: float = 0.0
+    segment_id: int = 0
+    offset: int = 0
+    record_len: int = 0
+    tenant: str = ""
+
+    _FMT = struct.Struct("<16sQBdddIIdIQQ")
+
+    def is_pinned(self, now: float) -> bool:
+        return self.hard_pins > 0 or self.soft_pin_until > now
+
+    def pack(self) -> bytes:
+        head = self._FMT.pack(
+            self.namespace_id, self.payload_len, int(self.residency), self.created,
+            self.last_access, 0.0, self.access_count, self.hard_pins, self.soft_pin_until,
+            self.segment_id, self.offset, self.record_len,
+        )
+        return head + self.tenant.encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> "BlockMeta":
+        raw = bytes(raw)
+        (ns, plen, res, created, last, _reserved, count, hard, soft, seg, off, rlen) = cls._FMT.unpack_from(raw)
+        tenant = raw[cls._FMT.size:].decode()
+        return cls(ns, plen, Tier(res), created, last, count, hard, soft, seg, off, rlen, tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest contiguous run of hits from the first key, and the tier of each hit."""
+
+    num_hits: int
+    tiers: tuple[Tier, ...] = field(default=())
+
+    def num_tokens(self, block_size: int) -> int:
+        return self.num_hits * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """How a put landed: `durable` is True once the block survives a crash."""
+
+    stored: int
+    already_present: int
+    durable: bool
+    rejected: int = 0

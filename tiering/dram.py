@@ -1,0 +1,298 @@
+"""The DRAM tier: block payloads in one preallocated host arena.
+
+    put ──> slab chunk in the arena ──> LRU list (tail = most recent)
+                                           │ fill > high watermark, or no free chunk
+                                           v
+                        evict from the head (skipping pinned and leased blocks)
+                        └─> on_evict(dirty blocks): the store demotes them to NVMe
+                            *before* their chunk is reused (write-back)
+
+Reads are zero-copy: `view(key)` leases the chunk (it cannot be evicted or reused while the
+lease is held) and yields a memoryview into the arena; `get_into` copies straight from the
+arena into the caller's buffer (one memcpy, no lock held while copying).
+When an accelerator is present the arena is page-locked so host->device copies run at
+full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from kvcache.kvstore.errors import StoreError, TierFullError
+from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
+from kvcache.tiering.slab import SlabAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    capacity_bytes: int = 1 << 30
+    page_bytes: int = 16 << 20
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    eviction: str = "lru"          # "lru": reads refresh recency; "fifo": insertion order only
+    pin_memory: str = "auto"       # "auto" | "on" | "off"
+    prefault: bool = True          # touch the arena at start-up, not on the first puts
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < dram.low_watermark <= dram.high_watermark <= 1")
+        if self.eviction not in ("lru", "fifo"):
+            raise ValueError(f"dram.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+        if self.pin_memory not in ("auto", "on", "off"):
+            raise ValueError(f"dram.pin_memory must be auto, on or off, got {self.pin_memory!r}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    offset: int
+    nbytes: int
+    namespace_id: bytes
+    layout: tuple[TensorSpec, ...]
+    created: float
+    dirty: bool = False
+    leases: int = 0
+    pins: int = 0
+    pin_until: float = 0.0
+    doomed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    key: bytes
+    dirty: bool
+    write: BlockWrite  # payload is a view into the arena, valid only during on_evict
+
+
+EvictCallback = Callable[[list[EvictedBlock]], None]
+
+
+def _pin(buf: mmap.mmap, mode: str) -> bool:
+    if mode == "off":
+        return False
+    try:  # lazy: the store never needs torch, and only CUDA can page-lock here
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        if mode == "on":
+            raise StoreError("dram.pin_memory = 'on' needs a CUDA device; use 'auto' or 'off' on CPU-only hosts")
+        return False
+    import ctypes
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    rc = torch.cuda.cudart().cudaHostRegister(addr, len(buf), 0)
+    if int(rc) != 0:
+        raise StoreError(f"cudaHostRegister failed with code {int(rc)}; set dram.pin_memory = 'off'")
+    return True
+
+
+class DramTier(BlockTier):
+    kind = Tier.DRAM
+    MAX_EVICT_PER_ALLOC = 256
+
+    def __init__(self, config: DramConfig, on_evict: EvictCallback | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.config = config
+        self._clock = clock
+        self._slab = SlabAllocator(config.capacity_bytes, config.page_bytes)
+        self._buf = mmap.mmap(-1, self._slab.capacity)
+        if config.prefault:
+            self._prefault()
+        self.pinned = _pin(self._buf, config.pin_memory)
+        self._mv = memoryview(self._buf)
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self._on_evict = on_evict
+        self._doomed_offsets: list[int] = []
+        self.evictions = 0
+
+    def _prefault(self) -> None:
+        try:
+            self._buf.madvise(mmap.MADV_POPULATE_WRITE)
+        except (AttributeError, OSError, ValueError):
+            zeros = bytes(1 << 20)
+            for off in range(0, len(self._buf), len(zeros)):
+                n = min(len(zeros), len(self._buf) - off)
+                self._buf[off: off + n] = zeros[:n]
+
+    # ---------------------------------------------------------------- writes
+    def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
+        evicted: list[EvictedBlock] = []
+        with self._lock:
+            for w in writes:
+                if w.key in self._entries:
+                    self._entries[w.key].dirty |= dirty
+                    continue
+                n = memoryview(w.payload).nbytes
+                off = self._alloc(n, evicted)
+                self._mv[off: off + n] = memoryview(w.payload).cast("B")
+                self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty)
+            self._evict_to_watermark(evicted)
+            self._finish_evictions(evicted)
+        return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
+
+    def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
+        """A chunk for `nbytes`, evicting from the LRU head in small batches if needed.
+
+        Evicted chunks are freed only after `on_evict` has demoted them, so a batch is
+        finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
+        """
+        off = self._slab.alloc(nbytes)
+        candidates = iter(list(self._entries)) if off is None else iter(())
+        budget, freed = self.MAX_EVICT_PER_ALLOC, 0
+        while off is None and budget > 0:
+            key = next(candidates, None)
+            if key is None:
+                break
+            freed += self._evict_one(key, evicted)
+            budget -= 1
+            if freed >= nbytes:
+                self._finish_evictions(evicted)
+                off, freed = self._slab.alloc(nbytes), 0
+        if off is None:
+            self._finish_evictions(evicted)
+            off = self._slab.alloc(nbytes)
+        if off is None:
+            raise TierFullError(f"DRAM tier cannot fit a {nbytes}-byte block: the blocks left are pinned or "
+                                "being read; unpin blocks or raise dram.capacity_bytes")
+        return off
+
+    def _evict_to_watermark(self, evicted: list[EvictedBlock]) -> None:
+        cap = self._slab.capacity
+        if self._slab.used_bytes <= self.config.high_watermark * cap:
+            return
+        used = self._slab.used_bytes
+        for key in list(self._entries):
+            if used <= self.config.low_watermark * cap:
+                break
+            used -= self._evict_one(key, evicted)
+
+    def _evict_one(self, key: bytes, evicted: list[EvictedBlock]) -> int:
+        """Unlink one block; its chunk is freed by _finish_evictions, after demotion read it."""
+        e = self._entries.get(key)
+        if e is None or e.leases or e.pins or e.pin_until > self._clock():
+            return 0
+        del self._entries[key]
+        write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created)
+        evicted.append(EvictedBlock(key, e.dirty, write))
+        self._doomed_offsets.append(e.offset)
+        self.evictions += 1
+        return e.nbytes
+
+    def _finish_evictions(self, evicted: list[EvictedBlock]) -> None:
+        if evicted and self._on_evict is not None:
+            try:
+                self._on_evict(list(evicted))
+            except Exception:  # demotion failure must not fail the put that caused it
+                log.exception("demoting %d evicted DRAM blocks failed; they are dropped", len(evicted))
+        for off in self._doomed_offsets:
+            self._slab.free(off)
+        self._doomed_offsets.clear()
+        evicted.clear()
+
+    # ---------------------------------------------------------------- reads
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes, placement: Placement | None = None) -> bytes | None:
+        with self.view(key) as mv:
+            return None if mv is None else bytes(mv)
+
+    def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
+        with self.view(key) as mv:
+            if mv is None:
+                return None
+            dst = memoryview(out).cast("B")
+            if dst.nbytes < mv.nbytes:
+                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {mv.nbytes}")
+            dst[: mv.nbytes] = mv
+            return mv.nbytes
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        """Zero-copy read: a memoryview into the arena, valid inside the `with` only."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                e.leases += 1
+                if self.config.eviction == "lru":
+                    self._entries.move_to_end(key)
+        if e is None:
+            yield None
+            return
+        try:
+            yield self._mv[e.offset: e.offset + e.nbytes]
+        finally:
+            with self._lock:
+                e.leases -= 1
+                if e.doomed and e.leases == 0:
+                    self._slab.free(e.offset)
+
+    def entry_info(self, key: bytes) -> tuple[bytes, tuple[TensorSpec, ...], float] | None:
+        e = self._entries.get(key)
+        return None if e is None else (e.namespace_id, e.layout, e.created)
+
+    # ---------------------------------------------------------------- pins, delete, dirty
+    def set_pin(self, key: bytes, hard_pins: int, pin_until: float) -> None:
+        """Mirror the store's pin state: pinned blocks are never evicted."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                e.pins, e.pin_until = hard_pins, pin_until
+
+    def delete(self, key: bytes, placement: Placement | None = None) -> None:
+        with self._lock:
+            e = self._entries.pop(key, None)
+            if e is None:
+                return
+            if e.leases:
+                e.doomed = True  # freed when the last lease ends
+            else:
+                self._slab.free(e.offset)
+
+    @contextlib.contextmanager
+    def leased_dirty(self) -> Iterator[list[BlockWrite]]:
+        """Dirty blocks as writes viewing the arena, leased (not evictable) inside the `with`."""
+        with self._lock:
+            held = [(k, e) for k, e in self._entries.items() if e.dirty]
+            for _, e in held:
+                e.leases += 1
+        try:
+            yield [BlockWrite(k, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created)
+                   for k, e in held]
+        finally:
+            with self._lock:
+                for _, e in held:
+                    e.leases -= 1
+                    if e.doomed and e.leases == 0:
+                        self._slab.free(e.offset)
+
+    def mark_clean(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    e.dirty = False
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._entries)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(Tier.DRAM, len(self._entries), self._slab.used_bytes, self._slab.capacity)
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+        self._mv.release()
+        self._buf.close()

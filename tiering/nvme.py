@@ -1,0 +1,387 @@
+"""The NVMe tier: block records appended to segment files in one directory.
+
+Write path (the order is the durability contract):
+
+    put(writes) ── append records to the active segment (pwritev, or O_DIRECT from an
+                   aligned staging buffer)
+                ── fsync per policy ("always": before returning)
+                ── return Placements ──> the store commits them to the index
+    A failed write (ENOSPC, EIO) truncates the segment back, so nothing half-written
+    is ever referenced.
+
+Reads are one preadv of header and payload straight into the caller's buffer, then the
+header checksum, the key and the payload checksum are verified; any mismatch is a miss,
+reported through `on_corrupt` so the store can quarantine the block.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvcache.kvstore.block_format import (
+    FLAG_TOMBSTONE, Codec, RecordHeader, decode_header, decode_payload, encode_header, verify_payload,
+)
+from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
+from kvcache.kvstore.types import Tier
+from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
+from kvcache.tiering.segment import (
+    HEAD_BYTES, align_up, encode_head, parse_segment_name, read_head, segment_name,
+)
+
+log = logging.getLogger(__name__)
+_IOV_MAX = 512
+_FSYNC_POLICIES = ("always", "interval", "never")
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    capacity_bytes: int = 64 << 30
+    segment_bytes: int = 256 << 20
+    fsync: str = "always"          # "always": durable on return; "interval": every fsync_interval_s; "never"
+    fsync_interval_s: float = 1.0
+    o_direct: bool = False
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    compact_below: float = 0.5     # compact a sealed segment whose live fraction drops below this
+
+    def __post_init__(self) -> None:
+        if self.fsync not in _FSYNC_POLICIES:
+            raise ValueError(f"nvme.fsync must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < nvme.low_watermark <= nvme.high_watermark <= 1")
+        if self.segment_bytes < 1 << 20:
+            raise ValueError("nvme.segment_bytes must be at least 1 MiB")
+
+
+class NvmeTier(BlockTier):
+    kind = Tier.NVME
+
+    def __init__(self, root: str, config: NvmeConfig, on_corrupt: CorruptCallback | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.root = root
+        self.config = config
+        self.align = 4096 if config.o_direct else 8
+        self._on_corrupt = on_corrupt or (lambda key, placement, why: None)
+        self._clock = clock
+        self._write_lock = threading.Lock()
+        self._fd_lock = threading.Lock()
+        self._read_fds: dict[int, int] = {}
+        self._staging = mmap.mmap(-1, 8 << 20) if config.o_direct else None
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the NVMe tier directory {root}: {e.strerror}") from e
+        if not os.access(root, os.W_OK):
+            raise StoreError(f"the NVMe tier directory {root} is not writable; fix its permissions "
+                             "or point data_dir somewhere writable")
+        ids = self.segment_ids()
+        # Never append to a segment a crash may have torn: always start a fresh one.
+        self._active_id = (max(ids) + 1) if ids else 1
+        self._active_fd = -1
+        self._active_end = 0
+        self._last_sync = clock()
+        self._unsynced = False
+
+    # ---------------------------------------------------------------- segments
+    def path(self, segment_id: int) -> str:
+        return os.path.join(self.root, segment_name(segment_id))
+
+    def segment_ids(self) -> list[int]:
+        ids = (parse_segment_name(n) for n in os.listdir(self.root))
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def active_segment(self) -> int:
+        return self._active_id
+
+    def _open_active(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self.config.o_direct:
+            flags |= os.O_DIRECT
+        path = self.path(self._active_id)
+        fd = os.open(path, flags, 0o644)
+        try:
+            head = encode_head(self._active_id, self.align, self._clock())
+            if self._staging is not None:  # O_DIRECT: write from page-aligned memory
+                self._staging[: len(head)] = head
+                head = memoryview(self._staging)[: len(head)]
+            self._pwrite_all(fd, [head], 0)
+            if self.config.fsync != "never":
+                os.fsync(fd)
+                self._fsync_dir()
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self._active_fd, self._active_end = fd, HEAD_BYTES
+
+    def _fsync_dir(self) -> None:
+        dfd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _seal_active(self) -> None:
+        if self._active_fd >= 0:
+            if self.config.fsync != "never":
+                os.fsync(self._active_fd)
+            os.close(self._active_fd)
+            self._active_fd = -1
+            self._active_id += 1
+
+    def remove_segment(self, segment_id: int) -> None:
+        """Unlink a segment the index no longer references (compaction's last step)."""
+        if segment_id == self._active_id:
+            raise StoreError("cannot remove the active segment")
+        with self._fd_lock:
+            fd = self._read_fds.pop(segment_id, None)
+            if fd is not None:
+                os.close(fd)
+        try:
+            os.unlink(self.path(segment_id))
+        except FileNotFoundError:
+            pass
+
+    # ---------------------------------------------------------------- writes
+    def put(self, writes: Sequence[BlockWrite]) -> list[Placement]:
+        with self._write_lock:
+            placements: list[Placement] = []
+            batch: list[tuple[bytes, memoryview]] = []
+            batch_start = self._active_end
+            for w in writes:
+                payload = memoryview(w.payload).cast("B")
+                header = encode_header(w.key, w.namespace_id, w.layout, payload, payload.nbytes, w.created, Codec.RAW)
+                rec_len = len(header) + payload.nbytes
+                if self._active_fd < 0 or (self._active_end + rec_len > self.config.segment_bytes
+                                           and self._active_end > HEAD_BYTES):
+                    self._write_batch(batch, batch_start)
+                    batch = []
+                    self._seal_active()
+                    self._open_active()
+                    batch_start = self._active_end
+                placements.append(Placement(self._active_id, self._active_end, rec_len, payload.nbytes))
+                batch.append((header, payload))
+                self._active_end = align_up(self._active_end + rec_len, self.align)
+            self._write_batch(batch, batch_start)
+            self._sync_after_put()
+            return placements
+
+    def put_tombstones(self, keys: Sequence[bytes], deleted_at: float) -> None:
+        """Durable delete markers, so an index rebuilt from segments does not resurrect
+        deleted blocks. A tombstone hides records of its key created at or before `deleted_at`."""
+        ns = bytes(16)
+        with self._write_lock:
+            if self._active_fd < 0:
+                self._open_active()
+            start, batch = self._active_end, []
+            for key in keys:
+                header = encode_header(key, ns, (), b"", 0, deleted_at, Codec.RAW, FLAG_TOMBSTONE)
+                batch.append((header, memoryview(b"")))
+                self._active_end = align_up(self._active_end + len(header), self.align)
+            self._write_batch(batch, start)
+            self._sync_after_put()
+
+    def _write_batch(self, batch: list[tuple[bytes, memoryview]], start: int) -> None:
+        if not batch:
+            return
+        try:
+            if self.config.o_direct:
+                self._write_direct(batch, start)
+            else:
+                bufs: list = []
+                for header, payload in batch:
+                    pad = align_up(len(header) + payload.nbytes, self.align) - len(header) - payload.nbytes
+                    bufs += [header, payload] + ([bytes(pad)] if pad else [])
+                self._pwrite_all(self._active_fd, bufs, start)
+        except OSError as e:
+            self._rollback(start)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TierFullError(f"NVMe tier at {self.root}: the disk is full; free space or lower "
+                                    "nvme.capacity_bytes so eviction starts earlier") from e
+            raise StoreError(f"NVMe tier write failed at {self.root}: {e.strerror}") from e
+
+    def _rollback(self, start: int) -> None:
+        self._active_end = start
+        try:
+            os.ftruncate(self._active_fd, start)
+        except OSError:
+            log.exception("could not truncate %s after a failed write", self.path(self._active_id))
+            self._seal_active()  # the tail is unknown: never append after it
+
+    @staticmethod
+    def _pwrite_all(fd: int, bufs: list, offset: int) -> None:
+        views = [memoryview(b).cast("B") for b in bufs if memoryview(b).nbytes]
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+            offset += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+
+    def _write_direct(self, batch: list[tuple[bytes, memoryview]], start: int) -> None:
+        """O_DIRECT needs aligned buffers: copy records through the aligned staging map."""
+        stage = memoryview(self._staging)
+        fill, offset = 0, start
+        for header, payload in batch:
+            for part in (memoryview(header), payload):
+                while part.nbytes:
+                    n = min(part.nbytes, len(stage) - fill)
+                    stage[fill: fill + n] = part[:n]
+                    fill, part = fill + n, part[n:]
+                    if fill == len(stage):
+                        self._pwrite_all(self._active_fd, [stage], offset)
+                        offset, fill = offset + fill, 0
+            pad = align_up(fill, self.align) - fill
+            stage[fill: fill + pad] = bytes(pad)
+            fill += pad
+        if fill:
+            self._pwrite_all(self._active_fd, [stage[:fill]], offset)
+
+    def _sync_after_put(self) -> None:
+        policy, now = self.config.fsync, self._clock()
+        if policy == "always" or (policy == "interval" and now - self._last_sync >= self.config.fsync_interval_s):
+            os.fdatasync(self._active_fd)
+            self._last_sync, self._unsynced = now, False
+        else:
+            self._unsynced = True
+
+    def sync(self) -> None:
+        with self._write_lock:
+            if self._active_fd >= 0 and self._unsynced:
+                os.fdatasync(self._active_fd)
+                self._unsynced = False
+
+    # ---------------------------------------------------------------- reads
+    def _reader(self, segment_id: int) -> int | None:
+        with self._fd_lock:
+            fd = self._read_fds.get(segment_id)
+            if fd is None:
+                try:
+                    fd = os.open(self.path(segment_id), os.O_RDONLY)
+                except FileNotFoundError:
+                    return None
+                if len(self._read_fds) >= 256:
+                    os.close(self._read_fds.pop(next(iter(self._read_fds))))
+                self._read_fds[segment_id] = fd
+            return fd
+
+    def read_record(self, key: bytes, placement: Placement, out=None) -> tuple[RecordHeader, memoryview] | None:
+        """Header and payload view (into `out` when given and the codec is raw), or None."""
+        fd = self._reader(placement.segment_id)
+        if fd is None:
+            self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
+            return None
+        hlen = placement.record_len - placement.payload_len
+        hbuf = bytearray(hlen)
+        if out is not None and memoryview(out).nbytes >= placement.payload_len:
+            body = memoryview(out).cast("B")[: placement.payload_len]
+        else:
+            body = memoryview(bytearray(placement.payload_len))
+        try:
+            got = os.preadv(fd, [hbuf, body], placement.offset)
+            if got != placement.record_len:
+                raise CorruptBlockError(f"short read: {got} of {placement.record_len} bytes")
+            header = decode_header(hbuf)
+            if header.key != key or header.payload_len != placement.payload_len or header.is_tombstone:
+                raise CorruptBlockError("record does not hold the requested block")
+            verify_payload(header, body)
+        except CorruptBlockError as e:
+            self._on_corrupt(key, placement, f"segment {placement.segment_id} offset {placement.offset}: {e}")
+            return None
+        except OSError as e:
+            self._on_corrupt(key, placement, f"read error in segment {placement.segment_id}: {e.strerror}")
+            return None
+        return header, body
+
+    def get(self, key: bytes, placement: Placement | None = None) -> bytes | None:
+        got = self.read_record(key, placement)
+        if got is None:
+            return None
+        header, body = got
+        return bytes(decode_payload(header, body))
+
+    def read_into(self, key: bytes, placement: Placement, out) -> RecordHeader | None:
+        """Read and verify a block into `out`; its header (payload length, layout), or None."""
+        dst = memoryview(out).cast("B")
+        if dst.nbytes < placement.payload_len:
+            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
+        got = self.read_record(key, placement, dst)
+        if got is None:
+            return None
+        header, body = got
+        if header.codec is not Codec.RAW:
+            data = decode_payload(header, body)
+            dst[: len(data)] = data
+        return header
+
+    def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
+        header = self.read_into(key, placement, out)
+        return None if header is None else header.raw_len
+
+    def drop_page_cache(self) -> None:
+        """Evict this tier's files from the OS page cache (cold-read benchmarks)."""
+        for sid in self.segment_ids():
+            fd = os.open(self.path(sid), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    # ---------------------------------------------------------------- namespaces
+    def save_namespaces(self, descriptors: dict[str, dict]) -> None:
+        """Keep namespace descriptors beside the data, so a rebuilt index knows them."""
+        path = os.path.join(self.root, "namespaces.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(descriptors, f, sort_keys=True, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._fsync_dir()
+
+    def load_namespaces(self) -> dict[str, dict]:
+        try:
+            with open(os.path.join(self.root, "namespaces.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            log.error("namespaces.json in %s is unreadable; namespaces must be registered again", self.root)
+            return {}
+
+    # ---------------------------------------------------------------- misc
+    def delete(self, key: bytes, placement: Placement | None = None) -> None:
+        """Records are immutable: the index forgets the block and compaction reclaims it."""
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for sid in self.segment_ids():
+            try:
+                total += os.stat(self.path(sid)).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def usage(self) -> TierUsage:
+        return TierUsage(Tier.NVME, -1, self.disk_bytes(), self.config.capacity_bytes)
+
+    def close(self) -> None:
+        with self._write_lock:
+            self._seal_active()
+        with self._fd_lock:
+            for fd in self._read_fds.values():
+                os.close(fd)
+            self._read_fds.clear()
+        if self._staging is not None:
+            self._staging.close()

@@ -1,0 +1,103 @@
+"""A slab allocator over one preallocated arena (memcached-style size classes).
+
+    arena: | page 0 (class 64K) | page 1 (class 1M) | page 2 (free) | page 3 (class 64K) | ...
+             [c][c][c]...[c]      [ c ][ c ]...                        [c][c]...
+
+The arena is cut into fixed pages. A page is given to one size class on demand and carved
+into equal chunks; a page whose chunks are all free goes back to the free-page list, so
+memory moves between classes as the block-size mix changes. Nothing is allocated per
+block: fresh memory is slow to touch on our VMs (2-3 GB/s against 15 GB/s reused).
+Not thread-safe on its own: the DRAM tier serialises calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_ALIGN = 4096
+
+
+@dataclass(slots=True)
+class _Page:
+    index: int
+    chunk: int = 0
+    free: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+def size_classes(page_bytes: int, growth: float = 1.125) -> list[int]:
+    """Chunk sizes: 4 KiB-aligned, growing by `growth` (<= ~12 % waste), up to the page."""
+    out, size = [], _ALIGN
+    while size < page_bytes:
+        out.append(size)
+        size = max(size + _ALIGN, int(size * growth) // _ALIGN * _ALIGN)
+    out.append(page_bytes)
+    return out
+
+
+class SlabAllocator:
+    def __init__(self, capacity: int, page_bytes: int):
+        if page_bytes % _ALIGN or page_bytes <= 0:
+            raise ValueError(f"page size must be a positive multiple of {_ALIGN}")
+        if capacity < page_bytes:
+            raise ValueError(f"capacity {capacity} is smaller than one page ({page_bytes})")
+        self.page_bytes = page_bytes
+        self.num_pages = capacity // page_bytes
+        self.classes = size_classes(page_bytes)
+        self._pages = [_Page(i) for i in range(self.num_pages)]
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._partial: dict[int, dict[int, None]] = {c: {} for c in self.classes}
+        self.used_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def chunk_size(self, nbytes: int) -> int:
+        if nbytes > self.page_bytes:
+            raise ValueError(f"a {nbytes}-byte block exceeds the DRAM page size ({self.page_bytes}); "
+                             "raise dram.page_bytes in the store config")
+        lo, hi = 0, len(self.classes) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.classes[mid] >= nbytes:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.classes[lo]
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Byte offset of a chunk holding `nbytes`, or None when no chunk of that class is free."""
+        chunk = self.chunk_size(max(nbytes, 1))
+        partial = self._partial[chunk]
+        if partial:
+            page = self._pages[next(iter(partial))]
+        elif self._free_pages:
+            page = self._pages[self._free_pages.pop()]
+            page.chunk, page.used = chunk, 0
+            page.free = list(range(self.page_bytes // chunk - 1, -1, -1))
+            partial[page.index] = None
+        else:
+            return None
+        slot = page.free.pop()
+        page.used += 1
+        if not page.free:
+            del partial[page.index]
+        self.used_bytes += chunk
+        return page.index * self.page_bytes + slot * chunk
+
+    def free(self, offset: int) -> None:
+        page = self._pages[offset // self.page_bytes]
+        slot = (offset - page.index * self.page_bytes) // page.chunk
+        page.free.append(slot)
+        page.used -= 1
+        self.used_bytes -= page.chunk
+        if page.used == 0:
+            self._partial[page.chunk].pop(page.index, None)
+            page.chunk, page.free = 0, []
+            self._free_pages.append(page.index)
+        else:
+            self._partial[page.chunk][page.index] = None
+
+    def can_alloc(self, nbytes: int) -> bool:
+        return bool(self._partial[self.chunk_size(max(nbytes, 1))] or self._free_pages)
