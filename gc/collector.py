@@ -161,7 +161,8 @@ class Collector:
                 continue
             h = item.header
             if h.is_tombstone:
-                if h.created >= oldest_other:  # a segment it may shadow still exists
+                # keep it while a segment it may shadow exists, unless the key was put again
+                if h.created >= oldest_other and store.index.get(h.key) is None:
                     tombstones.append((h.key, h.created))
                 continue
             meta = store.index.get(h.key)

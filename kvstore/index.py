@@ -54,12 +54,15 @@ class Index:
                                  max_readers=512, create=not readonly)
         except lmdb.Error as e:
             raise StoreError(f"cannot open the index at {path}: {e}") from e
-        flags = {} if readonly else {"create": True}
-        with self.env.begin(write=not readonly) as txn:
-            self._blocks = self.env.open_db(b"blocks", txn=txn, **flags)
-            self._namespaces = self.env.open_db(b"namespaces", txn=txn, **flags)
-            self._segments = self.env.open_db(b"segments", txn=txn, **flags)
-            self._counters = self.env.open_db(b"counters", txn=txn, **flags)
+        try:
+            # read-only: lmdb opens the handles in a read transaction of its own
+            (self._blocks, self._namespaces, self._segments, self._counters) = (
+                self.env.open_db(name, create=not readonly)
+                for name in (b"blocks", b"namespaces", b"segments", b"counters"))
+        except lmdb.Error as e:
+            self.env.close()
+            raise StoreError(f"the index at {path} is not a kvcache index or is damaged ({e}); "
+                             "move it aside and run `kvcache check DIR --rebuild`") from e
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, tuple[float, int]] = {}
 

@@ -1,8 +1,8 @@
 """Rebuild the index from the NVMe tier's own data (segments are self-describing).
 
 Segments are replayed in id order. For each key the last record wins; a tombstone hides
-the key's records created at or before its deletion time (so a block put again after a
-delete survives). Recovered blocks count as accessed at rebuild time: access times are
+the key's records created before its deletion time, or at the same time but earlier in
+the log (so a block put again after a delete survives). Recovered blocks count as accessed at rebuild time: access times are
 not stored in segments, and expiring hot blocks early would cost more than keeping cold
 ones one more TTL. Their age (max_age) still counts from creation.
 """
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = False) -> dict[str, int]:
     records: dict[bytes, BlockMeta] = {}
-    tombstones: dict[bytes, float] = {}
+    tombstones: dict[bytes, tuple[float, int, int]] = {}   # key -> (deleted at, segment, offset)
     report = {"segments": 0, "records": 0, "corrupt_records": 0, "torn_bytes": 0, "tombstones": 0}
     for sid in tqdm(nvme.segment_ids(), desc="rebuilding index", unit="segment", disable=not progress):
         report["segments"] += 1
@@ -37,13 +37,15 @@ def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = Fal
             if item.error is not None:
                 report["corrupt_records"] += 1
             elif h.is_tombstone:
-                tombstones[h.key] = max(tombstones.get(h.key, 0.0), h.created)
+                tombstones[h.key] = max(tombstones.get(h.key, (0.0, 0, 0)), (h.created, sid, item.offset))
                 report["tombstones"] += 1
             else:
                 records[h.key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NVME, h.created, now,
                                            segment_id=sid, offset=item.offset, record_len=h.record_len)
                 report["records"] += 1
-    live = {k: m for k, m in records.items() if tombstones.get(k, -1.0) < m.created}
+    # a record outlives a tombstone that is older, or as old but earlier in the log
+    live = {k: m for k, m in records.items()
+            if tombstones.get(k, (-1.0, 0, 0)) < (m.created, m.segment_id, m.offset)}
     for ns in nvme.load_namespaces().values():
         index.add_namespace(Namespace.from_dict(ns))
     keys = list(live)

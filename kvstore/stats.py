@@ -64,9 +64,10 @@ def offline_stats(data_dir: str, now: float, deep: bool = True) -> StoreStats:
         nvme_dir = os.path.join(data_dir, "nvme")
         files = [n for n in (os.listdir(nvme_dir) if os.path.isdir(nvme_dir) else []) if parse_segment_name(n)]
         disk = sum(os.path.getsize(os.path.join(nvme_dir, n)) for n in files)
-        hist = {f"<{h}h": 0 for h in AGE_BUCKETS_H} | {f">={AGE_BUCKETS_H[-1]}h": 0}
+        hist: dict[str, int] = {}
         pinned = 0
         if deep:
+            hist = {f"<{h}h": 0 for h in AGE_BUCKETS_H} | {f">={AGE_BUCKETS_H[-1]}h": 0}
             for _, meta in index.iter_all():
                 pinned += meta.is_pinned(now)
                 idle_h = (now - max(meta.last_access, meta.created)) / 3600

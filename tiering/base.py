@@ -8,7 +8,9 @@ decides what goes where, when a block expires, and what is pinned.
     get(key, placement)        -> the payload bytes, or None on a miss. Corrupt data is never
                                   returned: it is a miss, reported through `on_corrupt`.
     get_into(key, placement, out) -> payload length copied into `out`, or None on a miss.
-    delete(key, placement)     -> forget the block; deleting a missing block is a no-op.
+    delete(key, placement)     -> the tier may reuse the block's space. Deleting a missing block
+                                  is a no-op. A later get may return None or the original
+                                  bytes (a segment keeps records until compaction), never others.
     usage()                    -> TierUsage.
 
 `placement` is what `put` returned (the NVMe tier needs it to find the record; the DRAM

@@ -26,13 +26,17 @@ class _Page:
 
 
 def size_classes(page_bytes: int, growth: float = 1.125) -> list[int]:
-    """Chunk sizes: 4 KiB-aligned, growing by `growth` (<= ~12 % waste), up to the page."""
-    out, size = [], _ALIGN
+    """Chunk sizes: 4 KiB-aligned, growing by `growth` (<= ~12 % waste), plus every power
+    of two (KV blocks usually are one, and then waste nothing), up to the page size."""
+    out, size = {page_bytes}, _ALIGN
     while size < page_bytes:
-        out.append(size)
+        out.add(size)
         size = max(size + _ALIGN, int(size * growth) // _ALIGN * _ALIGN)
-    out.append(page_bytes)
-    return out
+    size = _ALIGN
+    while size < page_bytes:
+        out.add(size)
+        size *= 2
+    return sorted(out)
 
 
 class SlabAllocator:

@@ -1,0 +1,1 @@
+"""The `kvcache` command line: argparse -> config -> one call into the library."""

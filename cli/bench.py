@@ -1,0 +1,2 @@
+def add_parser(sub):  # replaced by the benchmark helper
+    pass

@@ -1,0 +1,76 @@
+"""`kvcache`: operate a kvcache data directory from the shell.
+
+    kvcache stats DIR [--json]          what the store holds (works while a daemon runs)
+    kvcache check DIR [--fix] [--quick] reconcile index and segments, recount
+    kvcache gc DIR [--max-steps N]      expire, evict over watermarks, compact segments
+    kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from kvcache import __version__
+from kvcache.kvstore.errors import StoreError
+
+EPILOG = """examples:
+  kvcache stats ~/.local/share/kvcache --json
+  kvcache check /data/kvcache --fix
+  kvcache gc /data/kvcache --config configs/store.toml
+  kvcache bench tiers --sizes 64K,1M,4M
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcache", description="A content-addressed, tiered KV-cache store for LLM inference.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"kvcache {__version__}")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="structured JSON log lines for log shippers (default: text)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from kvcache.cli import store_commands, bench
+    store_commands.add_parsers(sub)
+    bench.add_parser(sub)
+    return p
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": round(record.created, 3), "level": record.levelname.lower(),
+               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(fmt: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_format, args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except (StoreError, ValueError, FileNotFoundError) as e:
+        print(f"kvcache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def now() -> float:
+    return time.time()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""`kvcache stats | check | gc`: maintenance verbs over a data directory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from kvcache.kvstore.config import StoreConfig
+
+
+def add_parsers(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("stats", formatter_class=fmt, help="show what a data directory holds",
+                       description="Show blocks, bytes, segments, counters and an idle-time histogram.\n"
+                                   "Reads the index read-only, so it works while `kvcache serve` runs.")
+    p.add_argument("data_dir", metavar="DIR", help="the store's data directory")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--quick", action="store_true", help="skip the per-block scan (no histogram)")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("check", formatter_class=fmt, help="verify and reconcile index and data",
+                       description="Verify every indexed block (header, key, checksum), recount segment\n"
+                                   "usage and find orphan or torn data. Exit status 1 if problems are found.\n"
+                                   "With --fix: drop bad entries, rewrite the counts, register orphan segments\n"
+                                   "for GC. With --rebuild: discard the index and rebuild it from the segments.")
+    _store_args(p)
+    p.add_argument("--fix", action="store_true", help="repair what was found")
+    p.add_argument("--quick", action="store_true", help="verify headers only, not payload checksums")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the index from the NVMe segments")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("gc", formatter_class=fmt, help="expire, evict and compact now",
+                       description="Run garbage collection until a full pass is done: delete expired blocks,\n"
+                                   "evict over the NVMe watermark, compact sparse segments.")
+    _store_args(p)
+    p.add_argument("--max-steps", type=int, default=1_000_000, help="stop after this many bounded steps")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_gc)
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data_dir", metavar="DIR", help="the store's data directory (must not be in use)")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="store config (retention and NVMe settings); default: built-in defaults")
+
+
+def open_offline_store(args):
+    """The store without a DRAM tier: maintenance needs no arena."""
+    from kvcache.kvstore.store import BlockStore
+    import os
+    if not os.path.isdir(args.data_dir):
+        raise FileNotFoundError(f"data directory {args.data_dir} does not exist")
+    cfg = StoreConfig.load(args.config, args.data_dir) if args.config else StoreConfig(args.data_dir)
+    return BlockStore(dataclasses.replace(cfg, dram=None, write_policy="write-through", gc_interval_s=0))
+
+
+def cmd_stats(args) -> int:
+    from kvcache.kvstore.stats import offline_stats
+    st = offline_stats(args.data_dir, time.time(), deep=not args.quick)
+    if args.json:
+        print(json.dumps(st.to_dict(), indent=2))
+        return 0
+    rows = [("data directory", st.data_dir), ("blocks", f"{st.index_blocks:,}"),
+            ("namespaces", st.namespaces), ("segments", st.segments),
+            ("live bytes", _size(st.live_bytes))]
+    rows += [(f"{t.tier} disk bytes", _size(t.used_bytes)) for t in st.tiers]
+    if not args.quick:
+        rows.append(("pinned blocks", f"{st.pinned_blocks:,}"))
+    rows += [(f"total {k}", f"{v:,}") for k, v in sorted(st.persistent_counters.items())]
+    _table(rows)
+    if st.age_histogram:
+        print("\nidle time since last access")
+        _table([(k, f"{v:,}") for k, v in st.age_histogram.items()])
+    return 0
+
+
+def cmd_check(args) -> int:
+    import os
+    import shutil
+    from kvcache.gc.fsck import check
+    if args.rebuild:
+        idx = os.path.join(args.data_dir, "index")
+        if os.path.isdir(idx):
+            shutil.move(idx, idx + f".old-{int(time.time())}")
+    with open_offline_store(args) as store:
+        rep = check(store, fix=args.fix, deep=not args.quick, progress=not args.json)
+    if args.json:
+        print(json.dumps(rep.to_dict(), indent=2))
+    else:
+        _table([("blocks checked", f"{rep.blocks_checked:,}"), ("bad blocks", len(rep.bad_blocks)),
+                ("segment count mismatches", rep.segment_table_mismatches),
+                ("orphan segments", len(rep.orphan_segments)), ("missing segments", len(rep.missing_segments)),
+                ("corrupt records", rep.corrupt_records), ("torn bytes", _size(rep.torn_bytes)),
+                ("unreferenced bytes (GC reclaims)", _size(rep.unreferenced_bytes))])
+        for key, why in list(rep.bad_blocks.items())[:20]:
+            print(f"  bad {key}: {why}")
+        print("fixed." if rep.fixed else ("ok." if rep.ok else "problems found; run with --fix to repair."))
+    return 0 if (rep.ok or rep.fixed) else 1
+
+
+def cmd_gc(args) -> int:
+    from kvcache.gc.collector import Collector
+    with open_offline_store(args) as store:
+        rep = Collector(store).run(args.max_steps)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(rep), indent=2))
+    else:
+        _table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
+                for k, v in dataclasses.asdict(rep).items()])
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows) -> None:
+    width = max(len(str(k)) for k, _ in rows)
+    for k, v in rows:
+        print(f"{str(k):<{width}}  {v}")

@@ -1,0 +1,186 @@
+"""The store facade: lookup, get/put, write policies, pins, delete, restarts."""
+
+import numpy as np
+import pytest
+
+from kvcache.kvstore import Namespace, Tier
+from kvcache.kvstore.errors import BlockFormatError, StoreLockedError, UnknownNamespaceError
+from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import TensorSpec
+from tests.conftest import NS, make_keys, payload_for, put_blocks
+
+
+def test_lookup_returns_longest_contiguous_prefix(make_store):
+    s = make_store()
+    keys = make_keys(10)
+    put_blocks(s, keys[:4] + keys[5:])
+    r = s.lookup(keys)
+    assert r.num_hits == 4 and len(r.tiers) == 4
+    assert r.num_tokens(NS.block_size) == 64
+    assert s.lookup(keys[5:]).num_hits == 5
+    assert s.lookup([]).num_hits == 0
+
+
+def test_lookup_reports_tier_per_block(make_store):
+    s = make_store(dram_mib=1)  # 1 MiB of DRAM: 256 blocks of 4 KiB at most
+    keys = make_keys(400)
+    put_blocks(s, keys)
+    r = s.lookup(keys)
+    assert r.num_hits == 400
+    assert r.tiers[0] == Tier.NVME and r.tiers[-1] == Tier.DRAM
+    assert set(r.tiers) == {Tier.NVME, Tier.DRAM}
+
+
+def test_get_put_roundtrip_and_dedupe(make_store):
+    s = make_store()
+    keys = make_keys(5)
+    r = put_blocks(s, keys)
+    assert (r.stored, r.already_present, r.durable) == (5, 0, True)
+    r = put_blocks(s, keys + keys[:1])
+    assert (r.stored, r.already_present) == (0, 6)
+    for k in keys:
+        assert s.get(k) == payload_for(k)
+    out = bytearray(5000)
+    assert s.get_into(keys[0], out) == 4096 and bytes(out[:4096]) == payload_for(keys[0])
+    assert s.get_many([keys[1], make_keys(1, start=999)[0]]) == [payload_for(keys[1]), None]
+
+
+def test_nvme_hit_is_promoted_to_dram(make_store):
+    s = make_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    s.dram.delete(keys[0])
+    assert s.lookup(keys[:1]).tiers == (Tier.NVME,)
+    assert s.get(keys[0]) == payload_for(keys[0])
+    assert s.lookup(keys[:1]).tiers == (Tier.DRAM,)
+    assert s.stats().counters["hits_nvme"] == 1
+
+
+def test_layout_is_validated(make_store):
+    s = make_store()
+    [k] = make_keys(1)
+    layout = (TensorSpec("k", "bfloat16", (16, 64)), TensorSpec("v", "bfloat16", (16, 64)))
+    s.put(k, bytes(4096), NS.id, layout=layout)
+    with pytest.raises(BlockFormatError, match="needs 4096"):
+        s.put(make_keys(1, start=77)[0], bytes(4000), NS.id, layout=layout)
+
+
+def test_unknown_namespace_and_bad_keys_are_rejected(make_store):
+    s = make_store()
+    other = Namespace("other", "raw/v1", 16)
+    with pytest.raises(UnknownNamespaceError, match="register_namespace"):
+        s.put(make_keys(1)[0], b"x", other.id)
+    with pytest.raises(BlockFormatError, match="16-byte keys"):
+        s.put(b"short", b"x", NS.id)
+    with pytest.raises(BlockFormatError, match="empty"):
+        s.put(make_keys(1)[0], b"", NS.id)
+
+
+def test_restart_keeps_blocks_and_namespaces(make_store, tmp_path, clock):
+    s = make_store()
+    keys = make_keys(20)
+    put_blocks(s, keys)
+    s.close()
+    s2 = make_store()
+    assert NS.id in s2.namespaces
+    assert s2.lookup(keys).num_hits == 20
+    assert all(s2.get(k) == payload_for(k) for k in keys)
+
+
+def test_second_opener_gets_a_clear_error(make_store):
+    make_store()
+    with pytest.raises(StoreLockedError, match="in use"):
+        make_store()
+
+
+def test_write_back_acknowledges_from_dram_and_flush_makes_durable(make_store):
+    s = make_store(dram_mib=8, write_policy="write-back")
+    keys = make_keys(10)
+    r = put_blocks(s, keys)
+    assert r.stored == 10 and not r.durable
+    assert s.index.count() == 0                 # nothing on NVMe yet
+    s.flush()
+    assert s.index.count() == 10
+    s.close()
+    s2 = make_store(dram_mib=8, write_policy="write-back")
+    assert all(s2.get(k) == payload_for(k) for k in keys)
+
+
+def test_write_back_demotes_on_eviction(make_store):
+    s = make_store(dram_mib=1, write_policy="write-back")
+    keys = make_keys(600)  # 600 x 4 KiB > 1 MiB of DRAM
+    put_blocks(s, keys)
+    assert s.stats().counters["demotions"] > 0
+    assert all(s.get(k) == payload_for(k) for k in keys)
+
+
+def test_dram_only_store(make_store):
+    s = make_store(dram_mib=1, nvme=False)
+    keys = make_keys(400)
+    r = put_blocks(s, keys)
+    assert not r.durable
+    hits = [s.get(k) for k in keys]
+    assert hits[-1] == payload_for(keys[-1]) and hits[0] is None
+    assert all(h is None or h == payload_for(k) for h, k in zip(hits, keys))
+
+
+def test_pins_never_go_negative(make_store):
+    s = make_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    assert s.pin(keys) == 3
+    assert s.unpin(keys) == 3
+    assert s.unpin(keys) == 0   # a double unpin changes nothing
+    assert s.index.get(keys[0]).hard_pins == 0
+    assert s.pin(make_keys(1, start=500)) == 0  # missing blocks are not pinned
+
+
+def test_delete_removes_everywhere_and_survives_rebuild(make_store, tmp_path):
+    import shutil
+    s = make_store()
+    keys = make_keys(6)
+    put_blocks(s, keys)
+    assert s.delete(keys[:3]) == 3
+    assert s.lookup(keys).num_hits == 0
+    assert s.get(keys[0]) is None and s.get(keys[4]) == payload_for(keys[4])
+    put_blocks(s, keys[2:3])  # put again after delete: must survive the rebuild
+    s.close()
+    shutil.rmtree(tmp_path / "data" / "index")
+    s2 = make_store()
+    assert [s2.get(k) is not None for k in keys] == [False, False, True, True, True, True]
+
+
+def test_corrupt_block_is_quarantined_not_served(make_store, tmp_path):
+    s = make_store(dram_mib=None)
+    keys = make_keys(4)
+    put_blocks(s, keys)
+    meta = s.index.get(keys[1])
+    with open(s.nvme.path(meta.segment_id), "r+b") as f:
+        f.seek(meta.offset + meta.record_len - 100)
+        f.write(b"\xff" * 4)
+    assert s.get(keys[1]) is None
+    assert s.lookup(keys).num_hits == 1          # gone from the index
+    assert s.stats().persistent_counters["quarantined"] == 1
+    assert (tmp_path / "data" / "quarantine.jsonl").read_text().count(keys[1].hex()) == 1
+    assert s.get(keys[2]) == payload_for(keys[2])
+
+
+def test_sha256_namespace_uses_32_byte_keys(make_store):
+    from kvcache.kvstore import HashAlgo, hash_blocks
+    s = make_store()
+    ns = Namespace("m", "raw/v1", 16, algo=HashAlgo.SHA256)
+    s.register_namespace(ns)
+    [k] = hash_blocks(ns, np.arange(16))
+    s.put(k, b"abc", ns.id)
+    assert s.get(k) == b"abc"
+    with pytest.raises(BlockFormatError):
+        s.put(k[:16], b"abc", ns.id)
+
+
+def test_put_many_mixed_batch_is_all_or_nothing_on_bad_input(make_store):
+    s = make_store()
+    keys = make_keys(3)
+    items = [PutItem(k, payload_for(k), NS.id) for k in keys] + [PutItem(b"bad", b"x", NS.id)]
+    with pytest.raises(BlockFormatError):
+        s.put_many(items)
+    assert s.lookup(keys).num_hits == 0

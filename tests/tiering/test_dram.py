@@ -1,0 +1,128 @@
+"""DRAM tier specifics: slab reuse, exact LRU eviction order, watermarks, pins, leases."""
+
+import pytest
+
+from kvcache.kvstore.errors import TierFullError
+from kvcache.kvstore.types import raw_layout
+from kvcache.tiering.base import BlockWrite
+from kvcache.tiering.dram import DramConfig, DramTier
+from kvcache.tiering.slab import SlabAllocator, size_classes
+
+KB = 1024
+
+
+def _w(i, n=64 * KB):
+    return BlockWrite(i.to_bytes(16, "little"), bytes(16), bytes([i % 256]) * n, raw_layout(n), 0.0)
+
+
+def _k(i):
+    return i.to_bytes(16, "little")
+
+
+def test_size_classes_cover_powers_of_two_exactly():
+    classes = size_classes(16 << 20)
+    for p in range(12, 25):
+        assert 1 << p in classes
+    assert all(b > a for a, b in zip(classes, classes[1:]))
+
+
+def test_slab_reuses_chunks_and_returns_pages():
+    s = SlabAllocator(1 << 20, 256 * KB)
+    offs = [s.alloc(64 * KB) for _ in range(16)]
+    assert None not in offs and len(set(offs)) == 16
+    assert s.alloc(64 * KB) is None
+    s.free(offs[5])
+    assert s.alloc(64 * KB) == offs[5]
+    for o in offs[:4]:  # empty the first page: it may now serve another class
+        s.free(o)
+    assert s.alloc(200 * KB) is not None
+    assert s.used_bytes == 12 * 64 * KB + s.chunk_size(200 * KB)
+
+
+def test_slab_rejects_oversized_blocks():
+    with pytest.raises(ValueError, match="page_bytes"):
+        SlabAllocator(1 << 20, 256 * KB).alloc(300 * KB)
+
+
+def _tier(cap=1 << 20, page=256 * KB, **kw):
+    evicted = []
+    cfg = DramConfig(capacity_bytes=cap, page_bytes=page, prefault=False, **kw)
+    t = DramTier(cfg, on_evict=lambda blocks: evicted.extend((b.key, b.dirty, bytes(b.write.payload)) for b in blocks))
+    return t, evicted
+
+
+def test_lru_order_is_exact():
+    t, evicted = _tier(high_watermark=1.0, low_watermark=1.0)
+    t.put([_w(i) for i in range(16)])  # exactly full
+    assert t.get(_k(0)) is not None    # 0 becomes most recent
+    t.put([_w(16)])
+    assert [e[0] for e in evicted] == [_k(1)]
+    t.put([_w(17), _w(18)])
+    assert [e[0] for e in evicted] == [_k(1), _k(2), _k(3)]
+    assert t.contains(_k(0))
+
+
+def test_fifo_ignores_reads():
+    t, evicted = _tier(high_watermark=1.0, low_watermark=1.0, eviction="fifo")
+    t.put([_w(i) for i in range(16)])
+    t.get(_k(0))
+    t.put([_w(16)])
+    assert [e[0] for e in evicted] == [_k(0)]
+
+
+def test_watermark_evicts_down_to_low():
+    t, evicted = _tier(high_watermark=0.75, low_watermark=0.5)
+    t.put([_w(i) for i in range(12)])  # 75 %: not above high
+    assert not evicted
+    t.put([_w(12)])
+    assert t.usage().used_bytes <= 0.5 * t.usage().capacity_bytes
+    assert [e[0] for e in evicted] == [_k(i) for i in range(len(evicted))]
+
+
+def test_evicted_payload_is_intact_when_demoted():
+    t, evicted = _tier(high_watermark=1.0, low_watermark=1.0)
+    t.put([_w(i) for i in range(16)], dirty=True)
+    t.put([_w(16)])
+    key, dirty, payload = evicted[0]
+    assert dirty and payload == bytes(_w(0).payload)
+
+
+def test_pins_and_leases_block_eviction():
+    t, evicted = _tier(high_watermark=1.0, low_watermark=1.0)
+    t.put([_w(i) for i in range(16)])
+    t.set_pin(_k(0), 1, 0.0)
+    with t.view(_k(1)) as mv:
+        t.put([_w(16)])
+        assert bytes(mv[:1]) == b"\x01"
+    assert [e[0] for e in evicted] == [_k(2)]
+    for i in range(16):
+        t.set_pin(_k(i), 1, 0.0)
+    t.set_pin(_k(16), 1, 0.0)
+    with pytest.raises(TierFullError, match="pinned"):
+        t.put([_w(17)])
+
+
+def test_delete_during_lease_frees_after():
+    t, _ = _tier()
+    t.put([_w(1)])
+    used = t.usage().used_bytes
+    with t.view(_k(1)) as mv:
+        t.delete(_k(1))
+        assert not t.contains(_k(1))
+        assert t.usage().used_bytes == used  # still leased
+        assert bytes(mv[:1]) == b"\x01"
+    assert t.usage().used_bytes == used - 64 * KB
+
+
+def test_pin_memory_on_without_accelerator_is_a_clear_error():
+    from kvcache.kvstore.errors import StoreError
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("an accelerator is present")
+    except ImportError:
+        pass
+    with pytest.raises(StoreError, match="pin_memory"):
+        DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=256 * KB, pin_memory="on", prefault=False))
+    t = DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=256 * KB, pin_memory="auto"))
+    assert not t.pinned
