@@ -1,0 +1,86 @@
+"""The `kvcache` command, run as users run it: a real subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from kvcache.kvstore import Namespace, hash_blocks
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.tiering.nvme import NvmeConfig
+
+
+def kvcache(*args, check=False):
+    return subprocess.run([sys.executable, "-m", "kvcache.cli.main", *args],
+                          capture_output=True, text=True, check=check, timeout=120)
+
+
+def _populate(path, n=40):
+    s = BlockStore(StoreConfig(str(path), dram=None, nvme=NvmeConfig(segment_bytes=1 << 20)))
+    ns = Namespace("m", "raw/v1", 16, name="demo")
+    s.register_namespace(ns)
+    keys = hash_blocks(ns, np.arange(16 * n))
+    s.put_many([PutItem(k, os.urandom(32768), ns.id) for k in keys])
+    s.pin(keys[:2])
+    s.close()
+    return keys
+
+
+def test_help_explains_every_command():
+    out = kvcache("--help", check=True).stdout
+    for cmd in ("stats", "check", "gc"):
+        assert cmd in out
+    assert "--fix" in kvcache("check", "--help", check=True).stdout
+
+
+def test_stats_table_and_json(tmp_path):
+    _populate(tmp_path)
+    out = kvcache("stats", str(tmp_path), check=True).stdout
+    assert "blocks" in out and "40" in out and "pinned blocks" in out
+    data = json.loads(kvcache("stats", str(tmp_path), "--json", check=True).stdout)
+    assert data["index_blocks"] == 40 and data["pinned_blocks"] == 2 and data["namespaces"] == 1
+
+
+def test_check_exit_codes_and_fix(tmp_path):
+    _populate(tmp_path)
+    assert kvcache("check", str(tmp_path)).returncode == 0
+    seg = sorted(p for p in os.listdir(tmp_path / "nvme") if p.endswith(".kvs"))[0]
+    with open(tmp_path / "nvme" / seg, "r+b") as f:
+        f.seek(5000)
+        f.write(b"garbage!")
+    r = kvcache("check", str(tmp_path), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["bad_blocks"]
+    assert kvcache("check", str(tmp_path), "--fix").returncode == 0
+    assert kvcache("check", str(tmp_path)).returncode == 0
+
+
+def test_check_rebuild_and_gc(tmp_path):
+    _populate(tmp_path)
+    r = kvcache("check", str(tmp_path), "--rebuild", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["blocks_checked"] == 40
+    gc = json.loads(kvcache("gc", str(tmp_path), "--json", check=True).stdout)
+    assert gc["expired"] == 0 and gc["wrapped"]
+
+
+def test_errors_are_clear_not_tracebacks(tmp_path):
+    r = kvcache("stats", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "holds no kvcache index" in r.stderr and "Traceback" not in r.stderr
+    r = kvcache("check", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[dram\n")
+    _populate(tmp_path / "d")
+    r = kvcache("gc", str(tmp_path / "d"), "--config", str(bad))
+    assert r.returncode == 2 and "not valid TOML" in r.stderr
+
+
+def test_json_logs(tmp_path):
+    _populate(tmp_path)
+    import shutil
+    shutil.rmtree(tmp_path / "index")
+    r = kvcache("--log-format", "json", "check", str(tmp_path), "--json")
+    lines = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    assert any("rebuil" in l["message"] for l in lines)

@@ -1,0 +1,142 @@
+"""Retention across simulated days: 72 h default, overrides, pins, GC and compaction."""
+
+import pytest
+
+from kvcache.gc.collector import Collector
+from kvcache.gc.retention import HOUR, RetentionPolicy, RetentionRule
+from kvcache.kvstore.types import BlockMeta
+from tests.conftest import NS, make_keys, payload_for, put_blocks
+
+
+def test_rule_precedence_and_expiry_math():
+    p = RetentionPolicy(RetentionRule(72 * HOUR), namespaces={"docs": RetentionRule(24 * HOUR)},
+                        tenants={"gold": RetentionRule(240 * HOUR, max_age_s=300 * HOUR)})
+    m = BlockMeta(bytes(16), 1, created=0.0, last_access=10 * HOUR)
+    assert p.expires_at(m) == 82 * HOUR
+    assert p.expires_at(m, "docs") == 34 * HOUR
+    m.tenant = "gold"
+    assert p.expires_at(m, "docs") == 250 * HOUR     # tenant beats namespace
+    m.last_access = 100 * HOUR
+    assert p.expires_at(m) == 300 * HOUR             # capped by max age
+    assert not p.is_expired(m, 299 * HOUR) and p.is_expired(m, 300 * HOUR)
+    m.hard_pins = 1
+    assert not p.is_expired(m, 10_000 * HOUR)
+
+
+def test_policy_from_toml_dict():
+    p = RetentionPolicy.from_dict({"ttl_hours": 96, "max_age_hours": 720,
+                                   "namespaces": {"docs": {"ttl_hours": 12}},
+                                   "tenants": {"acme": {"ttl_hours": 168}}})
+    assert p.default == RetentionRule(96 * HOUR, 720 * HOUR)
+    assert p.rule("docs", "").ttl_s == 12 * HOUR and p.rule("docs", "acme").ttl_s == 168 * HOUR
+    with pytest.raises(ValueError, match="ttl_hours"):
+        RetentionPolicy.from_dict({"ttl": 5})
+
+
+def test_blocks_live_72_hours_from_last_access(make_store, clock):
+    s = make_store()
+    keys = make_keys(4)
+    put_blocks(s, keys)
+    clock.advance(hours=48)
+    assert s.get(keys[0]) == payload_for(keys[0])    # refreshes block 0 only
+    clock.advance(hours=23)                         # 71 h after the put
+    assert s.lookup(keys).num_hits == 4
+    clock.advance(hours=2)                          # 73 h: expired, even before any GC
+    assert s.lookup(keys).num_hits == 1             # block 0 was read 25 h ago
+    assert s.get(keys[1]) is None
+    clock.advance(hours=48)                         # 73 h after block 0's read
+    assert s.lookup(keys).num_hits == 0
+
+
+def test_access_times_survive_restart(make_store, clock):
+    s = make_store()
+    keys = make_keys(2)
+    put_blocks(s, keys)
+    clock.advance(hours=60)
+    s.get(keys[0])
+    s.close()
+    s = make_store()
+    clock.advance(hours=20)  # 80 h after put, 20 h after the read
+    assert [s.get(k) is not None for k in keys] == [True, False]
+
+
+def test_pins_respected_across_days(make_store, clock):
+    s = make_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    s.pin(keys[:1])                  # hard pin
+    s.pin(keys[1:2], ttl_s=100 * HOUR)  # soft pin
+    clock.advance(hours=90)
+    assert s.lookup(keys).num_hits == 2 and s.get(keys[2]) is None
+    rep = Collector(s).run()
+    assert rep.expired == 1
+    clock.advance(hours=20)          # soft pin lapsed at 100 h; last access was at 0 h
+    assert s.get(keys[1]) is None
+    assert s.get(keys[0]) == payload_for(keys[0])
+    clock.advance(hours=1000)
+    assert s.get(keys[0]) is not None
+    s.unpin(keys[:1])
+    clock.advance(hours=73)
+    assert s.get(keys[0]) is None
+
+
+def test_namespace_and_tenant_overrides(make_store, clock):
+    s = make_store(retention=RetentionPolicy(namespaces={"test": RetentionRule(10 * HOUR)},
+                                             tenants={"gold": RetentionRule(500 * HOUR)}))
+    a, b = make_keys(1), make_keys(1, start=100)
+    put_blocks(s, a)
+    put_blocks(s, b, tenant="gold")
+    clock.advance(hours=11)
+    assert s.get(a[0]) is None and s.get(b[0]) is not None
+
+
+def test_gc_deletes_expired_and_compaction_reclaims_space(make_store, clock):
+    s = make_store(dram_mib=None)
+    old, new = make_keys(200), make_keys(50, start=10_000)
+    put_blocks(s, old, n=16384)
+    clock.advance(hours=50)
+    put_blocks(s, new, n=16384)
+    disk_before = s.nvme.disk_bytes()
+    clock.advance(hours=30)          # old: 80 h idle; new: 30 h
+    rep = Collector(s, batch=64).run()
+    assert rep.expired == 200 and rep.segments_removed >= 2
+    assert s.index.count() == 50
+    assert s.nvme.disk_bytes() < disk_before * 0.5
+    assert all(s.get(k) == payload_for(k, 16384) for k in new)
+    assert s.stats().persistent_counters["expired"] == 200
+
+
+def test_compaction_moves_live_blocks(make_store, clock):
+    s = make_store(dram_mib=None)
+    keys = make_keys(120)
+    put_blocks(s, keys, n=16384)        # ~2 MiB over 1 MiB segments
+    s.delete(keys[::3] + keys[1::3])    # leave a third live in every segment
+    before = {k: s.index.get(k).segment_id for k in keys[2::3]}
+    rep = Collector(s).run()
+    assert rep.segments_compacted >= 1
+    after = {k: s.index.get(k).segment_id for k in keys[2::3]}
+    assert any(before[k] != after[k] for k in before)
+    assert all(s.get(k) == payload_for(k, 16384) for k in keys[2::3])
+    assert all(s.get(k) is None for k in keys[::3])
+    from kvcache.gc.fsck import check
+    assert check(s).ok
+
+
+def test_nvme_capacity_eviction_prefers_least_recent(make_store, clock):
+    from kvcache.tiering.nvme import NvmeConfig
+    cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
+    s = make_store(dram_mib=None, nvme_config=cfg)
+    keys = make_keys(300)
+    for i in range(0, 300, 20):
+        put_blocks(s, keys[i:i + 20], n=16384)
+        clock.advance(seconds=60)
+    clock.advance(seconds=60)
+    for k in keys[:20]:                  # the oldest blocks, but recently read
+        s.get(k)
+    rep = Collector(s, sample=32).step()
+    assert rep.evicted > 0
+    live = sum(u.live_bytes for u in s.index.segments().values())
+    assert live <= 0.6 * (4 << 20)
+    kept = [s.index.get(k) is not None for k in keys]
+    assert sum(kept[:20]) > sum(kept[20:40])   # recency beats insertion order
+    assert sum(kept[-40:]) > sum(kept[40:80])
