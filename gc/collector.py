@@ -58,6 +58,15 @@ class Collector:
             self._compact_one(r)
         return r
 
+    def make_room(self) -> GcReport:
+        """Bounded work for a put that found the NVMe tier over its watermark: evict
+        approximately-LRU blocks, then compact the sparsest sealed segment even if it is
+        above `compact_below` (dead bytes must go before the disk fills)."""
+        r = GcReport()
+        self._evict_for_capacity(r)
+        self._compact_one(r, force=True)
+        return r
+
     def run(self, max_steps: int = 1_000_000) -> GcReport:
         """Steps until a full expiry pass is done and nothing is left to compact."""
         total = GcReport()
@@ -118,10 +127,10 @@ class Collector:
         return min(cands, key=lambda km: max(km[1].last_access, km[1].created), default=None)
 
     # ---------------------------------------------------------------- 3. compaction
-    def _compact_one(self, r: GcReport) -> None:
+    def _compact_one(self, r: GcReport, force: bool = False) -> None:
         store, nvme = self.store, self.store.nvme
         usage = store.index.segments()
-        best, best_ratio = None, nvme.config.compact_below
+        best, best_ratio = None, 0.999 if force else nvme.config.compact_below
         for sid in nvme.segment_ids():
             if sid >= nvme.active_segment:
                 continue

@@ -79,6 +79,7 @@ class BlockStore:
             raise
         self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
         self._last_touch_flush = clock()
+        self._collector = None
         self._closed = False
         self._gc_thread = None
         if config.gc_interval_s > 0:
@@ -245,6 +246,8 @@ class BlockStore:
                 and self.config.nvme.fsync == "always")
 
     def _put_through(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> None:
+        if self.nvme.is_over_watermark():
+            self._make_room()
         placements = self.nvme.put(writes)
         self._commit_nvme(writes, metas, placements)
         if self.dram is not None:
@@ -278,6 +281,13 @@ class BlockStore:
             self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
             return self._durable()
         return False
+
+    def _make_room(self) -> None:
+        from kvcache.gc.collector import Collector
+        if self._collector is None:
+            self._collector = Collector(self)
+        rep = self._collector.make_room()
+        self.stats_counters["evictions_nvme"] += rep.evicted
 
     def _on_dram_evict(self, evicted: list[EvictedBlock]) -> None:
         """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""

@@ -187,7 +187,7 @@ class DramTier(BlockTier):
         evicted.append(EvictedBlock(key, e.dirty, write))
         self._doomed_offsets.append(e.offset)
         self.evictions += 1
-        return e.nbytes
+        return self._slab.chunk_size(e.nbytes)
 
     def _finish_evictions(self, evicted: list[EvictedBlock]) -> None:
         if evicted and self._on_evict is not None:

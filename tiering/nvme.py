@@ -87,6 +87,7 @@ class NvmeTier(BlockTier):
         self._active_id = (max(ids) + 1) if ids else 1
         self._active_fd = -1
         self._active_end = 0
+        self._sealed_bytes = sum(_file_size(self.path(i)) for i in ids)
         self._last_sync = clock()
         self._unsynced = False
 
@@ -135,6 +136,7 @@ class NvmeTier(BlockTier):
             if self.config.fsync != "never":
                 os.fsync(self._active_fd)
             os.close(self._active_fd)
+            self._sealed_bytes += _file_size(self.path(self._active_id))
             self._active_fd = -1
             self._active_id += 1
 
@@ -146,8 +148,10 @@ class NvmeTier(BlockTier):
             fd = self._read_fds.pop(segment_id, None)
             if fd is not None:
                 os.close(fd)
+        size = _file_size(self.path(segment_id))
         try:
             os.unlink(self.path(segment_id))
+            self._sealed_bytes -= size
         except FileNotFoundError:
             pass
 
@@ -365,13 +369,11 @@ class NvmeTier(BlockTier):
         """Records are immutable: the index forgets the block and compaction reclaims it."""
 
     def disk_bytes(self) -> int:
-        total = 0
-        for sid in self.segment_ids():
-            try:
-                total += os.stat(self.path(sid)).st_size
-            except FileNotFoundError:
-                pass
-        return total
+        """Bytes of all segment files (tracked, not stat'ed: cheap enough for every put)."""
+        return self._sealed_bytes + (self._active_end if self._active_fd >= 0 else 0)
+
+    def is_over_watermark(self) -> bool:
+        return self.disk_bytes() > self.config.high_watermark * self.config.capacity_bytes
 
     def usage(self) -> TierUsage:
         return TierUsage(Tier.NVME, -1, self.disk_bytes(), self.config.capacity_bytes)
@@ -385,3 +387,10 @@ class NvmeTier(BlockTier):
             self._read_fds.clear()
         if self._staging is not None:
             self._staging.close()
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
