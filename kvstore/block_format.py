@@ -25,6 +25,7 @@ any mismatch raises CorruptBlockError, which the store turns into a miss plus qu
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ def check_layout(layout: tuple[TensorSpec, ...] | None, nbytes: int) -> tuple[Te
     return layout
 
 
+@functools.lru_cache(maxsize=1024)
 def _pack_layout(layout: tuple[TensorSpec, ...]) -> bytes:
     out = bytearray()
     for t in layout:

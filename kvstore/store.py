@@ -51,6 +51,9 @@ class PutItem:
     tenant: str = ""
 
 
+_WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
+
+
 def _placement(meta: BlockMeta) -> Placement:
     return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
 
@@ -107,14 +110,16 @@ class BlockStore:
     # ---------------------------------------------------------------- metadata
     def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
         """Live metadata per key with DRAM residency folded in; expired or unknown -> None."""
-        now = self.clock()
-        stored = self.index.get_many(keys)
+        now, dram_meta = self.clock(), self._dram_meta
+        # DRAM-only blocks are never in the index: look up only the others
+        in_index = [k for k in keys if k not in dram_meta]
+        stored = dict(zip(in_index, self.index.get_many(in_index))) if in_index else {}
         out: list[BlockMeta | None] = []
-        for key, meta in zip(keys, stored):
-            meta = self._dram_meta.get(key) or meta
+        for key in keys:
+            meta = dram_meta.get(key) or stored.get(key)
             if meta is not None:
                 if self.dram is not None and self.dram.contains(key):
-                    meta.residency |= Tier.DRAM
+                    meta.residency = _WITH_DRAM[meta.residency]
                 if not meta.residency or self._expired(meta, now):
                     meta = None
             out.append(meta)
@@ -169,7 +174,7 @@ class BlockStore:
 
     def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:
         now = self.clock()
-        if Tier.DRAM in meta.residency:
+        if int(meta.residency) & 1:   # Tier.DRAM; IntFlag `in` costs ~0.2 us, `&` ~0.5 us
             n = self.dram.get_into(key, None, out)
             if n is not None:
                 self.stats_counters["hits_dram"] += 1

@@ -10,6 +10,7 @@ pin        a hold that keeps a block from eviction and expiry: hard, or soft wit
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ class TensorSpec:
         return n
 
 
+@functools.lru_cache(maxsize=1024)
 def raw_layout(nbytes: int) -> tuple[TensorSpec, ...]:
     """The layout of an opaque payload: one uint8 tensor."""
     return (TensorSpec("raw", "uint8", (nbytes,)),)

@@ -113,6 +113,7 @@ class DramTier(BlockTier):
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._on_evict = on_evict
+        self._lru = config.eviction == "lru"
         self._doomed_offsets: list[int] = []
         self.evictions = 0
 
@@ -209,14 +210,26 @@ class DramTier(BlockTier):
             return None if mv is None else bytes(mv)
 
     def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
-        with self.view(key) as mv:
-            if mv is None:
+        # view() inlined: a generator-based context manager costs ~1.5 us a call, a quarter
+        # of the copy itself for a 64 KiB block
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
                 return None
+            e.leases += 1
+            if self._lru:
+                self._entries.move_to_end(key)
+        try:
             dst = memoryview(out).cast("B")
-            if dst.nbytes < mv.nbytes:
-                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {mv.nbytes}")
-            dst[: mv.nbytes] = mv
-            return mv.nbytes
+            if dst.nbytes < e.nbytes:
+                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {e.nbytes}")
+            dst[: e.nbytes] = self._mv[e.offset: e.offset + e.nbytes]
+            return e.nbytes
+        finally:
+            with self._lock:
+                e.leases -= 1
+                if e.doomed and e.leases == 0:
+                    self._slab.free(e.offset)
 
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:
