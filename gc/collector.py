@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 from dataclasses import dataclass
 
 from kvcache.kvstore.errors import CorruptBlockError
@@ -221,25 +220,6 @@ def _created(path: str) -> float:
         os.close(fd)
 
 
-class _GcThread(threading.Thread):
-    def __init__(self, store, interval_s: float):
-        super().__init__(name="kvcache-gc", daemon=True)
-        self.collector, self.interval_s = Collector(store), interval_s
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self.interval_s):
-            try:
-                self.collector.step()
-            except Exception:  # GC must never take the store down; it retries next tick
-                log.exception("GC step failed")
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
-
-def start_background_gc(store, interval_s: float) -> _GcThread:
-    t = _GcThread(store, interval_s)
-    t.start()
-    return t
+def start_background_gc(store, interval_s: float):
+    from kvcache.kvstore.periodic import Periodic
+    return Periodic("kvcache-gc", interval_s, Collector(store).step)

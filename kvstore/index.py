@@ -68,16 +68,20 @@ class Index:
 
     # ---------------------------------------------------------------- reads
     def get(self, key: bytes) -> BlockMeta | None:
-        with self.env.begin(db=self._blocks, buffers=True) as txn:
-            raw = txn.get(key)
-            return None if raw is None else BlockMeta.unpack(raw)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Iterable[bytes]) -> list[BlockMeta | None]:
+        """Metadata per key (None if absent), with access times not yet flushed folded in."""
+        touches = self._touches
         with self.env.begin(db=self._blocks, buffers=True) as txn:
             out = []
             for k in keys:
                 raw = txn.get(k)
-                out.append(None if raw is None else BlockMeta.unpack(raw))
+                meta = None if raw is None else BlockMeta.unpack(raw)
+                if meta is not None and touches and k in touches:
+                    ts, n = touches[k]
+                    meta.last_access, meta.access_count = max(meta.last_access, ts), meta.access_count + n
+                out.append(meta)
             return out
 
     def scan(self, after: bytes | None = None, limit: int = 1000) -> list[tuple[bytes, BlockMeta]]:

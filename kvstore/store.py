@@ -34,12 +34,14 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError, StoreError, StoreLockedError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.index import Index
+from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.dram import DramTier, EvictedBlock
 from kvcache.tiering.nvme import NvmeTier
 
 log = logging.getLogger(__name__)
+MAX_PENDING_TOUCHES = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +83,13 @@ class BlockStore:
             self._lockfile.close()
             raise
         self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
-        self._last_touch_flush = clock()
         self._collector = None
         self._closed = False
-        self._gc_thread = None
+        # access times reach the index from a thread of their own, never a reader's get
+        self._threads = [Periodic("kvcache-touch", config.touch_flush_s, self.index.flush_touches)]
         if config.gc_interval_s > 0:
             from kvcache.gc.collector import start_background_gc
-            self._gc_thread = start_background_gc(self, config.gc_interval_s)
+            self._threads.append(start_background_gc(self, config.gc_interval_s))
 
     # ---------------------------------------------------------------- namespaces
     def register_namespace(self, ns: Namespace) -> bytes:
@@ -135,9 +137,8 @@ class BlockStore:
             meta.last_access, meta.access_count = now, meta.access_count + 1
         else:
             self.index.touch(key, now)
-        if now - self._last_touch_flush >= self.config.touch_flush_s:
-            self._last_touch_flush = now
-            self.index.flush_touches()
+            if self.index.pending_touches() > MAX_PENDING_TOUCHES:  # bound memory if the flusher lags
+                self.index.flush_touches()
 
     # ---------------------------------------------------------------- lookup / get
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
@@ -154,23 +155,37 @@ class BlockStore:
         return self._metas([key])[0] is not None
 
     def get(self, key: bytes) -> bytes | None:
-        meta = self._metas([key])[0]
-        if meta is None:
-            return self._miss()
-        buf = bytearray(meta.payload_len)
-        return bytes(buf) if self._read(key, meta, buf) is not None else None
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
+        return self.get_many([key])[0]
 
     def get_into(self, key: bytes, out) -> int | None:
         """Copy the payload into `out` (any writable buffer); its length, or None on a miss."""
-        meta = self._metas([key])[0]
-        if meta is None:
-            return self._miss()
-        if memoryview(out).nbytes < meta.payload_len:
-            raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
-        return self._read(key, meta, out)
+        return self.get_many_into([key], [out])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Batched get: one index transaction for all keys."""
+        out: list[bytes | None] = []
+        for key, meta in zip(keys, self._metas(list(keys))):
+            if meta is None:
+                out.append(self._miss())
+                continue
+            buf = bytearray(meta.payload_len)
+            out.append(bytes(buf) if self._read(key, meta, buf) is not None else None)
+        return out
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Batched get_into (the engine's load path): one index transaction, payload
+        lengths or None per key. Each `outs[i]` must hold that block."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        result: list[int | None] = []
+        for key, out, meta in zip(keys, outs, self._metas(list(keys))):
+            if meta is None:
+                result.append(self._miss())
+            elif memoryview(out).nbytes < meta.payload_len:
+                raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+            else:
+                result.append(self._read(key, meta, out))
+        return result
 
     def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:
         now = self.clock()
@@ -405,8 +420,8 @@ class BlockStore:
     def close(self) -> None:
         if self._closed:
             return
-        if self._gc_thread is not None:
-            self._gc_thread.stop()
+        for t in self._threads:
+            t.stop()
         try:
             self.flush()
         finally:

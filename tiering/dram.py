@@ -118,9 +118,9 @@ class DramTier(BlockTier):
         self.evictions = 0
 
     def _prefault(self) -> None:
-        try:
-            self._buf.madvise(mmap.MADV_POPULATE_WRITE)
-        except (AttributeError, OSError, ValueError):
+        try:  # Linux >= 5.14; Python 3.11's mmap module lacks the constant
+            self._buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+        except (OSError, ValueError):
             zeros = bytes(1 << 20)
             for off in range(0, len(self._buf), len(zeros)):
                 n = min(len(zeros), len(self._buf) - off)

@@ -184,3 +184,18 @@ def test_put_many_mixed_batch_is_all_or_nothing_on_bad_input(make_store):
     with pytest.raises(BlockFormatError):
         s.put_many(items)
     assert s.lookup(keys).num_hits == 0
+
+
+def test_batched_gets(make_store):
+    s = make_store()
+    keys = make_keys(6)
+    put_blocks(s, keys[:4])
+    s.dram.delete(keys[0])  # one from NVMe
+    assert s.get_many(keys) == [payload_for(k) for k in keys[:4]] + [None, None]
+    outs = [bytearray(4096) for _ in keys]
+    assert s.get_many_into(keys, outs) == [4096] * 4 + [None, None]
+    assert [bytes(o) for o in outs[:4]] == [payload_for(k) for k in keys[:4]]
+    with pytest.raises(ValueError, match="output buffers"):
+        s.get_many_into(keys, outs[:2])
+    with pytest.raises(ValueError, match="output buffer holds"):
+        s.get_many_into(keys[:1], [bytearray(10)])
