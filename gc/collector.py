@@ -144,8 +144,8 @@ class Collector:
             return
         size = _size(nvme.path(best))
         u = usage.get(best)
+        self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
         if u is not None and u.live_blocks:
-            self._copy_live(best)
             r.segments_compacted += 1
         with store._lock:
             left = store.index.segments().get(best)
@@ -164,8 +164,8 @@ class Collector:
         oldest_other = min((_created(nvme.path(s)) for s in older), default=float("inf"))
         moved: dict[bytes, tuple[int, BlockWrite]] = {}
         tombstones: list[tuple[bytes, float]] = []
-        for item in scan(nvme.path(sid)):
-            if not isinstance(item, ScannedRecord) or item.error:
+        for item in scan(nvme.path(sid), verify_payloads=False):  # nvme.get verifies what is copied
+            if not isinstance(item, ScannedRecord):
                 continue
             h = item.header
             if h.is_tombstone:
@@ -181,7 +181,7 @@ class Collector:
                 moved[h.key] = (item.offset, BlockWrite(h.key, h.namespace_id, payload, h.layout, h.created))
         with store._lock:
             for key, created in tombstones:
-                nvme.put_tombstones([key], created)
+                store.index.commit(new_segments=nvme.put_tombstones([key], created))
             # re-check under the lock: a delete or a re-put may have raced the copy
             current = store.index.get_many(list(moved))
             todo = [(k, w, m) for (k, (off, w)), m in zip(moved.items(), current)

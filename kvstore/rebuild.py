@@ -10,6 +10,8 @@ ones one more TTL. Their age (max_age) still counts from creation.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 from tqdm import tqdm
 
@@ -46,8 +48,11 @@ def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = Fal
     # a record outlives a tombstone that is older, or as old but earlier in the log
     live = {k: m for k, m in records.items()
             if tombstones.get(k, (-1.0, 0, 0)) < (m.created, m.segment_id, m.offset)}
-    for ns in nvme.load_namespaces().values():
-        index.add_namespace(Namespace.from_dict(ns))
+    for ns_id, ns in nvme.load_namespaces().items():
+        try:
+            index.add_namespace(Namespace.from_dict(ns))
+        except (TypeError, ValueError) as e:
+            log.error("namespace %s in namespaces.json is malformed (%s); register it again", ns_id, e)
     keys = list(live)
     for i in range(0, len(keys), 10_000):
         chunk = {k: live[k] for k in keys[i: i + 10_000]}
@@ -55,3 +60,41 @@ def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = Fal
     report["blocks"] = len(live)
     log.warning("index rebuilt: %s", report)
     return report
+
+
+def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool, now: float) -> Index:
+    """Open the index, rebuilding it from the segments when it is missing.
+
+    A marker file brackets the rebuild: a crash part-way leaves the marker, and the next
+    open discards the partial index and starts over, instead of trusting it (and letting
+    GC delete every segment it does not reference).
+    """
+    marker = index_dir + ".rebuilding"
+    if os.path.exists(marker):
+        log.warning("an index rebuild in %s was interrupted; starting it over", index_dir)
+        shutil.rmtree(index_dir, ignore_errors=True)
+    must_rebuild = (nvme is not None and not os.path.exists(os.path.join(index_dir, "data.mdb"))
+                    and bool(nvme.segment_ids()))
+    if must_rebuild:
+        _durable(lambda: open(marker, "w").close(), marker)
+    index = Index(index_dir, map_size=map_size, sync=sync)
+    if must_rebuild:
+        try:
+            log.warning("index missing at %s: rebuilding it from the NVMe segments", index_dir)
+            rebuild_index(index, nvme, now)
+            index.sync()
+        except BaseException:
+            index.close()
+            raise
+        _durable(lambda: os.unlink(marker), marker)
+    return index
+
+
+def _durable(action, path: str) -> None:
+    """Create or remove `path`, then fsync its directory so the change survives a crash."""
+    action()
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

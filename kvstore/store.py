@@ -35,6 +35,7 @@ from kvcache.kvstore.errors import BlockFormatError, StoreError, StoreLockedErro
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.periodic import Periodic
+from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.dram import DramTier, EvictedBlock
@@ -68,18 +69,17 @@ class BlockStore:
         self._lockfile = _lock_data_dir(config.data_dir)
         self.stats_counters: collections.Counter[str] = collections.Counter()
         self._dram_meta: dict[bytes, BlockMeta] = {}
+        self.index = self.nvme = self.dram = None
         try:
-            fresh_index = not os.path.exists(os.path.join(config.index_dir, "data.mdb"))
-            sync = config.nvme is not None and config.nvme.fsync == "always"
-            self.index = Index(config.index_dir, map_size=config.index_map_bytes, sync=sync)
             self.nvme = (NvmeTier(config.nvme_dir, config.nvme, self._quarantine, clock)
                          if config.nvme else None)
-            if self.nvme is not None and fresh_index and self.nvme.segment_ids():
-                from kvcache.kvstore.rebuild import rebuild_index
-                log.warning("index missing at %s: rebuilding it from the NVMe segments", config.index_dir)
-                rebuild_index(self.index, self.nvme, clock())
+            sync = config.nvme is not None and config.nvme.fsync == "always"
+            self.index = open_index(config.index_dir, self.nvme, config.index_map_bytes, sync, clock())
             self.dram = DramTier(config.dram, self._on_dram_evict, clock) if config.dram else None
         except BaseException:
+            for part in (self.nvme, self.index):
+                if part is not None:
+                    part.close()
             self._lockfile.close()
             raise
         self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
@@ -112,9 +112,10 @@ class BlockStore:
     # ---------------------------------------------------------------- metadata
     def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
         """Live metadata per key with DRAM residency folded in; expired or unknown -> None."""
+        _check_keys(keys)
         now, dram_meta = self.clock(), self._dram_meta
-        # DRAM-only blocks are never in the index: look up only the others
-        in_index = [k for k in keys if k not in dram_meta]
+        # DRAM-only blocks are never in the index, and no block has a key outside 1-64 bytes
+        in_index = [k for k in keys if k not in dram_meta and 1 <= len(k) <= 64]
         stored = dict(zip(in_index, self.index.get_many(in_index))) if in_index else {}
         out: list[BlockMeta | None] = []
         for key in keys:
@@ -217,6 +218,8 @@ class BlockStore:
         if self.dram is None:
             return
         with self._lock:
+            if self.index.get(key) is None:  # deleted while we read it: do not resurrect it in DRAM
+                return
             try:
                 self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created)])
             except (TierFullError, ValueError) as e:
@@ -231,11 +234,11 @@ class BlockStore:
 
     def put_many(self, items: Sequence[PutItem]) -> PutResult:
         now = self.clock()
-        writes, metas = self._validate(items, now)
-        present = len(items) - len(writes)
-        if not writes:
-            return PutResult(0, present, durable=self._durable())
-        with self._lock:
+        with self._lock:  # validation included: two puts of one block must not both insert it
+            writes, metas = self._validate(items, now)
+            present = len(items) - len(writes)
+            if not writes:
+                return PutResult(0, present, durable=self._durable())
             if self.config.write_policy == "write-back" or self.nvme is None:
                 durable = self._put_dram_only(writes, metas)
             else:
@@ -246,14 +249,16 @@ class BlockStore:
 
     def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
         """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
-        writes, metas, seen = [], [], set()
-        for item, existing in zip(items, self._metas([i.key for i in items])):
+        checked = []
+        for item in items:
             ns = self._namespace(item.namespace_id)
             if len(item.key) != ns.algo.digest_size:
                 raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
                                        f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
             payload = memoryview(item.payload).cast("B")
-            layout = check_layout(item.layout, payload.nbytes)
+            checked.append((item, payload, check_layout(item.layout, payload.nbytes)))
+        writes, metas, seen = [], [], set()
+        for (item, payload, layout), existing in zip(checked, self._metas([i.key for i in items])):
             if existing is not None or item.key in seen:
                 continue
             seen.add(item.key)
@@ -325,7 +330,7 @@ class BlockStore:
             placements = self.nvme.put(writes)
             self._commit_nvme(writes, metas, placements)
             self.stats_counters["demotions"] += len(writes)
-        except StoreError:
+        except Exception:  # the blocks are lost from the cache, never served wrong: count and go on
             self.stats_counters["demotions_failed"] += len(writes)
             log.exception("write-back of %d blocks to NVMe failed; they are lost from the cache", len(writes))
         for w in writes:
@@ -388,8 +393,10 @@ class BlockStore:
         with self._lock:
             stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
             if stored and self.nvme is not None:
-                self.nvme.put_tombstones(stored, self.clock())
-            self.index.commit(deletes=stored)
+                segments = self.nvme.put_tombstones(stored, self.clock())
+            else:
+                segments = set()
+            self.index.commit(deletes=stored, new_segments=segments)
             gone = set(stored)
             for k in keys:
                 if self._dram_meta.pop(k, None) is not None:
@@ -422,15 +429,16 @@ class BlockStore:
             return
         for t in self._threads:
             t.stop()
+        self._closed = True
         try:
             self.flush()
-        finally:
-            self._closed = True
-            if self.dram is not None:
-                self.dram.close()
-            if self.nvme is not None:
-                self.nvme.close()
-            self.index.close()
+        finally:  # release everything even if one part fails, the lock last
+            for part in (self.dram, self.nvme, self.index):
+                try:
+                    if part is not None:
+                        part.close()
+                except Exception:
+                    log.exception("closing %s failed", type(part).__name__)
             self._lockfile.close()
 
     def __enter__(self) -> "BlockStore":
@@ -438,6 +446,12 @@ class BlockStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for k in keys:
+        if not isinstance(k, bytes):
+            raise TypeError(f"block keys are bytes, got {type(k).__name__}")
 
 
 def _lock_data_dir(data_dir: str):

@@ -124,7 +124,10 @@ class NvmeTier(BlockTier):
         if self.config.o_direct:
             flags |= os.O_DIRECT
         path = self.path(self._active_id)
-        fd = os.open(path, flags, 0o644)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise _tier_error(e, self.root) from e
         try:
             head = encode_head(self._active_id, self.align, self._clock())
             if self._staging is not None:  # O_DIRECT: write from page-aligned memory
@@ -134,9 +137,11 @@ class NvmeTier(BlockTier):
             if self.config.fsync != "never":
                 os.fsync(fd)
                 self._fsync_dir()
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
             os.unlink(path)
+            if isinstance(e, OSError):
+                raise _tier_error(e, self.root) from e
             raise
         self._active_fd, self._active_end = fd, HEAD_BYTES
 
@@ -195,9 +200,10 @@ class NvmeTier(BlockTier):
             self._sync_after_put()
             return placements
 
-    def put_tombstones(self, keys: Sequence[bytes], deleted_at: float) -> None:
+    def put_tombstones(self, keys: Sequence[bytes], deleted_at: float) -> set[int]:
         """Durable delete markers, so an index rebuilt from segments does not resurrect
-        deleted blocks. A tombstone hides records of its key created at or before `deleted_at`."""
+        deleted blocks (see kvstore/rebuild.py for the ordering rule). Returns the segments
+        written, for the index's segment table."""
         ns = bytes(16)
         with self._write_lock:
             if self._active_fd < 0:
@@ -209,6 +215,7 @@ class NvmeTier(BlockTier):
                 self._active_end = align_up(self._active_end + len(header), self.align)
             self._write_batch(batch, start)
             self._sync_after_put()
+            return {self._active_id}
 
     def _write_batch(self, batch: list[tuple[bytes, memoryview]], start: int) -> None:
         if not batch:
@@ -220,10 +227,7 @@ class NvmeTier(BlockTier):
                 self._write_buffered(batch, start)
         except OSError as e:
             self._rollback(start)
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(f"NVMe tier at {self.root}: the disk is full; free space or lower "
-                                    "nvme.capacity_bytes so eviction starts earlier") from e
-            raise StoreError(f"NVMe tier write failed at {self.root}: {e.strerror}") from e
+            raise _tier_error(e, self.root) from e
 
     def _write_buffered(self, batch: list[tuple[bytes, memoryview]], start: int) -> None:
         """pwritev the batch; with fsync "always", in ~4 MiB pieces whose writeback starts at
@@ -383,14 +387,19 @@ class NvmeTier(BlockTier):
         self._fsync_dir()
 
     def load_namespaces(self) -> dict[str, dict]:
+        """Descriptors saved beside the data; anything malformed is skipped with an error log."""
         try:
             with open(os.path.join(self.root, "namespaces.json")) as f:
-                return json.load(f)
+                raw = json.load(f)
         except FileNotFoundError:
             return {}
-        except ValueError:
-            log.error("namespaces.json in %s is unreadable; namespaces must be registered again", self.root)
+        except (ValueError, OSError) as e:
+            log.error("namespaces.json in %s is unreadable (%s); register namespaces again", self.root, e)
             return {}
+        if not isinstance(raw, dict):
+            log.error("namespaces.json in %s is not an object; register namespaces again", self.root)
+            return {}
+        return {k: v for k, v in raw.items() if isinstance(v, dict)}
 
     # ---------------------------------------------------------------- misc
     def delete(self, key: bytes, placement: Placement | None = None) -> None:
@@ -422,3 +431,10 @@ def _file_size(path: str) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+def _tier_error(e: OSError, root: str) -> StoreError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return TierFullError(f"NVMe tier at {root}: the disk is full; free space or lower "
+                             "nvme.capacity_bytes so eviction starts earlier")
+    return StoreError(f"NVMe tier write failed at {root}: {e.strerror}")
