@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import Placement
-from kvcache.tiering.segment import ScanEnd, ScannedRecord, scan
+from kvcache.tiering.segment import ScanEnd, scan
 
 
 @dataclass

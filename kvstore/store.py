@@ -33,7 +33,6 @@ from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError, StoreError, StoreLockedError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.index import Index
 from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier

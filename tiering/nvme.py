@@ -33,7 +33,7 @@ from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
 from kvcache.tiering.segment import (
-    HEAD_BYTES, align_up, encode_head, parse_segment_name, read_head, segment_name,
+    HEAD_BYTES, align_up, encode_head, parse_segment_name, segment_name,
 )
 
 log = logging.getLogger(__name__)

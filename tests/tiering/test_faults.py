@@ -1,13 +1,11 @@
-"""Bad input and faults: what the store refuses, and what it survives.
+"""Bad input and damaged files: what the store refuses, and what it survives.
 
 Input errors are rejected before any I/O with a message that names the problem. Damaged
 files (truncated or bit-flipped segments, garbage namespaces.json or segment files) never
 make the store serve wrong bytes or fail to open: damaged blocks become misses, are
-quarantined and reported by `check`. Environment faults (full disk, read-only directory,
-a second process) surface as StoreError subclasses with a clear message.
-
-The disk-full and read-only cases mount a tmpfs (root only); they skip where mount fails.
+quarantined and reported by `check`.
 """
+
 
 from __future__ import annotations
 
@@ -15,60 +13,19 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
-import xxhash
 
 from kvcache.gc.collector import Collector
 from kvcache.gc.fsck import check
-from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import (
-    BlockFormatError, StoreError, StoreLockedError, TierFullError, UnknownNamespaceError,
+    BlockFormatError, UnknownNamespaceError,
 )
-from kvcache.kvstore.hashing import HashAlgo, Namespace
+from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import TensorSpec
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
 
-NS = Namespace("faults-model@rev1", "raw/v1", 16, name="faults")
-NS_SHA = Namespace("faults-model@rev1", "raw/v1", 16, algo=HashAlgo.SHA256, name="faults-sha")
-
-
-def key_for(i: int) -> bytes:
-    return xxhash.xxh3_128_digest(b"faults-block:%d" % i)
-
-
-def payload_for(i: int, n: int | None = None) -> bytes:
-    r = random.Random(i)
-    return r.randbytes(n if n is not None else r.randint(2 << 10, 40 << 10))
-
-
-def make_config(data_dir, dram: bool = True) -> StoreConfig:
-    return StoreConfig(
-        str(data_dir),
-        dram=DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False) if dram else None,
-        nvme=NvmeConfig(segment_bytes=1 << 20),
-    )
-
-
-def open_store(data_dir, dram: bool = True) -> BlockStore:
-    s = BlockStore(make_config(data_dir, dram))
-    s.register_namespace(NS)
-    return s
-
-
-def fill(store: BlockStore, idxs) -> None:
-    store.put_many([PutItem(key_for(i), payload_for(i), NS.id) for i in idxs])
-
-
-def placements(store: BlockStore) -> dict[int, tuple[bytes, object]]:
-    """Index of every block -> (key, meta), for blocks numbered by `key_for`."""
-    by_key = dict(store.index.iter_all())
-    return {i: (key_for(i), by_key[key_for(i)]) for i in range(10_000) if key_for(i) in by_key}
+from tests.tiering.faults_common import NS, NS_SHA, key_for, payload_for, make_config, open_store, fill, placements
 
 
 # ------------------------------------------------------------------ bad input
@@ -272,243 +229,3 @@ def test_garbage_namespaces_json_does_not_break_open_or_rebuild(tmp_path, garbag
     with BlockStore(make_config(data)) as s:
         assert NS.id in s.namespaces
         assert all(s.get(key_for(i)) == payload_for(i) for i in range(11))
-
-
-# ------------------------------------------------------------------ environment faults
-
-def _mount(args: list[str], target) -> None:
-    os.makedirs(target, exist_ok=True)
-    try:
-        r = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"cannot run mount: {e}")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount here (needs root): {r.stderr.strip()}")
-
-
-def _umount(target) -> None:
-    subprocess.run(["umount", str(target)], capture_output=True)
-    if os.path.ismount(str(target)):
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
-@pytest.fixture
-def tiny_nvme(tmp_path):
-    """A data directory whose NVMe tier lives on a 2 MiB tmpfs (the index stays on disk)."""
-    data = tmp_path / "d"
-    nvme = data / "nvme"
-    _mount(["-t", "tmpfs", "-o", "size=2m", "tmpfs"], nvme)
-    yield data
-    _umount(nvme)
-
-
-def _fill_disk(path) -> None:
-    """Write a filler file until the filesystem has no byte left."""
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT, 0o644)
-    chunk = bytes(4096)
-    try:
-        while True:
-            try:
-                os.write(fd, chunk)
-            except OSError as e:
-                if e.errno != 28:
-                    raise
-                if len(chunk) == 1:
-                    break
-                chunk = chunk[: len(chunk) // 2]
-    finally:
-        os.close(fd)
-
-
-def test_full_disk_refuses_puts_loses_nothing_and_recovers(tiny_nvme):
-    data = tiny_nvme
-    with open_store(data) as s:
-        fill(s, range(12))  # ~0.3 MiB in segment 1
-        _fill_disk(data / "nvme" / "filler")
-        with pytest.raises(TierFullError, match="disk is full"):
-            s.put(key_for(100), payload_for(100, 20_000), NS.id)
-        with pytest.raises(TierFullError, match="disk is full"):
-            s.put_many([PutItem(key_for(i), payload_for(i, 3000), NS.id) for i in (101, 102)])
-        assert s.lookup([key_for(100)]).num_hits == 0 and s.get(key_for(101)) is None
-        assert all(s.get(key_for(i)) == payload_for(i) for i in range(12))
-        try:  # a delete on a full disk either happens or is refused: never half done
-            s.delete([key_for(11)])
-            deleted = True
-        except TierFullError:
-            deleted = False
-        assert (s.get(key_for(11)) is None) == deleted and s.contains(key_for(11)) != deleted
-
-        os.unlink(data / "nvme" / "filler")  # free the space: puts work again
-        fill(s, [11])  # (back, if the delete went through)
-        s.put(key_for(100), payload_for(100, 20_000), NS.id)
-        fill(s, range(101, 110))
-        assert s.get(key_for(100)) == payload_for(100, 20_000)
-        assert not check(s).bad_blocks
-    with open_store(data) as s:
-        assert all(s.get(key_for(i)) == payload_for(i) for i in [*range(12), *range(101, 110)])
-        assert s.get(key_for(100)) == payload_for(100, 20_000)
-        assert not check(s).bad_blocks
-
-
-def test_full_disk_keeps_puts_atomic_until_it_fills(tiny_nvme):
-    """Puts until the disk fills on its own: every acknowledged block survives, the failed
-    one is absent, and nothing half-written is ever read back."""
-    data = tiny_nvme
-    acked = []
-    with open_store(data) as s:
-        for i in range(200):
-            try:
-                s.put(key_for(i), payload_for(i, 30_000 + 997 * i), NS.id)
-            except TierFullError as e:
-                assert "disk is full" in str(e)
-                failed = i
-                break
-            acked.append(i)
-        else:
-            pytest.fail("a 2 MiB disk took 200 blocks of 30+ KiB")
-        assert len(acked) > 10
-        assert s.get(key_for(failed)) is None
-        assert all(s.get(key_for(i)) == payload_for(i, 30_000 + 997 * i) for i in acked)
-    with open_store(data) as s:
-        assert all(s.get(key_for(i)) == payload_for(i, 30_000 + 997 * i) for i in acked)
-        assert s.get(key_for(failed)) is None and not check(s).bad_blocks
-
-
-def test_full_disk_when_the_put_needs_a_new_segment(tiny_nvme):
-    data = tiny_nvme
-    with open_store(data) as s:
-        fill(s, range(12))
-        _fill_disk(data / "nvme" / "filler")
-        with pytest.raises(TierFullError, match="disk is full"):  # 1 MiB segment: needs a new one
-            s.put(key_for(100), payload_for(100, 1_000_000), NS.id)
-
-
-@pytest.fixture
-def mounts():
-    done = []
-    yield lambda args, target: (_mount(args, target), done.append(target))
-    for target in reversed(done):
-        _umount(target)
-
-
-def test_read_only_data_directory_is_a_clear_store_error(tmp_path, mounts):
-    src, ro = tmp_path / "src", tmp_path / "ro"
-    with open_store(src) as s:
-        fill(s, range(5))
-    mounts(["--bind", str(src)], ro)
-    r = subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
-    with pytest.raises(StoreError, match="Read-only file system") as e:
-        BlockStore(make_config(ro))
-    assert str(ro) in str(e.value)
-    assert not isinstance(e.value, StoreLockedError)
-    with open_store(src) as s:  # the failed open left nothing locked or damaged behind
-        assert all(s.get(key_for(i)) == payload_for(i) for i in range(5))
-
-
-def test_read_only_empty_filesystem_is_a_clear_store_error(tmp_path, mounts):
-    ro = tmp_path / "ro"
-    mounts(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"], ro)
-    for data in (ro, ro / "missing" / "data"):
-        with pytest.raises(StoreError, match="Read-only file system") as e:
-            BlockStore(make_config(data))
-        assert str(data) in str(e.value)
-
-
-def test_read_only_nvme_directory_is_a_clear_store_error(tmp_path, mounts):
-    data = tmp_path / "d"
-    with open_store(data) as s:
-        fill(s, range(5))
-    mounts(["--bind", str(data / "nvme")], data / "nvme")
-    r = subprocess.run(["mount", "-o", "remount,bind,ro", str(data / "nvme")], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
-    with pytest.raises(StoreError, match="not writable") as e:
-        BlockStore(make_config(data))
-    assert str(data / "nvme") in str(e.value)
-
-
-def test_failed_open_can_be_retried_in_the_same_process(tmp_path):
-    import gc
-    data = tmp_path / "d"
-    with open_store(data) as s:
-        fill(s, range(3))
-    bad = StoreConfig(str(data), dram=DramConfig(capacity_bytes=1 << 20, page_bytes=1 << 20, prefault=False,
-                                                 pin_memory="on"), nvme=NvmeConfig(segment_bytes=1 << 20))
-    gc.disable()  # the cycle collector must not be what makes a retry work
-    try:
-        try:
-            BlockStore(bad)
-        except StoreError:
-            pass  # refused: no CUDA here (if CUDA exists the store opens and the test proves nothing)
-        else:
-            pytest.skip("pin_memory='on' works on this host")
-        with open_store(data) as s:  # the user fixes the config and tries again
-            assert all(s.get(key_for(i)) == payload_for(i) for i in range(3))
-    finally:
-        gc.enable()
-        gc.collect()
-
-
-def test_close_releases_the_data_dir_even_if_an_arena_view_is_alive(tmp_path):
-    data = tmp_path / "d"
-    s = open_store(data)
-    fill(s, range(3))
-    with s.dram.view(key_for(0)) as mv:
-        escaped = mv[:16]  # a view that outlives its `with` (as a traceback's frame would keep it)
-    try:
-        s.close()
-    except BufferError:
-        pass  # tolerable; leaving the directory locked is not
-    with open_store(data) as s2:  # same process: the lock and the index must have been released
-        assert all(s2.get(key_for(i)) == payload_for(i) for i in range(3))
-    del escaped
-
-
-def test_missing_parent_directories_are_created(tmp_path):
-    data = tmp_path / "a" / "b" / "c" / "data"
-    with open_store(data) as s:
-        fill(s, range(3))
-    with open_store(data) as s:
-        assert all(s.get(key_for(i)) == payload_for(i) for i in range(3))
-
-
-def test_data_directory_that_is_a_file_is_a_clear_store_error(tmp_path):
-    (tmp_path / "file").write_text("not a directory")
-    for data in (tmp_path / "file", tmp_path / "file" / "data"):
-        with pytest.raises(StoreError, match="cannot use data directory") as e:
-            BlockStore(make_config(data))
-        assert str(data) in str(e.value)
-
-
-_HOLDER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {here!r})
-    from test_faults import open_store
-    with open_store({data!r}):
-        print("READY", flush=True)
-        sys.stdin.readline()
-""")
-
-
-def test_second_process_gets_store_locked_error(tmp_path):
-    data = tmp_path / "d"
-    with open_store(data) as s:
-        fill(s, range(3))
-    code = _HOLDER.format(here=os.path.dirname(os.path.abspath(__file__)), data=str(data))
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "READY", holder.stderr.read()
-        for _ in range(2):  # refused every time, and a refusal does not disturb the holder
-            with pytest.raises(StoreLockedError) as e:
-                BlockStore(make_config(data))
-            msg = str(e.value)
-            assert str(data) in msg and f"pid {holder.pid}" in msg, msg
-        assert isinstance(e.value, StoreError)
-    finally:
-        out, err = holder.communicate("\n", timeout=60)
-    assert holder.returncode == 0, err
-    with open_store(data) as s:  # the holder is gone: the directory is free again
-        assert all(s.get(key_for(i)) == payload_for(i) for i in range(3))

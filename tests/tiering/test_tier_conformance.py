@@ -1,6 +1,5 @@
 """One contract, every tier: see tiering/base.py."""
 
-import os
 import threading
 
 import pytest
