@@ -48,9 +48,11 @@ class RetentionPolicy:
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
 
     def rule(self, namespace_name: str, tenant: str) -> RetentionRule:
-        if tenant in self.tenants:
+        if tenant and tenant in self.tenants:
             return self.tenants[tenant]
-        return self.namespaces.get(namespace_name, self.default)
+        if namespace_name and namespace_name in self.namespaces:
+            return self.namespaces[namespace_name]
+        return self.default
 
     def expires_at(self, meta: BlockMeta, namespace_name: str = "") -> float:
         rule = self.rule(namespace_name, meta.tenant)
@@ -60,7 +62,9 @@ class RetentionPolicy:
         return at
 
     def is_expired(self, meta: BlockMeta, now: float, namespace_name: str = "") -> bool:
-        return not meta.is_pinned(now) and now >= self.expires_at(meta, namespace_name)
+        if meta.hard_pins or meta.soft_pin_until > now:
+            return False
+        return now >= self.expires_at(meta, namespace_name)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "RetentionPolicy":

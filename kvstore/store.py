@@ -159,7 +159,12 @@ class BlockStore:
 
     def get_into(self, key: bytes, out) -> int | None:
         """Copy the payload into `out` (any writable buffer); its length, or None on a miss."""
-        return self.get_many_into([key], [out])[0]
+        meta = self._metas([key])[0]
+        if meta is None:
+            return self._miss()
+        if memoryview(out).nbytes < meta.payload_len:
+            raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+        return self._read(key, meta, out)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Batched get: one index transaction for all keys."""
@@ -173,18 +178,31 @@ class BlockStore:
         return out
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Batched get_into (the engine's load path): one index transaction, payload
-        lengths or None per key. Each `outs[i]` must hold that block."""
+        """Batched get_into (the engine's load path): one index transaction and one DRAM
+        lease round-trip for the whole batch; payload lengths or None per key."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
-        result: list[int | None] = []
-        for key, out, meta in zip(keys, outs, self._metas(list(keys))):
-            if meta is None:
-                result.append(self._miss())
-            elif memoryview(out).nbytes < meta.payload_len:
+        metas = self._metas(list(keys))
+        for out, meta in zip(outs, metas):
+            if meta is not None and memoryview(out).nbytes < meta.payload_len:
                 raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
-            else:
-                result.append(self._read(key, meta, out))
+        result: list[int | None] = [None] * len(keys)
+        in_dram = [i for i, m in enumerate(metas) if m is not None and int(m.residency) & 1]  # Tier.DRAM
+        if in_dram:
+            now = self.clock()
+            got = self.dram.get_many_into([keys[i] for i in in_dram], [outs[i] for i in in_dram])
+            for i, n in zip(in_dram, got):
+                if n is not None:
+                    result[i] = n
+                    self._touch(keys[i], now)
+                else:  # evicted since the lookup: fall through to the other tiers
+                    metas[i].residency &= ~Tier.DRAM
+            self.stats_counters["hits_dram"] += sum(n is not None for n in got)
+        for i, (key, out, meta) in enumerate(zip(keys, outs, metas)):
+            if meta is None:
+                self._miss()
+            elif result[i] is None:
+                result[i] = self._read(key, meta, out)
         return result
 
     def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:

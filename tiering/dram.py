@@ -210,8 +210,7 @@ class DramTier(BlockTier):
             return None if mv is None else bytes(mv)
 
     def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
-        # view() inlined: a generator-based context manager costs ~1.5 us a call, a quarter
-        # of the copy itself for a 64 KiB block
+        # the single-block twin of get_many_into, kept lean: every list costs on a 6 us copy
         with self._lock:
             e = self._entries.get(key)
             if e is None:
@@ -230,6 +229,37 @@ class DramTier(BlockTier):
                 e.leases -= 1
                 if e.doomed and e.leases == 0:
                     self._slab.free(e.offset)
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Copy each block into its buffer: one lock round-trip to lease them all, the
+        copies with no lock held, one round-trip to release (a 64 KiB copy is ~6 us; the
+        per-call Python around it must stay small)."""
+        with self._lock:
+            held = [self._entries.get(k) for k in keys]
+            for k, e in zip(keys, held):
+                if e is not None:
+                    e.leases += 1
+                    if self._lru:
+                        self._entries.move_to_end(k)
+        try:
+            result: list[int | None] = []
+            for e, out in zip(held, outs):
+                if e is None:
+                    result.append(None)
+                    continue
+                dst = memoryview(out).cast("B")
+                if dst.nbytes < e.nbytes:
+                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {e.nbytes}")
+                dst[: e.nbytes] = self._mv[e.offset: e.offset + e.nbytes]
+                result.append(e.nbytes)
+            return result
+        finally:
+            with self._lock:
+                for e in held:
+                    if e is not None:
+                        e.leases -= 1
+                        if e.doomed and e.leases == 0:
+                            self._slab.free(e.offset)
 
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:

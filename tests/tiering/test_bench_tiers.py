@@ -31,7 +31,7 @@ def test_run_writes_report(tmp_path):
     out_dir = tmp_path / "results"
     bench_tiers.run([64 << 10], 2 * MIB, str(out_dir), repeats=1, batch_bytes=MIB,
                     data_dir=str(tmp_path / "data"), index_blocks=3000, hash_runs=1, lookup_runs=1,
-                          progress=False)
+                    progress=False)
     latest = out_dir / "tier_throughput-latest.json"
     stamped = [p for p in out_dir.glob("tier_throughput-*.json") if p != latest]
     assert latest.exists() and len(stamped) == 1
