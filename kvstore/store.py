@@ -20,7 +20,6 @@ the store to demote. DRAM reads take only the DRAM lock, briefly.
 from __future__ import annotations
 
 import collections
-import fcntl
 import json
 import logging
 import os
@@ -31,8 +30,9 @@ from typing import Callable, Iterable, Sequence
 
 from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.config import StoreConfig
-from kvcache.kvstore.errors import BlockFormatError, StoreError, StoreLockedError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import BlockFormatError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier
@@ -65,7 +65,7 @@ class BlockStore:
         self.config = config
         self.clock = clock
         self._lock = threading.RLock()
-        self._lockfile = _lock_data_dir(config.data_dir)
+        self._lockfile = lock_data_dir(config.data_dir)
         self.stats_counters: collections.Counter[str] = collections.Counter()
         self._dram_meta: dict[bytes, BlockMeta] = {}
         self.index = self.nvme = self.dram = None
@@ -469,26 +469,3 @@ def _check_keys(keys: Sequence[bytes]) -> None:
     for k in keys:
         if not isinstance(k, bytes):
             raise TypeError(f"block keys are bytes, got {type(k).__name__}")
-
-
-def _lock_data_dir(data_dir: str):
-    """One writer process per data directory: a second one gets a clear error, not corruption."""
-    try:
-        os.makedirs(data_dir, exist_ok=True)
-        f = open(os.path.join(data_dir, "LOCK"), "a+")
-    except OSError as e:
-        raise StoreError(f"cannot use data directory {data_dir}: {e.strerror}; "
-                         "create it or choose a writable path") from e
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise StoreLockedError(f"data directory {data_dir} is in use by {holder}; stop it, or use its "
-                               "HTTP API, or run read-only commands such as `kvcache stats`") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f

@@ -1,0 +1,31 @@
+"""One writer process per data directory: a second one gets a clear error, not corruption."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from kvcache.kvstore.errors import StoreError, StoreLockedError
+
+
+def lock_data_dir(data_dir: str):
+    """An open file holding an exclusive flock on DATA_DIR/LOCK (close it to release)."""
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        f = open(os.path.join(data_dir, "LOCK"), "a+")
+    except OSError as e:
+        raise StoreError(f"cannot use data directory {data_dir}: {e.strerror}; "
+                         "create it or choose a writable path") from e
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise StoreLockedError(f"data directory {data_dir} is in use by {holder}; stop that process "
+                               "first (read-only commands such as `kvcache stats` work meanwhile)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
