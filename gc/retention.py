@@ -3,6 +3,7 @@
 A block expires at   min(last_access + ttl, created + max_age)   unless it is pinned
 (hard pin, or soft pin whose TTL has not run out). The rule used for a block is the most
 specific one configured:  tenant override  >  namespace override  >  default.
+A block put with an explicit TTL expires at created + that TTL instead (pins still win).
 Defaults: 72 hours from last access, no maximum age.
 """
 
@@ -55,6 +56,8 @@ class RetentionPolicy:
         return self.default
 
     def expires_at(self, meta: BlockMeta, namespace_name: str = "") -> float:
+        if meta.expires_at > 0:  # a deadline the writer chose for this block
+            return meta.expires_at
         rule = self.rule(namespace_name, meta.tenant)
         at = max(meta.last_access, meta.created) + rule.ttl_s
         if rule.max_age_s is not None:

@@ -4,7 +4,8 @@ Segments are replayed in id order. For each key the last record wins; a tombston
 the key's records created before its deletion time, or at the same time but earlier in
 the log (so a block put again after a delete survives). Recovered blocks count as accessed at rebuild time: access times are
 not stored in segments, and expiring hot blocks early would cost more than keeping cold
-ones one more TTL. Their age (max_age) still counts from creation.
+ones one more TTL. Their age (max_age) still counts from creation. Pins and explicit
+per-block TTLs live only in the index and are not recovered.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ class PutItem:
     namespace_id: bytes
     layout: tuple[TensorSpec, ...] | None = None
     tenant: str = ""
+    ttl_s: float | None = None     # an explicit lifetime for this block instead of the retention policy
 
 
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
@@ -246,8 +247,9 @@ class BlockStore:
             self.stats_counters["promotions"] += 1
 
     # ---------------------------------------------------------------- put
-    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "") -> PutResult:
-        return self.put_many([PutItem(key, payload, namespace_id, layout, tenant)])
+    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
+            ttl_s: float | None = None) -> PutResult:
+        return self.put_many([PutItem(key, payload, namespace_id, layout, tenant, ttl_s)])
 
     def put_many(self, items: Sequence[PutItem]) -> PutResult:
         now = self.clock()
@@ -272,6 +274,8 @@ class BlockStore:
             if len(item.key) != ns.algo.digest_size:
                 raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
                                        f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
+            if item.ttl_s is not None and not item.ttl_s > 0:
+                raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
             payload = memoryview(item.payload).cast("B")
             checked.append((item, payload, check_layout(item.layout, payload.nbytes)))
         writes, metas, seen = [], [], set()
@@ -280,7 +284,8 @@ class BlockStore:
                 continue
             seen.add(item.key)
             writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now))
-            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant))
+            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant,
+                                   expires_at=now + item.ttl_s if item.ttl_s else 0.0))
         return writes, metas
 
     def _durable(self) -> bool:

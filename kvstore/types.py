@@ -89,6 +89,7 @@ class BlockMeta:
     access_count: int = 0
     hard_pins: int = 0
     soft_pin_until: float = 0.0
+    expires_at: float = 0.0        # >0: an explicit deadline set at put time (overrides the policy)
     segment_id: int = 0
     offset: int = 0
     record_len: int = 0
@@ -102,7 +103,7 @@ class BlockMeta:
     def pack(self) -> bytes:
         head = self._FMT.pack(
             self.namespace_id, self.payload_len, int(self.residency), self.created,
-            self.last_access, 0.0, self.access_count, self.hard_pins, self.soft_pin_until,
+            self.last_access, self.expires_at, self.access_count, self.hard_pins, self.soft_pin_until,
             self.segment_id, self.offset, self.record_len,
         )
         return head + self.tenant.encode()
@@ -110,9 +111,9 @@ class BlockMeta:
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> "BlockMeta":
         raw = bytes(raw)
-        (ns, plen, res, created, last, _reserved, count, hard, soft, seg, off, rlen) = cls._FMT.unpack_from(raw)
+        (ns, plen, res, created, last, expires, count, hard, soft, seg, off, rlen) = cls._FMT.unpack_from(raw)
         tenant = raw[cls._FMT.size:].decode()
-        return cls(ns, plen, Tier(res), created, last, count, hard, soft, seg, off, rlen, tenant)
+        return cls(ns, plen, Tier(res), created, last, count, hard, soft, expires, seg, off, rlen, tenant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ import pytest
 from kvcache.gc.collector import Collector
 from kvcache.gc.retention import HOUR, RetentionPolicy, RetentionRule
 from kvcache.kvstore.types import BlockMeta
-from tests.conftest import make_keys, payload_for, put_blocks
+from tests.conftest import NS, make_keys, payload_for, put_blocks
 
 
 def test_rule_precedence_and_expiry_math():
@@ -159,3 +159,23 @@ def test_puts_make_room_without_a_gc_thread(make_store, clock):
     assert s.nvme.disk_bytes() <= 5 << 20
     assert all(s.get(k) == payload_for(k, 16384) for k in keys[-25:])
     assert s.stats().counters["evictions_nvme"] > 0
+
+
+def test_explicit_ttl_per_block(make_store, clock):
+    from kvcache.kvstore.errors import BlockFormatError
+    from kvcache.kvstore.store import PutItem
+    s = make_store()
+    short, long_, default = make_keys(1), make_keys(1, start=100), make_keys(1, start=200)
+    s.put(short[0], payload_for(short[0]), NS.id, ttl_s=2 * HOUR)
+    s.put_many([PutItem(long_[0], payload_for(long_[0]), NS.id, ttl_s=200 * HOUR)])
+    put_blocks(s, default)
+    clock.advance(hours=3)
+    assert s.get(short[0]) is None and s.get(default[0]) is not None
+    s.close()
+    s = make_store()                       # the deadline is in the index: it survives restarts
+    clock.advance(hours=100)
+    assert s.get(long_[0]) == payload_for(long_[0]) and s.get(default[0]) is None
+    clock.advance(hours=100)
+    assert s.get(long_[0]) is None
+    with pytest.raises(BlockFormatError, match="ttl_s"):
+        s.put(make_keys(1, start=300)[0], b"x", NS.id, ttl_s=0)
