@@ -1,5 +1,6 @@
 """`kvcache`: operate a kvcache data directory from the shell.
 
+    kvcache serve [--config F]          the cache daemon (HTTP API, metrics)
     kvcache stats DIR [--json]          what the store holds (works while a daemon runs)
     kvcache check DIR [--fix] [--quick] reconcile index and segments, recount
     kvcache gc DIR [--max-steps N]      expire, evict over watermarks, compact segments
@@ -18,6 +19,7 @@ from kvcache import __version__
 from kvcache.kvstore.errors import StoreError
 
 EPILOG = """examples:
+  kvcache serve
   kvcache stats ~/.local/share/kvcache --json
   kvcache check /data/kvcache --fix
   kvcache gc /data/kvcache --config configs/store.toml
@@ -34,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured JSON log lines for log shippers (default: text)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvcache.cli import store_commands, bench
+    from kvcache.cli import bench, serve, store_commands
+    serve.add_parser(sub)
     store_commands.add_parsers(sub)
     bench.add_parser(sub)
     return p

@@ -168,3 +168,18 @@ def hash_blocks(ns: Namespace, tokens, extra_keys=None, parent: bytes | None = N
         prev = _chain(ns.algo, prev, rows[i], extras[i])
         keys.append(prev)
     return keys
+
+
+def tenant_key(tenant: str, key: bytes) -> bytes:
+    """The key a tenant's block is stored under: the tenant's own key space.
+
+    Two tenants sending the same block key get different stored keys, so neither can read,
+    pin, delete or detect the other's blocks. The anonymous tenant "" keeps keys as they are.
+    The stored key has the length of the sent one (xxh3-128 for 16 bytes, sha256 for 32).
+    """
+    if not tenant:
+        return key
+    h = xxhash.xxh3_128() if len(key) <= 16 else hashlib.sha256()
+    for part in (b"kvcache.tenant", tenant.encode(), key):
+        _frame(h, part)
+    return h.digest()[: len(key)]

@@ -153,7 +153,7 @@ class BlockStore:
         return LookupResult(len(tiers), tuple(tiers))
 
     def contains(self, key: bytes) -> bool:
-        return self._metas([key])[0] is not None
+        return self.exists_many([key])[0]
 
     def get(self, key: bytes) -> bytes | None:
         return self.get_many([key])[0]
@@ -169,14 +169,22 @@ class BlockStore:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Batched get: one index transaction for all keys."""
-        out: list[bytes | None] = []
+        return [payload for payload, _ in self.get_many_tiered(keys)]
+
+    def get_many_tiered(self, keys: Sequence[bytes]) -> list[tuple[bytes | None, Tier]]:
+        """Batched get that also says which tier served each block (Tier.NONE on a miss)."""
+        out: list[tuple[bytes | None, Tier]] = []
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
-                out.append(self._miss())
+                out.append((self._miss(), Tier.NONE))
                 continue
-            buf = bytearray(meta.payload_len)
-            out.append(bytes(buf) if self._read(key, meta, buf) is not None else None)
+            tier, buf = meta.residency.fastest(), bytearray(meta.payload_len)
+            ok = self._read(key, meta, buf) is not None
+            out.append((bytes(buf), tier) if ok else (None, Tier.NONE))
         return out
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [m is not None for m in self._metas(list(keys))]
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
         """Batched get_into (the engine's load path): one index transaction and one DRAM

@@ -47,3 +47,10 @@ def test_mistakes_are_named(tmp_path, text, match):
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         StoreConfig.load(str(tmp_path / "none.toml"), str(tmp_path))
+
+
+def test_shipped_example_server_section_is_the_defaults():
+    import tomllib
+    from kvcache.cli.server_config import ServerConfig
+    with open(EXAMPLE, "rb") as f:
+        assert ServerConfig.from_dict(tomllib.load(f)["server"], env={}) == ServerConfig()

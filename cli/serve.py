@@ -1,0 +1,83 @@
+"""`kvcache serve`: run the cache daemon on a data directory."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvcache")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", formatter_class=argparse.RawDescriptionHelpFormatter, help="run the cache daemon (HTTP API)",
+        description="Run the kvcache daemon: it owns a data directory (DRAM and NVMe tiers, index, GC)\n"
+                    "and serves it over HTTP (docs/api.md). With no arguments it uses an embedded default:\n"
+                    f"{default_data_dir()}, 1 GiB of DRAM, 64 GiB of NVMe, 127.0.0.1:8790, no auth.\n"
+                    "Binding beyond loopback requires tokens ([server] tokens or KVCACHE_TOKENS).\n"
+                    "SIGTERM/SIGINT drain in-flight requests and flush write-back blocks before exit.",
+        epilog="examples:\n  kvcache serve\n  kvcache serve --config configs/store.toml\n"
+               "  KVCACHE_TOKENS=$(openssl rand -hex 24):acme kvcache serve --host 0.0.0.0")
+    p.add_argument("--config", metavar="FILE.toml", help="store and [server] settings (see configs/)")
+    p.add_argument("--data-dir", metavar="DIR", help="overrides store.data_dir")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8790)")
+    p.add_argument("--gc-interval", type=float, metavar="S", help="seconds between GC steps (default 10)")
+    p.set_defaults(func=cmd_serve)
+
+
+def load_configs(args):
+    from kvcache.cli.server_config import ServerConfig
+    from kvcache.kvstore.config import StoreConfig
+    raw = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {args.config} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {args.config} is not valid TOML: {e}") from None
+    server = ServerConfig.from_dict(raw.get("server", {}), host=args.host, port=args.port)
+    data_dir = args.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
+    store = StoreConfig.from_dict(raw, data_dir=os.path.expanduser(data_dir))
+    gc = args.gc_interval if args.gc_interval is not None else (store.gc_interval_s or 10.0)
+    return dataclasses.replace(store, gc_interval_s=gc), server
+
+
+def describe(store_cfg, server_cfg) -> str:
+    def gib(n: int) -> str:
+        return f"{n / (1 << 30):.1f} GiB"
+    lines = [f"kvcache serving http://{server_cfg.host}:{server_cfg.port}",
+             f"  data directory  {store_cfg.data_dir}"]
+    if store_cfg.dram:
+        lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}")
+    if store_cfg.nvme:
+        lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")
+    lines.append(f"  write policy    {store_cfg.write_policy}; retention {store_cfg.retention.default.ttl_s / 3600:g} h")
+    lines.append(f"  auth            {len(server_cfg.tokens)} token(s)" if server_cfg.tokens else
+                 "  auth            none (loopback only)")
+    return "\n".join(lines)
+
+
+def cmd_serve(args) -> int:
+    from aiohttp import web
+    from kvcache.cli.server import build_app
+    from kvcache.kvstore.store import BlockStore
+    store_cfg, server_cfg = load_configs(args)
+    store = BlockStore(store_cfg)
+    app = build_app(store, server_cfg)
+
+    async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
+        store.close()
+    app.on_cleanup.append(close_store)
+    print(describe(store_cfg, server_cfg), flush=True)
+    web.run_app(app, host=server_cfg.host, port=server_cfg.port, print=None,
+                shutdown_timeout=server_cfg.shutdown_timeout_s, access_log=None)
+    print("kvcache: stopped cleanly", flush=True)
+    return 0

@@ -1,0 +1,291 @@
+"""The `kvcache serve` HTTP daemon: thin aiohttp handlers over one BlockStore.
+
+    request ─> error middleware ─> auth middleware (token -> tenant, admin) ─> metrics ─> handler
+    handler:  parse (hex keys -> the tenant's stored keys) ─> store call in a worker thread ─> encode
+
+The store is synchronous and thread-safe; its calls run in a thread pool so an fsync never
+stalls the event loop. Handlers map the client's keys into the tenant's key space
+(`kvstore.hashing.tenant_key`) on the way in and answer with the client's keys on the way
+out. See docs/api.md for the wire contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from kvcache.cli.metrics import Metrics
+from kvcache.cli.server_config import ServerConfig
+from kvcache.kvstore import wire
+from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.hashing import Namespace, tenant_key
+from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.types import TensorSpec
+
+log = logging.getLogger(__name__)
+STORE = web.AppKey("store", BlockStore)
+CONFIG = web.AppKey("config", ServerConfig)
+POOL = web.AppKey("pool", ThreadPoolExecutor)
+METRICS = web.AppKey("metrics", Metrics)
+TENANT = web.RequestKey("tenant", str)
+ADMIN = web.RequestKey("admin", bool)
+PUT_CHUNK_BYTES = 64 << 20
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": code, "message": message}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+    except UnknownNamespaceError as e:
+        return _error(422, "unknown_namespace", str(e))
+    except (BlockFormatError, ValueError, KeyError, TypeError) as e:
+        return _error(400, "bad_request", str(e))
+    except asyncio.IncompleteReadError:
+        return _error(400, "truncated_body", "the request body ended in the middle of a frame")
+    except TierFullError as e:
+        return _error(507, "insufficient_storage", str(e))
+    except StoreError as e:
+        return _error(503, "store_unavailable", str(e))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, "internal", "internal error; see the daemon log")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    cfg = request.app[CONFIG]
+    if request.path == "/healthz" or not cfg.auth_required:
+        request[TENANT], request[ADMIN] = "", True
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    presented = header[7:] if header.startswith("Bearer ") else ""
+    match = None
+    for t in cfg.tokens:  # compare with every token, in constant time
+        if hmac.compare_digest(t.token.encode(), presented.encode()):
+            match = t
+    if match is None:
+        return _error(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
+    request[TENANT], request[ADMIN] = match.tenant, match.admin
+    return await handler(request)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    t0 = time.perf_counter()
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    response = await handler(request)
+    request.app[METRICS].observe_request(endpoint, response.status, time.perf_counter() - t0)
+    return response
+
+
+async def _call(request: web.Request, fn, *args, **kw):
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[POOL], functools.partial(fn, *args, **kw))
+
+
+def _require_admin(request: web.Request) -> None:
+    if not request[ADMIN]:
+        raise web.HTTPForbidden(text="this operation needs an admin token")
+
+
+def _key(request: web.Request, text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise BlockFormatError(f"block keys are hex strings, got {text[:40]!r}") from None
+    if not 1 <= len(key) <= 64:
+        raise BlockFormatError(f"block keys are 1-64 bytes, got {len(key)}")
+    return tenant_key(request[TENANT], key)
+
+
+async def _keys(request: web.Request) -> tuple[list[bytes], dict]:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        raise BlockFormatError(f"request body is not JSON: {e}") from None
+    keys = body.get("keys") if isinstance(body, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise BlockFormatError('expected {"keys": ["<hex>", ...]}')
+    if len(keys) > request.app[CONFIG].max_keys:
+        raise web.HTTPRequestEntityTooLarge(max_size=request.app[CONFIG].max_keys, actual_size=len(keys),
+                                            text=f"at most {request.app[CONFIG].max_keys} keys per request")
+    return [_key(request, k) for k in keys], body
+
+
+# ---------------------------------------------------------------- handlers
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def register_namespace(request: web.Request) -> web.Response:
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise BlockFormatError("expected a namespace object")
+    ns_id = await _call(request, request.app[STORE].register_namespace, Namespace.from_dict(body))
+    return web.json_response({"id": ns_id.hex()})
+
+
+async def put_block(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    if request.content_length is not None and request.content_length > cfg.max_block_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=cfg.max_block_bytes, actual_size=request.content_length)
+    ns = bytes.fromhex(request.headers.get("X-KVCache-Namespace", ""))
+    layout = request.headers.get("X-KVCache-Layout")
+    ttl = request.headers.get("X-KVCache-TTL")
+    item = PutItem(_key(request, request.match_info["key"]), await request.read(), ns,
+                   tuple(TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(layout)) if layout else None,
+                   request[TENANT], float(ttl) if ttl else None)
+    return web.json_response(_put_json(await _call(request, request.app[STORE].put_many, [item])))
+
+
+def _put_json(r) -> dict:
+    return {"stored": r.stored, "already_present": r.already_present, "durable": r.durable}
+
+
+async def get_block(request: web.Request) -> web.Response:
+    key = _key(request, request.match_info["key"])
+    [(payload, tier)] = await _call(request, request.app[STORE].get_many_tiered, [key])
+    request.app[METRICS].count_gets([(payload, tier)])
+    if payload is None:
+        raise web.HTTPNotFound(text="no such block")
+    return web.Response(body=payload, content_type="application/octet-stream",
+                        headers={"X-KVCache-Tier": tier.label})
+
+
+async def head_block(request: web.Request) -> web.Response:
+    [found] = await _call(request, request.app[STORE].exists_many, [_key(request, request.match_info["key"])])
+    return web.Response(status=200 if found else 404)
+
+
+async def batch_put(request: web.Request) -> web.Response:
+    cfg, store = request.app[CONFIG], request.app[STORE]
+    read = request.content.readexactly
+    count = await wire.read_stream_header(read, cfg.max_batch_blocks)
+    totals, chunk, chunk_bytes = [0, 0, True], [], 0
+    for _ in range(count):
+        f = await wire.read_put_frame(read, cfg.max_block_bytes)
+        chunk.append(PutItem(tenant_key(request[TENANT], f.key), f.payload, f.namespace_id, f.layout,
+                             request[TENANT], f.ttl_s))
+        chunk_bytes += len(f.payload)
+        if chunk_bytes >= PUT_CHUNK_BYTES:
+            _add(totals, await _call(request, store.put_many, chunk))
+            chunk, chunk_bytes = [], 0
+    if chunk:
+        _add(totals, await _call(request, store.put_many, chunk))
+    request.app[METRICS].count_puts(totals[0], totals[1])
+    return web.json_response({"stored": totals[0], "already_present": totals[1], "durable": totals[2]})
+
+
+def _add(totals: list, r) -> None:
+    totals[0] += r.stored
+    totals[1] += r.already_present
+    totals[2] = totals[2] and r.durable
+
+
+async def batch_get(request: web.Request) -> web.StreamResponse:
+    keys, body = await _keys(request)
+    sent = [bytes.fromhex(k) for k in body["keys"]]
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
+    await resp.prepare(request)
+    await resp.write(wire.stream_header(len(keys)))
+    for i in range(0, len(keys), 32):  # stream in small groups: bounded memory per request
+        got = await _call(request, request.app[STORE].get_many_tiered, keys[i: i + 32])
+        request.app[METRICS].count_gets(got)
+        for client_key, (payload, tier) in zip(sent[i: i + 32], got):
+            for part in wire.encode_get_frame(client_key, payload, tier):
+                await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+async def lookup(request: web.Request) -> web.Response:
+    keys, _ = await _keys(request)
+    r = await _call(request, request.app[STORE].lookup, keys)
+    request.app[METRICS].count_lookup(len(keys), r.tiers)
+    return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
+
+
+async def exists(request: web.Request) -> web.Response:
+    keys, _ = await _keys(request)
+    return web.json_response({"exists": await _call(request, request.app[STORE].exists_many, keys)})
+
+
+async def pin(request: web.Request) -> web.Response:
+    keys, body = await _keys(request)
+    ttl = body.get("ttl_s")
+    if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
+        raise BlockFormatError("ttl_s must be a positive number of seconds")
+    return web.json_response({"changed": await _call(request, request.app[STORE].pin, keys, ttl)})
+
+
+async def unpin(request: web.Request) -> web.Response:
+    keys, _ = await _keys(request)
+    return web.json_response({"changed": await _call(request, request.app[STORE].unpin, keys)})
+
+
+async def delete(request: web.Request) -> web.Response:
+    _require_admin(request)
+    keys, _ = await _keys(request)
+    return web.json_response({"deleted": await _call(request, request.app[STORE].delete, keys)})
+
+
+async def run_gc(request: web.Request) -> web.Response:
+    import dataclasses
+    from kvcache.gc.collector import Collector
+    _require_admin(request)
+    body = await request.json() if request.can_read_body else {}
+    steps = int(body.get("max_steps", 100))
+    report = await _call(request, Collector(request.app[STORE]).run, steps)
+    return web.json_response(dataclasses.asdict(report))
+
+
+async def stats(request: web.Request) -> web.Response:
+    st = await _call(request, request.app[STORE].stats)
+    return web.json_response(st.to_dict())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = await _call(request, request.app[METRICS].render)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware, metrics_middleware],
+                          client_max_size=config.max_block_bytes + (1 << 20))
+    app[STORE], app[CONFIG] = store, config
+    app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
+    app[METRICS] = Metrics(store)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/v1/namespaces", register_namespace)
+    app.router.add_put("/v1/blocks/{key}", put_block)
+    app.router.add_get("/v1/blocks/{key}", get_block, allow_head=False)
+    app.router.add_head("/v1/blocks/{key}", head_block)
+    app.router.add_post("/v1/blocks/batch_put", batch_put)
+    app.router.add_post("/v1/blocks/batch_get", batch_get)
+    for path, handler in (("lookup", lookup), ("exists", exists), ("pin", pin), ("unpin", unpin),
+                          ("delete", delete), ("gc", run_gc)):
+        app.router.add_post(f"/v1/{path}", handler)
+    app.router.add_get("/v1/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(_shutdown_pool)
+    return app
+
+
+async def _shutdown_pool(app: web.Application) -> None:
+    app[POOL].shutdown(wait=True)

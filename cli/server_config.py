@@ -1,0 +1,75 @@
+"""ServerConfig: the `[server]` section of the TOML config, plus tokens from the environment."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token: str
+    tenant: str
+    admin: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.token) < 16:
+            raise ValueError("auth tokens must be at least 16 characters (use `openssl rand -hex 24`)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8790
+    tokens: tuple[TokenInfo, ...] = field(default_factory=tuple)
+    max_block_bytes: int = 64 << 20
+    max_batch_blocks: int = 4096
+    max_keys: int = 100_000
+    workers: int = 8                 # threads running blocking store calls
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"server.port must be 1-65535, got {self.port}")
+        if not self.tokens and not is_loopback(self.host):
+            raise ValueError(f"refusing to serve on {self.host} without auth: set [server] tokens or "
+                             "KVCACHE_TOKENS, or bind to 127.0.0.1")
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.tokens)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ, **overrides) -> "ServerConfig":
+        d = dict(d)
+        tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)))
+                  for t in d.pop("tokens", [])]
+        tokens += parse_env_tokens(env.get("KVCACHE_TOKENS", ""))
+        known = {f.name for f in fields(cls)} - {"tokens"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown [server] settings {sorted(unknown)}; known: {sorted(known)}")
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(tokens=tuple(tokens), **d)
+
+
+def parse_env_tokens(text: str) -> list[TokenInfo]:
+    """KVCACHE_TOKENS="token:tenant[:admin],token2:tenant2" """
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin"):
+            raise ValueError(f"KVCACHE_TOKENS entry {item[:6]}... must be token:tenant or token:tenant:admin")
+        out.append(TokenInfo(parts[0], parts[1], len(parts) == 3))
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,119 @@
+"""The binary framing for batches of blocks over HTTP (see docs/api.md).
+
+A batch body is a stream of frames after one stream header; payloads are never JSON:
+
+    stream:  b"KVB1" | u32 count
+    put frame (client -> daemon):
+             u8 key_len | key | 16B namespace id | u32 meta_len | meta JSON (may be empty:
+             {"layout": [[name, dtype, [dims...]], ...], "ttl_s": float}) | u64 len | payload
+    get frame (daemon -> client, one per requested key, in order):
+             u8 key_len | key | u8 status (0 hit, 1 miss) | u8 tier bits | u64 len | payload
+
+All integers little-endian. Readers pull frames one at a time from an async byte stream,
+so neither side holds a whole batch in memory beyond what it chooses to.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from kvcache.kvstore.errors import BlockFormatError
+from kvcache.kvstore.types import TensorSpec, Tier
+
+MAGIC = b"KVB1"
+_STREAM = struct.Struct("<4sI")
+_U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
+HIT, MISS = 0, 1
+MAX_META = 1 << 16
+
+ReadExactly = Callable[[int], Awaitable[bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class PutFrame:
+    key: bytes
+    namespace_id: bytes
+    payload: bytes
+    layout: tuple[TensorSpec, ...] | None = None
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GetFrame:
+    key: bytes
+    payload: bytes | None
+    tier: Tier = Tier.NONE
+
+
+def stream_header(count: int) -> bytes:
+    return _STREAM.pack(MAGIC, count)
+
+
+def encode_put_frame(f: PutFrame) -> list[bytes | memoryview]:
+    meta = {}
+    if f.layout is not None:
+        meta["layout"] = [[t.name, t.dtype, list(t.shape)] for t in f.layout]
+    if f.ttl_s is not None:
+        meta["ttl_s"] = f.ttl_s
+    mj = json.dumps(meta).encode() if meta else b""
+    if len(f.namespace_id) != 16 or not 1 <= len(f.key) <= 64:
+        raise BlockFormatError("a frame needs a 1-64 byte key and a 16-byte namespace id")
+    return [_U8.pack(len(f.key)) + f.key + f.namespace_id + _U32.pack(len(mj)) + mj
+            + _U64.pack(memoryview(f.payload).nbytes), f.payload]
+
+
+def encode_get_frame(key: bytes, payload, tier: Tier) -> list[bytes | memoryview]:
+    if payload is None:
+        return [_U8.pack(len(key)) + key + bytes([MISS, 0]) + _U64.pack(0)]
+    return [_U8.pack(len(key)) + key + bytes([HIT, int(tier)]) + _U64.pack(memoryview(payload).nbytes), payload]
+
+
+async def read_stream_header(read: ReadExactly, max_count: int) -> int:
+    magic, count = _STREAM.unpack(await read(_STREAM.size))
+    if magic != MAGIC:
+        raise BlockFormatError("batch body does not start with the KVB1 stream header")
+    if count > max_count:
+        raise BlockFormatError(f"batch of {count} blocks exceeds the limit of {max_count}")
+    return count
+
+
+async def read_put_frame(read: ReadExactly, max_payload: int) -> PutFrame:
+    (klen,) = _U8.unpack(await read(1))
+    if not 1 <= klen <= 64:
+        raise BlockFormatError(f"frame key length {klen} is outside 1-64")
+    key = await read(klen)
+    ns = await read(16)
+    (mlen,) = _U32.unpack(await read(4))
+    if mlen > MAX_META:
+        raise BlockFormatError(f"frame metadata of {mlen} bytes exceeds {MAX_META}")
+    meta = _parse_meta(await read(mlen)) if mlen else {}
+    (plen,) = _U64.unpack(await read(8))
+    if plen > max_payload:
+        raise BlockFormatError(f"block of {plen} bytes exceeds the {max_payload}-byte limit")
+    return PutFrame(key, ns, await read(plen), meta.get("layout"), meta.get("ttl_s"))
+
+
+async def read_get_frame(read: ReadExactly) -> GetFrame:
+    (klen,) = _U8.unpack(await read(1))
+    key = await read(klen)
+    status, tier = await read(2)
+    (plen,) = _U64.unpack(await read(8))
+    if status == MISS:
+        return GetFrame(key, None)
+    return GetFrame(key, await read(plen), Tier(tier))
+
+
+def _parse_meta(raw: bytes) -> dict:
+    try:
+        meta = json.loads(raw)
+        layout = meta.get("layout")
+        if layout is not None:
+            meta["layout"] = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in layout)
+        if meta.get("ttl_s") is not None:
+            meta["ttl_s"] = float(meta["ttl_s"])
+        return meta
+    except (ValueError, TypeError, AttributeError) as e:
+        raise BlockFormatError(f"frame metadata is not valid: {e}") from e
