@@ -36,6 +36,7 @@ POOL = web.AppKey("pool", ThreadPoolExecutor)
 METRICS = web.AppKey("metrics", Metrics)
 TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
+QUOTA = web.RequestKey("quota", object)
 PUT_CHUNK_BYTES = 64 << 20
 
 
@@ -59,6 +60,8 @@ async def error_middleware(request: web.Request, handler):
         return _error(400, "truncated_body", "the request body ended in the middle of a frame")
     except TierFullError as e:
         return _error(507, "insufficient_storage", str(e))
+    except QuotaExceeded as e:
+        return _error(507, "quota_exceeded", str(e))
     except StoreError as e:
         return _error(503, "store_unavailable", str(e))
     except Exception:
@@ -70,7 +73,7 @@ async def error_middleware(request: web.Request, handler):
 async def auth_middleware(request: web.Request, handler):
     cfg = request.app[CONFIG]
     if request.path == "/healthz" or not cfg.auth_required:
-        request[TENANT], request[ADMIN] = "", True
+        request[TENANT], request[ADMIN], request[QUOTA] = "", True, None
         return await handler(request)
     header = request.headers.get("Authorization", "")
     presented = header[7:] if header.startswith("Bearer ") else ""
@@ -80,7 +83,7 @@ async def auth_middleware(request: web.Request, handler):
             match = t
     if match is None:
         return _error(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
-    request[TENANT], request[ADMIN] = match.tenant, match.admin
+    request[TENANT], request[ADMIN], request[QUOTA] = match.tenant, match.admin, match.quota_bytes
     return await handler(request)
 
 
@@ -97,6 +100,21 @@ async def metrics_middleware(request: web.Request, handler):
 async def _call(request: web.Request, fn, *args, **kw):
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(request.app[POOL], functools.partial(fn, *args, **kw))
+
+
+async def _check_quota(request: web.Request, incoming: int) -> None:
+    """Refuse a put that would take the tenant past its quota (counted on payload bytes)."""
+    quota = request[QUOTA]
+    if quota is None:
+        return
+    used, _ = await _call(request, request.app[STORE].tenant_usage, request[TENANT])
+    if used + incoming > quota:
+        raise QuotaExceeded(f"tenant {request[TENANT]!r} holds {used} of its {quota} bytes; this put needs "
+                            f"{incoming} more. Delete or unpin blocks, wait for retention, or raise the quota")
+
+
+class QuotaExceeded(Exception):
+    pass
 
 
 def _require_admin(request: web.Request) -> None:
@@ -148,7 +166,9 @@ async def put_block(request: web.Request) -> web.Response:
     ns = bytes.fromhex(request.headers.get("X-KVCache-Namespace", ""))
     layout = request.headers.get("X-KVCache-Layout")
     ttl = request.headers.get("X-KVCache-TTL")
-    item = PutItem(_key(request, request.match_info["key"]), await request.read(), ns,
+    body = await request.read()
+    await _check_quota(request, len(body))
+    item = PutItem(_key(request, request.match_info["key"]), body, ns,
                    tuple(TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(layout)) if layout else None,
                    request[TENANT], float(ttl) if ttl else None)
     return web.json_response(_put_json(await _call(request, request.app[STORE].put_many, [item])))
@@ -184,9 +204,11 @@ async def batch_put(request: web.Request) -> web.Response:
                              request[TENANT], f.ttl_s))
         chunk_bytes += len(f.payload)
         if chunk_bytes >= PUT_CHUNK_BYTES:
+            await _check_quota(request, chunk_bytes)
             _add(totals, await _call(request, store.put_many, chunk))
             chunk, chunk_bytes = [], 0
     if chunk:
+        await _check_quota(request, chunk_bytes)
         _add(totals, await _call(request, store.put_many, chunk))
     request.app[METRICS].count_puts(totals[0], totals[1])
     return web.json_response({"stored": totals[0], "already_present": totals[1], "durable": totals[2]})

@@ -13,6 +13,7 @@ class TokenInfo:
     token: str
     tenant: str
     admin: bool = False
+    quota_bytes: int | None = None   # payload bytes the tenant may keep; puts beyond it get 507
 
     def __post_init__(self) -> None:
         if len(self.token) < 16:
@@ -44,7 +45,7 @@ class ServerConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ, **overrides) -> "ServerConfig":
         d = dict(d)
-        tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)))
+        tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)), t.get("quota_bytes"))
                   for t in d.pop("tokens", [])]
         tokens += parse_env_tokens(env.get("KVCACHE_TOKENS", ""))
         known = {f.name for f in fields(cls)} - {"tokens"}

@@ -2,6 +2,7 @@
 
     index entry ──> its segment exists? its record verifies (header, key, checksum)?
     segment table ─ recounted from the index entries (live bytes and blocks per segment)
+    tenant usage  ─ recounted likewise (payload bytes and blocks per tenant: quotas use it)
     segment files ─ scanned: torn or corrupt bytes, records nobody references
 
 Reports everything; repairs only with fix=True: bad entries are dropped from the index
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from kvcache.kvstore.index import TENANT_BLOCKS, TENANT_BYTES
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import Placement
 from kvcache.tiering.segment import ScanEnd, scan
@@ -27,6 +29,7 @@ class CheckReport:
     bad_blocks: dict[str, str] = field(default_factory=dict)   # key hex -> reason
     unknown_namespace_blocks: int = 0
     segment_table_mismatches: int = 0
+    tenant_count_mismatches: int = 0
     orphan_segments: list[int] = field(default_factory=list)
     missing_segments: list[int] = field(default_factory=list)
     corrupt_records: int = 0
@@ -36,7 +39,8 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.bad_blocks or self.segment_table_mismatches or self.orphan_segments
+        return not (self.bad_blocks or self.segment_table_mismatches or self.tenant_count_mismatches
+                    or self.orphan_segments
                     or self.missing_segments)
 
     def to_dict(self) -> dict:
@@ -48,6 +52,7 @@ class CheckReport:
 def check(store, fix: bool = False, deep: bool = True, progress: bool = False) -> CheckReport:
     rep = CheckReport()
     recount: dict[int, list[int]] = {}
+    tenants: dict[str, int] = {}
     referenced: dict[int, set[int]] = {}
     with store._lock:
         store.flush()
@@ -61,13 +66,19 @@ def check(store, fix: bool = False, deep: bool = True, progress: bool = False) -
             if why is not None:
                 rep.bad_blocks[key.hex()] = why
                 continue
+            for name, n in ((TENANT_BYTES + meta.tenant, meta.payload_len), (TENANT_BLOCKS + meta.tenant, 1)):
+                tenants[name] = tenants.get(name, 0) + n
             u = recount.setdefault(meta.segment_id, [0, 0])
             u[0] += meta.record_len
             u[1] += 1
             referenced.setdefault(meta.segment_id, set()).add(meta.offset)
         _check_segments(store, rep, recount, referenced)
+        stored = {k: v for k, v in store.index.counters().items() if k.startswith((TENANT_BYTES, TENANT_BLOCKS))}
+        rep.tenant_count_mismatches = sum(stored.get(k, 0) != v for k, v in tenants.items()) + sum(
+            v != 0 and k not in tenants for k, v in stored.items())
         if fix:
             _fix(store, rep, recount)
+            store.index.set_counters(tenants, (TENANT_BYTES, TENANT_BLOCKS))
     return rep
 
 

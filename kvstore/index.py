@@ -31,6 +31,7 @@ from kvcache.kvstore.types import BlockMeta, Tier
 _SEG_KEY = struct.Struct(">I")
 _SEG_VAL = struct.Struct("<QQ")
 _I64 = struct.Struct("<q")
+TENANT_BYTES, TENANT_BLOCKS = "tenant_bytes/", "tenant_blocks/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,18 +149,19 @@ class Index:
         """Apply puts, deletes and counter bumps atomically, keeping segment usage exact."""
         with self._write() as txn:
             seg_delta: dict[int, list[int]] = {}
+            counters = dict(counters or {})
             for sid in new_segments:
                 if txn.get(_SEG_KEY.pack(sid), db=self._segments) is None:
                     txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(0, 0), db=self._segments)
             for key in deletes:
                 old = txn.pop(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, BlockMeta.unpack(old), -1)
+                    self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
             for key, meta in (puts or {}).items():
                 old = txn.get(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, BlockMeta.unpack(old), -1)
-                self._account(seg_delta, meta, +1)
+                    self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
+                self._account(seg_delta, counters, meta, +1)
                 txn.put(key, meta.pack(), db=self._blocks)
             for sid, (db, dn) in seg_delta.items():
                 raw = txn.get(_SEG_KEY.pack(sid), db=self._segments)
@@ -167,7 +169,9 @@ class Index:
                 txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._segments)
             for sid in drop_segments:
                 txn.delete(_SEG_KEY.pack(sid), db=self._segments)
-            for name, delta in (counters or {}).items():
+            for name, delta in counters.items():
+                if not delta:
+                    continue
                 raw = txn.get(name.encode(), db=self._counters)
                 cur = _I64.unpack(raw)[0] if raw is not None else 0
                 txn.put(name.encode(), _I64.pack(cur + delta), db=self._counters)
@@ -180,11 +184,28 @@ class Index:
                 txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(b, n), db=self._segments)
 
     @staticmethod
-    def _account(delta: dict[int, list[int]], meta: BlockMeta, sign: int) -> None:
+    def _account(seg_delta: dict[int, list[int]], counters: dict[str, int], meta: BlockMeta, sign: int) -> None:
+        """Segment usage (NVMe bytes) and the owning tenant's usage (payload bytes, blocks)."""
         if Tier.NVME in meta.residency:
-            d = delta.setdefault(meta.segment_id, [0, 0])
+            d = seg_delta.setdefault(meta.segment_id, [0, 0])
             d[0] += sign * meta.record_len
             d[1] += sign
+        for name, n in ((TENANT_BYTES + meta.tenant, meta.payload_len), (TENANT_BLOCKS + meta.tenant, 1)):
+            counters[name] = counters.get(name, 0) + sign * n
+
+    def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """(payload bytes, blocks) that `tenant` holds in the index."""
+        c = self.counters()
+        return c.get(TENANT_BYTES + tenant, 0), c.get(TENANT_BLOCKS + tenant, 0)
+
+    def set_counters(self, values: dict[str, int], prefixes: tuple[str, ...] = ()) -> None:
+        """Overwrite counters; counters under `prefixes` not in `values` are zeroed (recounts)."""
+        with self._write() as txn:
+            for k, _ in list(txn.cursor(db=self._counters)):
+                if k.decode().startswith(prefixes) and k.decode() not in values:
+                    txn.put(k, _I64.pack(0), db=self._counters)
+            for name, v in values.items():
+                txn.put(name.encode(), _I64.pack(v), db=self._counters)
 
     @contextlib.contextmanager
     def _write(self):

@@ -450,6 +450,10 @@ class BlockStore:
                 f.write(line + "\n")
 
     # ---------------------------------------------------------------- stats / lifecycle
+    def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """(payload bytes, blocks) of `tenant`'s persisted blocks (quotas are checked against it)."""
+        return self.index.tenant_usage(tenant)
+
     def stats(self):
         from kvcache.kvstore.stats import collect_stats
         return collect_stats(self)

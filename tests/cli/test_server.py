@@ -172,3 +172,20 @@ def test_server_config_rules(monkeypatch):
                                  env={"KVCACHE_TOKENS": f"{ALICE}:a"}, host="0.0.0.0")
     assert cfg.port == 9000 and cfg.host == "0.0.0.0" and len(cfg.tokens) == 2
     assert json.dumps(NS.to_dict())
+
+
+async def test_tenant_quota(tmp_path):
+    store = BlockStore(StoreConfig(str(tmp_path), dram=None, nvme=NvmeConfig(segment_bytes=1 << 20)))
+    cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice", quota_bytes=10_000),))
+    async with TestClient(TestServer(build_app(store, cfg))) as c:
+        await register(c)
+        assert (await put(c, 0)).status == 200          # 3000 bytes
+        assert (await put(c, 1)).status == 200          # 6000
+        assert (await put(c, 2)).status == 200          # 9000
+        r = await put(c, 3)
+        assert r.status == 507 and (await r.json())["error"] == "quota_exceeded"
+        assert store.tenant_usage("alice") == (9000, 3)
+        frames = [wire.stream_header(1)] + wire.encode_put_frame(wire.PutFrame(KEYS[4], NS.id, payload(4)))
+        r = await c.post("/v1/blocks/batch_put", data=b"".join(bytes(f) for f in frames), headers=auth(ALICE))
+        assert r.status == 507
+    store.close()
