@@ -238,7 +238,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
 
 async def lookup(request: web.Request) -> web.Response:
     keys, _ = await _keys(request)
-    r = await _call(request, request.app[STORE].lookup, keys)
+    r = await _call(request, request.app[STORE].lookup, keys, request[TENANT])
     request.app[METRICS].count_lookup(len(keys), r.tiers)
     return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
 

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from kvcache.kvstore.errors import CorruptBlockError
+from kvcache.kvstore.events import Event
 from kvcache.kvstore.types import BlockMeta
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.segment import ScannedRecord, read_head, scan
@@ -100,6 +101,11 @@ class Collector:
                 for k in still + dram_expired:
                     store.dram.delete(k)
         r.expired, r.soft_pins_cleared = len(still) + len(dram_expired), len(updates)
+        if still:
+            gone = set(still)
+            ages = [now - m.created for k, m in chunk if k in gone]
+            store.events.record(Event(now, "expire", blocks=len(still), tier="nvme",
+                                      mean_age_s=sum(ages) / max(1, len(ages))))
 
     # ---------------------------------------------------------------- 2. capacity
     def _evict_for_capacity(self, r: GcReport, max_victims: int = 10_000) -> None:

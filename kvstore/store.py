@@ -7,10 +7,7 @@ Where metadata lives:
     blocks on a persistent tier  -> the LMDB index (survives restarts)
     blocks only in DRAM          -> `_dram_meta` in memory (they die with the process anyway)
 
-Put, write-through (the default; durable when nvme.fsync = "always"):
-    NVMe append + fsync ──> index commit ──> copy into DRAM (clean)  ──> acknowledged
-Put, write-back:
-    copy into DRAM (dirty) ──> acknowledged (not durable); evictions and flush() demote
+Puts, write-back demotion and flush live in kvstore/writes.py (the write half).
 
 Lock order: the store lock, then the DRAM tier's lock. Every DRAM mutation (put, pin,
 delete, promotion) happens under the store lock, because DRAM eviction calls back into
@@ -25,33 +22,24 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.config import StoreConfig
-from kvcache.kvstore.errors import BlockFormatError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.events import Event, EventSink, NullSink
+from kvcache.kvstore.errors import TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.rebuild import open_index
-from kvcache.kvstore.types import BlockMeta, LookupResult, PutResult, TensorSpec, Tier
+from kvcache.kvstore.writes import PutItem, StoreWrites
+from kvcache.kvstore.types import BlockMeta, LookupResult, Tier
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.dram import DramTier, EvictedBlock
+from kvcache.tiering.dram import DramTier
 from kvcache.tiering.nvme import NvmeTier
 
+__all__ = ["BlockStore", "PutItem"]
 log = logging.getLogger(__name__)
 MAX_PENDING_TOUCHES = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class PutItem:
-    key: bytes
-    payload: bytes | bytearray | memoryview
-    namespace_id: bytes
-    layout: tuple[TensorSpec, ...] | None = None
-    tenant: str = ""
-    ttl_s: float | None = None     # an explicit lifetime for this block instead of the retention policy
 
 
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
@@ -61,10 +49,13 @@ def _placement(meta: BlockMeta) -> Placement:
     return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
 
 
-class BlockStore:
-    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time):
+class BlockStore(StoreWrites):
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
+                 events: EventSink | None = None):
         self.config = config
         self.clock = clock
+        self.events: EventSink = events or NullSink()
+        self._events_on = not isinstance(self.events, NullSink)
         self._lock = threading.RLock()
         self._lockfile = lock_data_dir(config.data_dir)
         self.stats_counters: collections.Counter[str] = collections.Counter()
@@ -142,15 +133,28 @@ class BlockStore:
                 self.index.flush_touches()
 
     # ---------------------------------------------------------------- lookup / get
-    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        tiers = []
+    def lookup(self, keys: Sequence[bytes], tenant: str = "") -> LookupResult:
+        """`tenant` only labels the event for hit-rate reports."""
+        t0, tiers, first = time.perf_counter(), [], None
         for meta in self._metas(list(keys)):
             if meta is None:
                 break
+            first = first or meta
             tiers.append(meta.residency.fastest())
         self.stats_counters["lookup_blocks"] += len(keys)
         self.stats_counters["lookup_hits"] += len(tiers)
+        self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0)
         return LookupResult(len(tiers), tuple(tiers))
+
+    def _event(self, kind: str, meta: BlockMeta | None, tenant: str, blocks: int, tiers, latency_s: float,
+               nbytes: int = 0) -> None:
+        if not self._events_on:  # keep the hot read path free of event objects
+            return
+        ns = self.namespaces.get(meta.namespace_id) if meta is not None else None
+        self.events.record(Event(
+            self.clock(), kind, ns.id.hex() if ns else "", tenant or (meta.tenant if meta else ""), blocks,
+            blocks * ns.block_size if ns else 0, len(tiers), tiers.count(Tier.DRAM), tiers.count(Tier.NVME),
+            tiers.count(Tier.OBJECT), nbytes=nbytes, latency_s=latency_s))
 
     def contains(self, key: bytes) -> bool:
         return self.exists_many([key])[0]
@@ -173,14 +177,18 @@ class BlockStore:
 
     def get_many_tiered(self, keys: Sequence[bytes]) -> list[tuple[bytes | None, Tier]]:
         """Batched get that also says which tier served each block (Tier.NONE on a miss)."""
-        out: list[tuple[bytes | None, Tier]] = []
+        t0, out, first = time.perf_counter(), [], None
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
                 out.append((self._miss(), Tier.NONE))
                 continue
+            first = first or meta
             tier, buf = meta.residency.fastest(), bytearray(meta.payload_len)
             ok = self._read(key, meta, buf) is not None
             out.append((bytes(buf), tier) if ok else (None, Tier.NONE))
+        hits = [t for p, t in out if p is not None]
+        self._event("get", first, "", len(keys), hits, time.perf_counter() - t0,
+                    sum(len(p) for p, _ in out if p is not None))
         return out
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -212,6 +220,10 @@ class BlockStore:
                 self._miss()
             elif result[i] is None:
                 result[i] = self._read(key, meta, out)
+        if self._events_on:
+            hits = [m.residency.fastest() for m, n in zip(metas, result) if n is not None]
+            self._event("get", next((m for m in metas if m), None), "", len(keys), hits, 0.0,
+                        sum(n for n in result if n))
         return result
 
     def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:
@@ -253,131 +265,6 @@ class BlockStore:
                 return
             self.dram.set_pin(key, meta.hard_pins, meta.soft_pin_until)
             self.stats_counters["promotions"] += 1
-
-    # ---------------------------------------------------------------- put
-    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
-            ttl_s: float | None = None) -> PutResult:
-        return self.put_many([PutItem(key, payload, namespace_id, layout, tenant, ttl_s)])
-
-    def put_many(self, items: Sequence[PutItem]) -> PutResult:
-        now = self.clock()
-        with self._lock:  # validation included: two puts of one block must not both insert it
-            writes, metas = self._validate(items, now)
-            present = len(items) - len(writes)
-            if not writes:
-                return PutResult(0, present, durable=self._durable())
-            if self.config.write_policy == "write-back" or self.nvme is None:
-                durable = self._put_dram_only(writes, metas)
-            else:
-                self._put_through(writes, metas)
-                durable = self._durable()
-        self.stats_counters["puts"] += len(writes)
-        return PutResult(len(writes), present, durable)
-
-    def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
-        """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
-        checked = []
-        for item in items:
-            ns = self._namespace(item.namespace_id)
-            if len(item.key) != ns.algo.digest_size:
-                raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
-                                       f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
-            if item.ttl_s is not None and not item.ttl_s > 0:
-                raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
-            payload = memoryview(item.payload).cast("B")
-            checked.append((item, payload, check_layout(item.layout, payload.nbytes)))
-        writes, metas, seen = [], [], set()
-        for (item, payload, layout), existing in zip(checked, self._metas([i.key for i in items])):
-            if existing is not None or item.key in seen:
-                continue
-            seen.add(item.key)
-            writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now))
-            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant,
-                                   expires_at=now + item.ttl_s if item.ttl_s else 0.0))
-        return writes, metas
-
-    def _durable(self) -> bool:
-        return (self.nvme is not None and self.config.write_policy == "write-through"
-                and self.config.nvme.fsync == "always")
-
-    def _put_through(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> None:
-        if self.nvme.is_over_watermark():
-            self._make_room()
-        placements = self.nvme.put(writes)
-        self._commit_nvme(writes, metas, placements)
-        if self.dram is not None:
-            try:
-                self.dram.put(writes)
-            except (TierFullError, ValueError) as e:
-                log.debug("write-through blocks not cached in DRAM: %s", e)
-
-    def _commit_nvme(self, writes, metas, placements: list[Placement]) -> None:
-        puts, new_segments = {}, set()
-        for w, meta, p in zip(writes, metas, placements):
-            meta.residency = Tier.NVME
-            meta.segment_id, meta.offset, meta.record_len = p.segment_id, p.offset, p.record_len
-            puts[w.key] = meta
-            new_segments.add(p.segment_id)
-        self.index.commit(puts, new_segments=new_segments)
-
-    def _put_dram_only(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> bool:
-        dirty = self.nvme is not None
-        for w, meta in zip(writes, metas):
-            meta.residency = Tier.DRAM
-            self._dram_meta[w.key] = meta
-        try:
-            self.dram.put(writes, dirty=dirty)
-        except (TierFullError, ValueError):
-            for w in writes:
-                if not self.dram.contains(w.key):
-                    self._dram_meta.pop(w.key, None)
-            if not dirty:
-                raise
-            self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
-            return self._durable()
-        return False
-
-    def _make_room(self) -> None:
-        from kvcache.gc.collector import Collector
-        if self._collector is None:
-            self._collector = Collector(self)
-        rep = self._collector.make_room()
-        self.stats_counters["evictions_nvme"] += rep.evicted
-
-    def _on_dram_evict(self, evicted: list[EvictedBlock]) -> None:
-        """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""
-        dirty = [e for e in evicted if e.dirty]
-        for e in evicted:
-            if not e.dirty and self._dram_meta.pop(e.key, None) is not None:
-                self.stats_counters["evictions_dram_dropped"] += 1
-        self.stats_counters["evictions_dram"] += len(evicted)
-        if dirty:
-            self._demote([e.write for e in dirty])
-
-    def _demote(self, writes: list[BlockWrite]) -> None:
-        metas = [self._dram_meta[w.key] for w in writes]
-        try:
-            placements = self.nvme.put(writes)
-            self._commit_nvme(writes, metas, placements)
-            self.stats_counters["demotions"] += len(writes)
-        except Exception:  # the blocks are lost from the cache, never served wrong: count and go on
-            self.stats_counters["demotions_failed"] += len(writes)
-            log.exception("write-back of %d blocks to NVMe failed; they are lost from the cache", len(writes))
-        for w in writes:
-            self._dram_meta.pop(w.key, None)
-
-    def flush(self) -> None:
-        """Make everything acknowledged so far durable: dirty DRAM blocks, access times, fsyncs."""
-        with self._lock:
-            if self.dram is not None and self.nvme is not None:
-                with self.dram.leased_dirty() as writes:
-                    if writes:
-                        self._demote(writes)
-                        self.dram.mark_clean([w.key for w in writes])
-            if self.nvme is not None:
-                self.nvme.sync()
-            self.index.flush_touches()
-            self.index.sync()
 
     # ---------------------------------------------------------------- pins / delete
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:

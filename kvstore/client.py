@@ -1,0 +1,432 @@
+"""Clients of the `kvcache serve` daemon (docs/api.md): `AsyncKVClient` and the blocking `KVClient`.
+
+Contract:
+  * `KVClient` has the method names and semantics of `BlockStore` (register_namespace, lookup,
+    contains, get, get_into, get_many, get_many_into, put, put_many, pin, unpin, delete, stats,
+    close, context manager), so the engine can use either (see `open_store`). Differences:
+    the tenant comes from the bearer token (a non-empty `tenant` is refused); there is no
+    flush() (the daemon owns durability); batches larger than the daemon's limits are split,
+    so a put_many that fails part-way may have stored its earlier chunks (layouts, TTLs and
+    key sizes are checked client-side first, so that needs an unknown namespace or a daemon fault).
+  * Errors map onto kvstore/errors.py: 400/413 -> BlockFormatError, 422 -> UnknownNamespaceError,
+    401/403 -> AuthError, 507 -> TierFullError (its subclass QuotaExceededError for a tenant's
+    quota), anything else (5xx, unreachable, bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when the daemon
+    answered.
+  * Retries (exponential backoff with jitter) on 502/503/504, connection errors, timeouts and
+    truncated streams, for idempotent calls only: reads, lookup/exists, pin/unpin,
+    register_namespace and puts. Puts are idempotent because blocks are content-addressed:
+    re-sending a block stores nothing new (it counts as already_present); the only visible
+    effect of a retried put is that `stored` may undercount what the first attempt wrote.
+    Caveat: a hard pin or unpin retried after a lost reply may count twice (soft pins are
+    idempotent). delete and gc are never retried.
+  * Timeouts: `timeout_s` bounds each small JSON/single-block request; for streamed batches it
+    is an inactivity limit per socket read (a large batch may take longer in total).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import random
+import threading
+from typing import Any, Awaitable, Callable, Sequence
+
+import aiohttp
+
+from kvcache.kvstore import wire
+from kvcache.kvstore.block_format import check_layout
+from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.stats import StoreStats, TierStats
+from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import LookupResult, PutResult, TensorSpec, Tier
+
+RETRY_STATUS = frozenset({502, 503, 504})
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
+              asyncio.IncompleteReadError)
+_SMALL = 64 << 10   # frame pieces below this are coalesced into one write
+
+
+class AuthError(StoreError):
+    """The daemon refused the token (401: missing or unknown; 403: not allowed, e.g. not admin)."""
+
+    status: int | None = None
+    code: str = ""
+
+
+class QuotaExceededError(TierFullError):
+    """507 `quota_exceeded`: the put would take the token's tenant past its quota_bytes."""
+
+
+class DaemonError(StoreError):
+    """The daemon could not serve the request (5xx, unreachable, malformed reply)."""
+
+    status: int | None = None   # set, with `code`, on every error the daemon answered
+    code: str = ""
+
+
+async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
+    """Map an error response (JSON `{"error", "message"}`) onto the store's exceptions."""
+    try:
+        body = json.loads(await resp.read() or b"{}")
+    except (ValueError, aiohttp.ClientError):
+        body = {}
+    code = body.get("error", "") if isinstance(body, dict) else ""
+    msg = body.get("message", "") if isinstance(body, dict) else ""
+    text = f"{resp.method} {resp.url.path}: HTTP {resp.status} {code or resp.reason}: {msg}".rstrip(": ")
+    if resp.status in (400, 413):
+        err: StoreError = BlockFormatError(text)
+    elif resp.status == 422:
+        err = UnknownNamespaceError(text)
+    elif resp.status in (401, 403):
+        err = AuthError(text)
+    elif resp.status == 507:
+        err = QuotaExceededError(text) if code == "quota_exceeded" else TierFullError(text)
+    else:
+        err = DaemonError(text)
+    err.status, err.code = resp.status, code
+    return err
+
+
+def _tier(label: str) -> Tier:
+    t = Tier.NONE
+    for part in label.split("|"):
+        t |= Tier[part.upper()] if part and part != "none" else Tier.NONE
+    return t
+
+
+def _chunks(seq: Sequence, n: int):
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]
+
+
+def _check_item(item: PutItem) -> None:
+    if item.tenant:
+        raise ValueError("the daemon takes the tenant from the bearer token; leave PutItem.tenant empty")
+    if item.ttl_s is not None and not item.ttl_s > 0:
+        raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
+    check_layout(item.layout, memoryview(item.payload).nbytes)
+
+
+def _split_puts(items: Sequence[PutItem], max_blocks: int, max_bytes: int) -> list[list[PutItem]]:
+    """Consecutive chunks of at most `max_blocks` items and `max_bytes` payload (at least one item)."""
+    out, cur, size = [], [], 0
+    for it in items:
+        n = memoryview(it.payload).nbytes
+        if cur and (len(cur) >= max_blocks or size + n > max_bytes):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += n
+    return out + [cur] if cur else out
+
+
+def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
+    """(Content-Length, factory of a fresh async body) for a KVB1 batch_put stream; payloads are not copied."""
+    pieces: list[bytes | memoryview] = []
+    small = bytearray(wire.stream_header(len(items)))
+    for it in items:
+        head, payload = wire.encode_put_frame(
+            wire.PutFrame(it.key, it.namespace_id, it.payload, it.layout, it.ttl_s))
+        mv = memoryview(payload).cast("B")
+        small += head
+        if mv.nbytes < _SMALL:
+            small += mv
+        else:
+            pieces += [bytes(small), mv]
+            small = bytearray()
+    if small:
+        pieces.append(bytes(small))
+    total = sum(memoryview(p).nbytes for p in pieces)
+
+    async def body():
+        for p in pieces:
+            yield p
+    return total, body
+
+
+def _layout_json(layout: Sequence[TensorSpec]) -> str:
+    return json.dumps([[t.name, t.dtype, list(t.shape)] for t in layout])
+
+
+class AsyncKVClient:
+    """asyncio client of one daemon; one pooled aiohttp session, created on first use."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, *,
+                 unix_socket: str | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
+                 pool_size: int = 32, max_batch_blocks: int = 4096, max_batch_bytes: int = 256 << 20,
+                 max_keys: int = 100_000):
+        self.base_url = base_url.rstrip("/")
+        token = token if token is not None else os.environ.get("KVCACHE_TOKEN")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.unix_socket, self.pool_size = unix_socket, pool_size
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self.max_batch_blocks, self.max_batch_bytes, self.max_keys = max_batch_blocks, max_batch_bytes, max_keys
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            conn = (aiohttp.UnixConnector(path=self.unix_socket, limit=self.pool_size) if self.unix_socket
+                    else aiohttp.TCPConnector(limit=self.pool_size))
+            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "AsyncKVClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+
+    async def _call(self, method: str, path: str, handle: Callable[[aiohttp.ClientResponse], Awaitable[Any]], *,
+                    retry: bool = True, json_body: Any = None, body: Callable[[], Any] | None = None,
+                    headers: dict | None = None, miss_ok: bool = False, stream: bool = False) -> Any:
+        """One request with retries: `handle(resp)` runs on 2xx (and on 404 when `miss_ok`)."""
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                async with self._get_session().request(
+                        method, self.base_url + path, json=json_body, data=body() if body else None,
+                        headers=headers, timeout=self._stream_timeout if stream else self._timeout) as resp:
+                    if resp.status < 300 or (miss_ok and resp.status == 404):
+                        return await handle(resp)
+                    err = await _error_for(resp)
+                    if resp.status not in RETRY_STATUS or last:
+                        raise err
+            except _RETRYABLE as e:
+                if last:
+                    raise DaemonError(f"{method} {self.base_url}{path} failed after {attempt + 1} "
+                                      f"attempt(s): {type(e).__name__}: {e}") from e
+            await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")
+
+    async def _json(self, method: str, path: str, payload: Any = None, retry: bool = True) -> Any:
+        async def handle(resp):
+            return await resp.json(content_type=None)
+        return await self._call(method, path, handle, json_body=payload, retry=retry)
+
+    async def _keys_op(self, path: str, keys: Sequence[bytes], field: str, retry: bool = True, **extra) -> int:
+        total = 0
+        for chunk in _chunks(list(keys), self.max_keys):
+            total += (await self._json("POST", path, {"keys": [k.hex() for k in chunk], **extra}, retry))[field]
+        return total
+
+    # ------------------------------------------------------------------ the BlockStore surface
+    async def healthz(self) -> dict:
+        return await self._json("GET", "/healthz")
+
+    async def register_namespace(self, ns: Namespace) -> bytes:
+        d = {k: v for k, v in ns.to_dict().items() if k != "scheme_version"}
+        ns_id = bytes.fromhex((await self._json("POST", "/v1/namespaces", d))["id"])
+        if ns_id != ns.id:
+            raise DaemonError(f"daemon registered namespace {ns_id.hex()}, expected {ns.id.hex()}")
+        return ns_id
+
+    async def lookup(self, keys: Sequence[bytes], tenant: str = "") -> LookupResult:
+        """Longest contiguous run of hits. `tenant` (an event label in BlockStore) is ignored:
+        the daemon labels lookups with the token's tenant."""
+        tiers: list[Tier] = []
+        for chunk in _chunks(list(keys), self.max_keys):
+            r = await self._json("POST", "/v1/lookup", {"keys": [k.hex() for k in chunk]})
+            tiers += [_tier(t) for t in r["tiers"][: r["num_hits"]]]
+            if r["num_hits"] < len(chunk):
+                break
+        return LookupResult(len(tiers), tuple(tiers))
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for chunk in _chunks(list(keys), self.max_keys):
+            out += (await self._json("POST", "/v1/exists", {"keys": [k.hex() for k in chunk]}))["exists"]
+        return out
+
+    async def contains(self, key: bytes) -> bool:
+        async def handle(resp):
+            return resp.status == 200
+        return await self._call("HEAD", f"/v1/blocks/{key.hex()}", handle, miss_ok=True)
+
+    async def get(self, key: bytes) -> bytes | None:
+        async def handle(resp):
+            return None if resp.status == 404 else await resp.read()
+        return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True)
+
+    async def get_into(self, key: bytes, out) -> int | None:
+        """Stream the payload straight into `out`; its length, or None on a miss."""
+        dst = memoryview(out).cast("B")
+
+        async def handle(resp):
+            if resp.status == 404:
+                return None
+            if resp.content_length is not None and resp.content_length > dst.nbytes:
+                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {resp.content_length}")
+            n = 0
+            async for chunk in resp.content.iter_any():
+                if n + len(chunk) > dst.nbytes:
+                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block is larger")
+                dst[n:n + len(chunk)] = chunk
+                n += len(chunk)
+            return n
+        return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True, stream=True)
+
+    async def _batch_get(self, keys: Sequence[bytes], on_frame: Callable[[int, wire.GetFrame], None]) -> None:
+        """POST batch_get in chunks; frames are read one at a time off the streamed response."""
+        base = 0
+        for chunk in _chunks(list(keys), self.max_batch_blocks):
+            async def handle(resp, chunk=chunk, base=base):
+                read = resp.content.readexactly
+                count = await wire.read_stream_header(read, len(chunk))
+                if count != len(chunk):
+                    raise DaemonError(f"batch_get answered {count} frames for {len(chunk)} keys")
+                for i, key in enumerate(chunk):
+                    frame = await wire.read_get_frame(read)
+                    if frame.key != key:
+                        raise DaemonError(f"batch_get frame {i} is for key {frame.key.hex()}, expected {key.hex()}")
+                    on_frame(base + i, frame)
+            await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
+                             json_body={"keys": [k.hex() for k in chunk]})
+            base += len(chunk)
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+
+        def on_frame(i, f):
+            out[i] = f.payload
+        await self._batch_get(keys, on_frame)
+        return out
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Batched get_into. A too-small buffer raises ValueError once its frame arrives
+        (earlier buffers may already be filled; BlockStore checks all sizes first)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        result: list[int | None] = [None] * len(keys)
+
+        def on_frame(i, f):
+            if f.payload is not None:
+                dst = memoryview(outs[i]).cast("B")
+                if dst.nbytes < len(f.payload):
+                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {len(f.payload)}")
+                dst[: len(f.payload)] = f.payload
+                result[i] = len(f.payload)
+        await self._batch_get(keys, on_frame)
+        return result
+
+    async def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
+                  ttl_s: float | None = None) -> PutResult:
+        _check_item(PutItem(key, payload, namespace_id, layout, tenant, ttl_s))
+        headers = {"X-KVCache-Namespace": namespace_id.hex(), "Content-Type": "application/octet-stream"}
+        if layout is not None:
+            headers["X-KVCache-Layout"] = _layout_json(layout)
+        if ttl_s is not None:
+            headers["X-KVCache-TTL"] = repr(float(ttl_s))
+        data = memoryview(payload).cast("B")
+
+        async def handle(resp):
+            r = await resp.json(content_type=None)
+            return PutResult(r["stored"], r["already_present"], r["durable"], r.get("rejected", 0))
+        return await self._call("PUT", f"/v1/blocks/{key.hex()}", handle, body=lambda: data, headers=headers)
+
+    async def put_many(self, items: Sequence[PutItem]) -> PutResult:
+        """Streams KVB1 batches of at most max_batch_blocks blocks / max_batch_bytes bytes each."""
+        for it in items:
+            _check_item(it)
+        stored = present = rejected = 0
+        durable = True
+        for chunk in _split_puts(items, self.max_batch_blocks, self.max_batch_bytes):
+            length, body = _put_body(chunk)
+            headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
+            r = await self._call("POST", "/v1/blocks/batch_put", lambda resp: resp.json(content_type=None),
+                                 body=body, headers=headers, stream=True)
+            stored, present = stored + r["stored"], present + r["already_present"]
+            rejected, durable = rejected + r.get("rejected", 0), durable and r["durable"]
+        return PutResult(stored, present, durable if items else False, rejected)
+
+    async def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        extra = {} if ttl_s is None else {"ttl_s": ttl_s}
+        return await self._keys_op("/v1/pin", keys, "changed", **extra)
+
+    async def unpin(self, keys: Sequence[bytes]) -> int:
+        return await self._keys_op("/v1/unpin", keys, "changed")
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Admin only. Never retried: a lost reply surfaces as DaemonError."""
+        return await self._keys_op("/v1/delete", keys, "deleted", retry=False)
+
+    async def gc(self, max_steps: int = 100) -> dict:
+        """Admin only: run bounded GC steps in the daemon; its report. Never retried."""
+        return await self._json("POST", "/v1/gc", {"max_steps": max_steps}, retry=False)
+
+    async def stats(self) -> StoreStats:
+        """The daemon's StoreStats (as BlockStore.stats() returns); `.to_dict()` for JSON."""
+        d = await self._json("GET", "/v1/stats")
+        known = {f.name for f in dataclasses.fields(StoreStats)}
+        d = {k: v for k, v in d.items() if k in known}
+        return StoreStats(**{**d, "tiers": [TierStats(**t) for t in d.get("tiers", [])]})
+
+
+class KVClient:
+    """Blocking client with BlockStore's interface: the methods of SYNC_METHODS, each with the
+    signature and docstring of its AsyncKVClient coroutine. It owns a private event loop running
+    in a daemon thread; each call submits the coroutine there and waits for its result, so there
+    is one implementation and one pooled session, and calls from many threads run concurrently
+    over the pool. Buffers given to get_into(_many) are filled from that thread while the caller waits."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, **options):
+        self._client = AsyncKVClient(base_url, token, **options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _run(self, coro):
+        if self._closed:
+            coro.close()
+            raise DaemonError("this KVClient is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "contains", "get", "get_into", "get_many",
+                "get_many_into", "put", "put_many", "pin", "unpin", "delete", "gc", "stats")
+
+
+def _blocking(name: str):
+    coro_fn = getattr(AsyncKVClient, name)
+
+    @functools.wraps(coro_fn)
+    def method(self: KVClient, *args, **kwargs):
+        return self._run(coro_fn(self._client, *args, **kwargs))
+    return method
+
+
+for _name in SYNC_METHODS:
+    setattr(KVClient, _name, _blocking(_name))

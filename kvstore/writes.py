@@ -1,0 +1,172 @@
+"""The write half of BlockStore: put, write-back demotion, making room, flush.
+
+Put, write-through (the default; durable when nvme.fsync = "always"):
+    validate ──> NVMe append + fsync ──> index commit ──> copy into DRAM (clean) ──> acknowledged
+Put, write-back:
+    validate ──> copy into DRAM (dirty) ──> acknowledged (not durable)
+                 DRAM eviction or flush() ──> NVMe append + fsync ──> index commit
+
+Validation runs under the store lock, so two puts of one block never both insert it.
+A mixin only to keep each file readable: it uses BlockStore's state (config, tiers, index,
+`_dram_meta`, `_lock`, counters) and is not meant to be used on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvcache.kvstore.block_format import check_layout
+from kvcache.kvstore.errors import BlockFormatError, TierFullError
+from kvcache.kvstore.types import BlockMeta, PutResult, TensorSpec, Tier
+from kvcache.tiering.base import BlockWrite, Placement
+from kvcache.tiering.dram import EvictedBlock
+from kvcache.kvstore.events import Event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    key: bytes
+    payload: bytes | bytearray | memoryview
+    namespace_id: bytes
+    layout: tuple[TensorSpec, ...] | None = None
+    tenant: str = ""
+    ttl_s: float | None = None     # an explicit lifetime for this block instead of the retention policy
+
+
+class StoreWrites:
+    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
+            ttl_s: float | None = None) -> PutResult:
+        return self.put_many([PutItem(key, payload, namespace_id, layout, tenant, ttl_s)])
+
+    def put_many(self, items: Sequence[PutItem]) -> PutResult:
+        now, t0 = self.clock(), time.perf_counter()
+        with self._lock:  # validation included: two puts of one block must not both insert it
+            writes, metas = self._validate(items, now)
+            present = len(items) - len(writes)
+            if not writes:
+                return PutResult(0, present, durable=self._durable())
+            if self.config.write_policy == "write-back" or self.nvme is None:
+                durable = self._put_dram_only(writes, metas)
+            else:
+                self._put_through(writes, metas)
+                durable = self._durable()
+        self.stats_counters["puts"] += len(writes)
+        self._event("put", metas[0], metas[0].tenant, len(writes), [], time.perf_counter() - t0,
+                    sum(w.payload.nbytes for w in writes))
+        return PutResult(len(writes), present, durable)
+
+    def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
+        """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
+        checked = []
+        for item in items:
+            ns = self._namespace(item.namespace_id)
+            if len(item.key) != ns.algo.digest_size:
+                raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
+                                       f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
+            if item.ttl_s is not None and not item.ttl_s > 0:
+                raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
+            payload = memoryview(item.payload).cast("B")
+            checked.append((item, payload, check_layout(item.layout, payload.nbytes)))
+        writes, metas, seen = [], [], set()
+        for (item, payload, layout), existing in zip(checked, self._metas([i.key for i in items])):
+            if existing is not None or item.key in seen:
+                continue
+            seen.add(item.key)
+            writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now))
+            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant,
+                                   expires_at=now + item.ttl_s if item.ttl_s else 0.0))
+        return writes, metas
+
+    def _durable(self) -> bool:
+        return (self.nvme is not None and self.config.write_policy == "write-through"
+                and self.config.nvme.fsync == "always")
+
+    def _put_through(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> None:
+        if self.nvme.is_over_watermark():
+            self._make_room()
+        placements = self.nvme.put(writes)
+        self._commit_nvme(writes, metas, placements)
+        if self.dram is not None:
+            try:
+                self.dram.put(writes)
+            except (TierFullError, ValueError) as e:
+                log.debug("write-through blocks not cached in DRAM: %s", e)
+
+    def _commit_nvme(self, writes, metas, placements: list[Placement]) -> None:
+        puts, new_segments = {}, set()
+        for w, meta, p in zip(writes, metas, placements):
+            meta.residency = Tier.NVME
+            meta.segment_id, meta.offset, meta.record_len = p.segment_id, p.offset, p.record_len
+            puts[w.key] = meta
+            new_segments.add(p.segment_id)
+        self.index.commit(puts, new_segments=new_segments)
+
+    def _put_dram_only(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> bool:
+        dirty = self.nvme is not None
+        for w, meta in zip(writes, metas):
+            meta.residency = Tier.DRAM
+            self._dram_meta[w.key] = meta
+        try:
+            self.dram.put(writes, dirty=dirty)
+        except (TierFullError, ValueError):
+            for w in writes:
+                if not self.dram.contains(w.key):
+                    self._dram_meta.pop(w.key, None)
+            if not dirty:
+                raise
+            self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
+            return self._durable()
+        return False
+
+    def _make_room(self) -> None:
+        from kvcache.gc.collector import Collector
+        if self._collector is None:
+            self._collector = Collector(self)
+        rep = self._collector.make_room()
+        self.stats_counters["evictions_nvme"] += rep.evicted
+
+    def _on_dram_evict(self, evicted: list[EvictedBlock]) -> None:
+        """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""
+        dirty = [e for e in evicted if e.dirty]
+        for e in evicted:
+            if not e.dirty and self._dram_meta.pop(e.key, None) is not None:
+                self.stats_counters["evictions_dram_dropped"] += 1
+        self.stats_counters["evictions_dram"] += len(evicted)
+        now = self.clock()
+        if self._events_on:
+                self.events.record(Event(now, "evict", tier="dram", blocks=len(evicted),
+                                     nbytes=sum(e.write.payload.nbytes for e in evicted),
+                                     mean_age_s=sum(now - e.write.created for e in evicted) / len(evicted)))
+        if dirty:
+            self._demote([e.write for e in dirty])
+
+    def _demote(self, writes: list[BlockWrite]) -> None:
+        metas = [self._dram_meta[w.key] for w in writes]
+        try:
+            placements = self.nvme.put(writes)
+            self._commit_nvme(writes, metas, placements)
+            self.stats_counters["demotions"] += len(writes)
+        except Exception:  # the blocks are lost from the cache, never served wrong: count and go on
+            self.stats_counters["demotions_failed"] += len(writes)
+            log.exception("write-back of %d blocks to NVMe failed; they are lost from the cache", len(writes))
+        for w in writes:
+            self._dram_meta.pop(w.key, None)
+
+    def flush(self) -> None:
+        """Make everything acknowledged so far durable: dirty DRAM blocks, access times, fsyncs."""
+        with self._lock:
+            if self.dram is not None and self.nvme is not None:
+                with self.dram.leased_dirty() as writes:
+                    if writes:
+                        self._demote(writes)
+                        self.dram.mark_clean([w.key for w in writes])
+            if self.nvme is not None:
+                self.nvme.sync()
+            self.index.flush_touches()
+            self.index.sync()
+
