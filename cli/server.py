@@ -54,6 +54,8 @@ async def error_middleware(request: web.Request, handler):
         return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
     except UnknownNamespaceError as e:
         return _error(422, "unknown_namespace", str(e))
+    except wire.FrameLimitError as e:
+        return _error(413, "request_entity_too_large", str(e))
     except (BlockFormatError, ValueError, KeyError, TypeError) as e:
         return _error(400, "bad_request", str(e))
     except asyncio.IncompleteReadError:
@@ -163,7 +165,10 @@ async def put_block(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     if request.content_length is not None and request.content_length > cfg.max_block_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=cfg.max_block_bytes, actual_size=request.content_length)
-    ns = bytes.fromhex(request.headers.get("X-KVCache-Namespace", ""))
+    ns_hex = request.headers.get("X-KVCache-Namespace")
+    if not ns_hex:
+        raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
+    ns = bytes.fromhex(ns_hex)
     layout = request.headers.get("X-KVCache-Layout")
     ttl = request.headers.get("X-KVCache-TTL")
     body = await request.read()
@@ -222,6 +227,8 @@ def _add(totals: list, r) -> None:
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
     keys, body = await _keys(request)
+    if len(keys) > request.app[CONFIG].max_batch_blocks:
+        raise wire.FrameLimitError(f"at most {request.app[CONFIG].max_batch_blocks} blocks per batch_get")
     sent = [bytes.fromhex(k) for k in body["keys"]]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
     await resp.prepare(request)
@@ -278,11 +285,13 @@ async def run_gc(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
+    _require_admin(request)  # store-wide totals: not for tenants
     st = await _call(request, request.app[STORE].stats)
     return web.json_response(st.to_dict())
 
 
 async def metrics(request: web.Request) -> web.Response:
+    _require_admin(request)
     body, content_type = await _call(request, request.app[METRICS].render)
     return web.Response(body=body, headers={"Content-Type": content_type})
 

@@ -3,15 +3,16 @@
 Contract:
   * `KVClient` has the method names and semantics of `BlockStore` (register_namespace, lookup,
     contains, get, get_into, get_many, get_many_into, put, put_many, pin, unpin, delete, stats,
-    close, context manager), so the engine can use either (see `open_store`). Differences:
+    close, context manager; stats() rebuilds the daemon's StoreStats), so the engine can use
+    either (see `open_store`). Differences:
     the tenant comes from the bearer token (a non-empty `tenant` is refused); there is no
     flush() (the daemon owns durability); batches larger than the daemon's limits are split,
     so a put_many that fails part-way may have stored its earlier chunks (layouts, TTLs and
     key sizes are checked client-side first, so that needs an unknown namespace or a daemon fault).
   * Errors map onto kvstore/errors.py: 400/413 -> BlockFormatError, 422 -> UnknownNamespaceError,
     401/403 -> AuthError, 507 -> TierFullError (its subclass QuotaExceededError for a tenant's
-    quota), anything else (5xx, unreachable, bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when the daemon
-    answered.
+    quota), anything else (5xx, unreachable, bad stream) -> DaemonError. Each carries `.status`
+    and `.code` (the JSON `error` field) when the daemon answered.
   * Retries (exponential backoff with jitter) on 502/503/504, connection errors, timeouts and
     truncated streams, for idempotent calls only: reads, lookup/exists, pin/unpin,
     register_namespace and puts. Puts are idempotent because blocks are content-addressed:

@@ -24,6 +24,12 @@ from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.types import TensorSpec, Tier
 
 MAGIC = b"KVB1"
+
+
+class FrameLimitError(BlockFormatError):
+    """A batch or a block over the daemon's limits (HTTP 413)."""
+
+
 _STREAM = struct.Struct("<4sI")
 _U8, _U32, _U64 = struct.Struct("<B"), struct.Struct("<I"), struct.Struct("<Q")
 HIT, MISS = 0, 1
@@ -76,7 +82,7 @@ async def read_stream_header(read: ReadExactly, max_count: int) -> int:
     if magic != MAGIC:
         raise BlockFormatError("batch body does not start with the KVB1 stream header")
     if count > max_count:
-        raise BlockFormatError(f"batch of {count} blocks exceeds the limit of {max_count}")
+        raise FrameLimitError(f"batch of {count} blocks exceeds the limit of {max_count}")
     return count
 
 
@@ -92,7 +98,7 @@ async def read_put_frame(read: ReadExactly, max_payload: int) -> PutFrame:
     meta = _parse_meta(await read(mlen)) if mlen else {}
     (plen,) = _U64.unpack(await read(8))
     if plen > max_payload:
-        raise BlockFormatError(f"block of {plen} bytes exceeds the {max_payload}-byte limit")
+        raise FrameLimitError(f"block of {plen} bytes exceeds the {max_payload}-byte limit")
     return PutFrame(key, ns, await read(plen), meta.get("layout"), meta.get("ttl_s"))
 
 

@@ -92,7 +92,8 @@ async def test_auth_and_admin(client):
     r = await client.get("/v1/stats")
     assert r.status == 401 and "Bearer" in (await r.json())["message"]
     assert (await client.get("/v1/stats", headers=auth("x" * 32))).status == 401
-    assert (await client.get("/v1/stats", headers=auth(ALICE))).status == 200
+    assert (await client.get("/v1/stats", headers=auth(ALICE))).status == 403   # store-wide: admin only
+    assert (await client.get("/v1/stats", headers=auth(ADMIN))).status == 200
     await register(client)
     await put(client, 0)
     r = await client.post("/v1/delete", json={"keys": [KEYS[0].hex()]}, headers=auth(ALICE))
@@ -124,7 +125,8 @@ async def test_tenants_cannot_see_each_other(client):
     ("post", "/v1/lookup", {"json": {"keys": "ab"}}, 400, "bad_request"),
     ("post", "/v1/lookup", {"json": {"keys": ["ab"] * 101}}, 413, "request_entity_too_large"),
     ("post", "/v1/blocks/batch_put", {"data": b"XXXX\x01\x00\x00\x00"}, 400, "bad_request"),
-    ("post", "/v1/blocks/batch_put", {"data": wire.stream_header(65)}, 400, "bad_request"),
+    ("post", "/v1/blocks/batch_put", {"data": wire.stream_header(65)}, 413, "request_entity_too_large"),
+    ("post", "/v1/blocks/batch_get", {"json": {"keys": ["ab"] * 65}}, 413, "request_entity_too_large"),
     ("post", "/v1/blocks/batch_put", {"data": wire.stream_header(2) + b"\x10" + b"k" * 8}, 400, "truncated_body"),
     ("post", "/v1/pin", {"json": {"keys": [], "ttl_s": -1}}, 400, "bad_request"),
     ("get", "/v1/nothing", {}, 404, "not_found"),
@@ -136,6 +138,11 @@ async def test_bad_requests_get_json_errors(client, method, path, kwargs, status
     assert r.status == status
     body = await r.json()
     assert body["error"] == code and body["message"]
+
+
+async def test_put_without_namespace_header_is_400(client):
+    r = await client.put("/v1/blocks/abcd", data=b"x", headers=auth(ALICE))
+    assert r.status == 400 and "X-KVCache-Namespace" in (await r.json())["message"]
 
 
 async def test_oversized_block_is_413(client):
@@ -150,7 +157,8 @@ async def test_metrics_are_prometheus_text(client):
     await put(client, 0)
     await client.get(f"/v1/blocks/{KEYS[0].hex()}", headers=auth(ALICE))
     await client.get(f"/v1/blocks/{KEYS[1].hex()}", headers=auth(ALICE))
-    text = await (await client.get("/metrics", headers=auth(ALICE))).text()
+    assert (await client.get("/metrics", headers=auth(ALICE))).status == 403
+    text = await (await client.get("/metrics", headers=auth(ADMIN))).text()
     assert 'kvcache_blocks_total{op="get",result="hit",tier="dram"} 1.0' in text
     assert 'kvcache_blocks_total{op="get",result="miss",tier="none"} 1.0' in text
     assert 'kvcache_tier_capacity_bytes{tier="dram"}' in text and "kvcache_request_seconds_bucket" in text
