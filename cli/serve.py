@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data-dir", metavar="DIR", help="overrides store.data_dir")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8790)")
+    p.add_argument("--unix-socket", metavar="PATH", help="also listen on this unix socket")
     p.add_argument("--gc-interval", type=float, metavar="S", help="seconds between GC steps (default 10)")
     p.set_defaults(func=cmd_serve)
 
@@ -43,7 +44,8 @@ def load_configs(args):
             raise ValueError(f"config file {args.config} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {args.config} is not valid TOML: {e}") from None
-    server = ServerConfig.from_dict(raw.get("server", {}), host=args.host, port=args.port)
+    server = ServerConfig.from_dict(raw.get("server", {}), host=args.host, port=args.port,
+                                    unix_socket=args.unix_socket)
     data_dir = args.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
     store = StoreConfig.from_dict(raw, data_dir=os.path.expanduser(data_dir))
     gc = args.gc_interval if args.gc_interval is not None else (store.gc_interval_s or 10.0)
@@ -53,7 +55,8 @@ def load_configs(args):
 def describe(store_cfg, server_cfg) -> str:
     def gib(n: int) -> str:
         return f"{n / (1 << 30):.1f} GiB"
-    lines = [f"kvcache serving http://{server_cfg.host}:{server_cfg.port}",
+    lines = [f"kvcache serving http://{server_cfg.host}:{server_cfg.port}"
+             + (f" and unix://{server_cfg.unix_socket}" if server_cfg.unix_socket else ""),
              f"  data directory  {store_cfg.data_dir}"]
     if store_cfg.dram:
         lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}")
@@ -77,7 +80,7 @@ def cmd_serve(args) -> int:
         store.close()
     app.on_cleanup.append(close_store)
     print(describe(store_cfg, server_cfg), flush=True)
-    web.run_app(app, host=server_cfg.host, port=server_cfg.port, print=None,
+    web.run_app(app, host=server_cfg.host, port=server_cfg.port, path=server_cfg.unix_socket or None, print=None,
                 shutdown_timeout=server_cfg.shutdown_timeout_s, access_log=None)
     print("kvcache: stopped cleanly", flush=True)
     return 0

@@ -28,6 +28,7 @@ class ServerConfig:
     max_block_bytes: int = 64 << 20
     max_batch_blocks: int = 4096
     max_keys: int = 100_000
+    unix_socket: str = ""            # also listen on this unix socket (same-host clients)
     workers: int = 8                 # threads running blocking store calls
     shutdown_timeout_s: float = 30.0
 

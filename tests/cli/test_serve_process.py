@@ -160,3 +160,14 @@ def test_help_describes_the_default():
     out = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "127.0.0.1:8790" in out and "KVCACHE_TOKENS" in out and "SIGTERM" in out
+
+
+def test_unix_socket_serves_the_same_store(daemon, tmp_path):
+    from kvcache.kvstore.open_store import open_store
+    sock = tmp_path / "kv.sock"
+    d = daemon("--unix-socket", str(sock))
+    with open_store(f"unix://{sock}") as client:
+        client.register_namespace(NS)
+        client.put(key(7), payload(7), NS.id)
+    status, body = d.call("GET", f"/v1/blocks/{key(7).hex()}")
+    assert status == 200 and body == payload(7)
