@@ -4,6 +4,8 @@
     kvcache stats DIR [--json]          what the store holds (works while a daemon runs)
     kvcache check DIR [--fix] [--quick] reconcile index and segments, recount
     kvcache gc DIR [--max-steps N]      expire, evict over watermarks, compact segments
+    kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
+    kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
 """
 
@@ -23,6 +25,8 @@ EPILOG = """examples:
   kvcache stats ~/.local/share/kvcache --json
   kvcache check /data/kvcache --fix
   kvcache gc /data/kvcache --config configs/store.toml
+  kvcache report /data/kvcache --since 24h --out report.html
+  kvcache report /data/kvcache --since 24h --out report.html
   kvcache bench tiers --sizes 64K,1M,4M
 """
 
@@ -36,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured JSON log lines for log shippers (default: text)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvcache.cli import bench, serve, store_commands
+    from kvcache.cli import bench, report, serve, store_commands
     serve.add_parser(sub)
     store_commands.add_parsers(sub)
+    report.add_parser(sub)
     bench.add_parser(sub)
     return p
 

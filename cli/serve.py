@@ -63,6 +63,7 @@ def describe(store_cfg, server_cfg) -> str:
     if store_cfg.nvme:
         lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")
     lines.append(f"  write policy    {store_cfg.write_policy}; retention {store_cfg.retention.default.ttl_s / 3600:g} h")
+    lines.append(f"  event log       {store_cfg.events_dir}" if store_cfg.event_log else "  event log       off")
     lines.append(f"  auth            {len(server_cfg.tokens)} token(s)" if server_cfg.tokens else
                  "  auth            none (loopback only)")
     return "\n".join(lines)
@@ -73,14 +74,30 @@ def cmd_serve(args) -> int:
     from kvcache.cli.server import build_app
     from kvcache.kvstore.store import BlockStore
     store_cfg, server_cfg = load_configs(args)
-    store = BlockStore(store_cfg)
+    events = open_event_log(store_cfg)
+    try:
+        store = BlockStore(store_cfg, events=events)
+    except BaseException:
+        if events is not None:
+            events.close()
+        raise
     app = build_app(store, server_cfg)
 
     async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
         store.close()
+        if events is not None:  # after the store, so that its last events are kept too
+            events.close()
     app.on_cleanup.append(close_store)
     print(describe(store_cfg, server_cfg), flush=True)
     web.run_app(app, host=server_cfg.host, port=server_cfg.port, path=server_cfg.unix_socket or None, print=None,
                 shutdown_timeout=server_cfg.shutdown_timeout_s, access_log=None)
     print("kvcache: stopped cleanly", flush=True)
     return 0
+
+
+def open_event_log(store_cfg):
+    """The event log behind `kvcache report`: on unless [store] event_log = false."""
+    if not store_cfg.event_log:
+        return None
+    from kvcache.kvstore.event_log import ParquetEventLog
+    return ParquetEventLog(store_cfg.events_dir)

@@ -1,7 +1,8 @@
 """Content addressing, the block format, the index and the store facade.
 
-Dependencies stay at the leaves: this package imports only the stdlib, lmdb,
-xxhash, zstandard and numpy. It never imports torch or aiohttp.
+Dependencies stay at the leaves: the store core imports only the stdlib, lmdb,
+xxhash, zstandard and numpy. It never imports torch; aiohttp only in the daemon client
+(client.py) and pyarrow only in the event log (event_log.py), both leaves.
 """
 
 from kvcache.kvstore.errors import (

@@ -24,6 +24,7 @@ class StoreConfig:
     index_map_bytes: int = 64 << 30        # LMDB map size (virtual; the file grows as needed)
     touch_flush_s: float = 1.0             # how often buffered access times reach the index
     gc_interval_s: float = 0.0             # >0: a background thread runs bounded GC steps
+    event_log: bool = True                 # `kvcache serve` keeps store events in events_dir (`kvcache report`)
 
     def __post_init__(self) -> None:
         if self.write_policy not in _WRITE_POLICIES:
@@ -40,6 +41,10 @@ class StoreConfig:
     @property
     def nvme_dir(self) -> str:
         return os.path.join(self.data_dir, "nvme")
+
+    @property
+    def events_dir(self) -> str:
+        return os.path.join(self.data_dir, "events")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], data_dir: str | None = None) -> "StoreConfig":
