@@ -4,7 +4,7 @@
     0       4     magic b"KVCB"
     4       2     format version (1)
     6       2     header length H (bytes, including both checksums)
-    8       1     codec (0 raw, 1 zstd)
+    8       1     codec (0 raw, 1 zstd, 2 zstd of byte-shuffled 16-bit words)
     9       1     flags (bit 0: tombstone)
     10      1     key length K
     11      1     number of tensors T
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvcache.kvstore.errors import BlockFormatError, CorruptBlockError
+from kvcache.kvstore.shuffle import shuffle2, unshuffle2_into
 from kvcache.kvstore.types import TensorSpec, raw_layout
 
 MAGIC = b"KVCB"
@@ -45,6 +46,7 @@ MAX_HEADER = 65535
 class Codec(enum.IntEnum):
     RAW = 0
     ZSTD = 1
+    ZSTD_SHUFFLE2 = 2   # zstd of byte-shuffled 16-bit words: all high bytes, then all low bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,8 @@ def verify_payload(header: RecordHeader, payload) -> None:
 def encode_payload(payload, codec: Codec, level: int = 1) -> bytes | memoryview:
     if codec is Codec.RAW:
         return memoryview(payload)
+    if codec is Codec.ZSTD_SHUFFLE2:
+        payload = shuffle2(payload)
     import zstandard
     return zstandard.ZstdCompressor(level=level).compress(payload)
 
@@ -176,4 +180,8 @@ def decode_payload(header: RecordHeader, payload) -> bytes | memoryview:
     out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=header.raw_len)
     if len(out) != header.raw_len:
         raise CorruptBlockError("decompressed size disagrees with header")
+    if header.codec is Codec.ZSTD_SHUFFLE2:
+        raw = bytearray(header.raw_len)
+        unshuffle2_into(out, raw)
+        return raw
     return out

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from kvcache.gc.retention import RetentionPolicy
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.object_config import ObjectConfig
 
 _WRITE_POLICIES = ("write-through", "write-back")
 
@@ -19,6 +20,7 @@ class StoreConfig:
     data_dir: str
     dram: DramConfig | None = field(default_factory=DramConfig)
     nvme: NvmeConfig | None = field(default_factory=NvmeConfig)
+    object_store: ObjectConfig | None = None   # [object]: packs in S3 or a shared directory (not wired yet)
     write_policy: str = "write-through"   # write-back: acknowledge from DRAM, demote on eviction/flush
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     index_map_bytes: int = 64 << 30        # LMDB map size (virtual; the file grows as needed)
@@ -57,6 +59,9 @@ class StoreConfig:
                 tiers[name] = None
             else:
                 tiers[name] = klass(**_sized(klass, {k: v for k, v in section.items() if k != "enabled"}))
+        section = dict(d.pop("object", {}))
+        if section and section.pop("enabled", True) is not False:
+            tiers["object_store"] = ObjectConfig(**_sized(ObjectConfig, section))
         retention = RetentionPolicy.from_dict(d.pop("retention", {}))
         d.pop("server", None)  # read by `kvcache serve`
         if d:
