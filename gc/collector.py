@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvcache.kvstore.errors import CorruptBlockError
 from kvcache.kvstore.events import Event
-from kvcache.kvstore.types import BlockMeta
+from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.segment import ScannedRecord, read_head, scan
 
@@ -109,6 +109,7 @@ class Collector:
 
     # ---------------------------------------------------------------- 2. capacity
     def _evict_for_capacity(self, r: GcReport, max_victims: int = 10_000) -> None:
+        """Free NVMe space: a victim with an object-tier copy only loses its NVMe copy."""
         store, cfg = self.store, self.store.nvme.config
         live = sum(s.live_bytes for s in store.index.segments().values())
         if live <= cfg.high_watermark * cfg.capacity_bytes:
@@ -121,14 +122,19 @@ class Collector:
                 return
             key, meta = victim
             with store._lock:
-                store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
-                if store.dram is not None:
-                    store.dram.delete(key)
+                if store.index.object_location(key) is not None:
+                    meta.residency &= ~Tier.NVME
+                    store.index.commit({key: meta}, counters={"evicted_nvme": 1})
+                else:
+                    store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
+                    if store.dram is not None:
+                        store.dram.delete(key)
             live -= meta.record_len
             r.evicted += 1
 
     def _pick_victim(self, now: float) -> tuple[bytes, BlockMeta] | None:
-        cands = [(k, m) for k, m in self.store.index.sample(self.sample, self._rng) if not m.is_pinned(now)]
+        cands = [(k, m) for k, m in self.store.index.sample(self.sample, self._rng)
+                 if Tier.NVME in m.residency and not m.is_pinned(now)]
         return min(cands, key=lambda km: max(km[1].last_access, km[1].created), default=None)
 
     # ---------------------------------------------------------------- 3. compaction
@@ -180,7 +186,7 @@ class Collector:
                     tombstones.append((h.key, h.created))
                 continue
             meta = store.index.get(h.key)
-            if meta is None or (meta.segment_id, meta.offset) != (sid, item.offset):
+            if meta is None or Tier.NVME not in meta.residency or (meta.segment_id, meta.offset) != (sid, item.offset):
                 continue
             payload = nvme.get(h.key, _placement(meta))
             if payload is not None:
@@ -191,7 +197,7 @@ class Collector:
             # re-check under the lock: a delete or a re-put may have raced the copy
             current = store.index.get_many(list(moved))
             todo = [(k, w, m) for (k, (off, w)), m in zip(moved.items(), current)
-                    if m is not None and (m.segment_id, m.offset) == (sid, off)]
+                    if m is not None and Tier.NVME in m.residency and (m.segment_id, m.offset) == (sid, off)]
             if not todo:
                 return
             placements = nvme.put([w for _, w, _ in todo])

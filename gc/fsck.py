@@ -68,10 +68,11 @@ def check(store, fix: bool = False, deep: bool = True, progress: bool = False) -
                 continue
             for name, n in ((TENANT_BYTES + meta.tenant, meta.payload_len), (TENANT_BLOCKS + meta.tenant, 1)):
                 tenants[name] = tenants.get(name, 0) + n
-            u = recount.setdefault(meta.segment_id, [0, 0])
-            u[0] += meta.record_len
-            u[1] += 1
-            referenced.setdefault(meta.segment_id, set()).add(meta.offset)
+            if Tier.NVME in meta.residency:
+                u = recount.setdefault(meta.segment_id, [0, 0])
+                u[0] += meta.record_len
+                u[1] += 1
+                referenced.setdefault(meta.segment_id, set()).add(meta.offset)
         _check_segments(store, rep, recount, referenced)
         stored = {k: v for k, v in store.index.counters().items() if k.startswith((TENANT_BYTES, TENANT_BLOCKS))}
         rep.tenant_count_mismatches = sum(stored.get(k, 0) != v for k, v in tenants.items()) + sum(
@@ -84,6 +85,8 @@ def check(store, fix: bool = False, deep: bool = True, progress: bool = False) -
 
 def _verify(store, key: bytes, meta: BlockMeta, deep: bool) -> str | None:
     if Tier.NVME not in meta.residency or store.nvme is None:
+        if Tier.OBJECT in meta.residency:
+            return None  # only an object-tier copy: reads verify it (not re-read here)
         return "indexed without a persistent copy"
     placement = Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
     if not os.path.exists(store.nvme.path(meta.segment_id)):

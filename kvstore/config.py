@@ -20,7 +20,7 @@ class StoreConfig:
     data_dir: str
     dram: DramConfig | None = field(default_factory=DramConfig)
     nvme: NvmeConfig | None = field(default_factory=NvmeConfig)
-    object_store: ObjectConfig | None = None   # [object]: packs in S3 or a shared directory (not wired yet)
+    object_store: ObjectConfig | None = None   # [object]: packs in S3 or a shared directory, below NVMe
     write_policy: str = "write-through"   # write-back: acknowledge from DRAM, demote on eviction/flush
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     index_map_bytes: int = 64 << 30        # LMDB map size (virtual; the file grows as needed)
@@ -35,6 +35,8 @@ class StoreConfig:
             raise ValueError("configure at least one tier: [dram] or [nvme]")
         if self.write_policy == "write-back" and (self.dram is None or self.nvme is None):
             raise ValueError("write-back needs both a DRAM and an NVMe tier")
+        if self.object_store is not None and self.nvme is None:
+            raise ValueError("the object tier sits below NVMe: configure [nvme] too")
 
     @property
     def index_dir(self) -> str:

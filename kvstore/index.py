@@ -27,10 +27,12 @@ import lmdb
 from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.types import BlockMeta, Tier
+from kvcache.tiering.base import Placement
 
 _SEG_KEY = struct.Struct(">I")
 _SEG_VAL = struct.Struct("<QQ")
 _I64 = struct.Struct("<q")
+_OBJ_VAL = struct.Struct("<IQQQ")   # pack id, offset, record length, stored payload length
 TENANT_BYTES, TENANT_BLOCKS = "tenant_bytes/", "tenant_blocks/"
 
 
@@ -60,6 +62,7 @@ class Index:
             (self._blocks, self._namespaces, self._segments, self._counters) = (
                 self.env.open_db(name, create=not readonly)
                 for name in (b"blocks", b"namespaces", b"segments", b"counters"))
+            self._objects = self._open_optional(b"objects")
         except lmdb.Error as e:
             self.env.close()
             raise StoreError(f"the index at {path} is not a kvcache index or is damaged ({e}); "
@@ -67,23 +70,42 @@ class Index:
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, tuple[float, int]] = {}
 
+    def _open_optional(self, name: bytes):
+        """A database added after the first release: created when writable, absent when an
+        older index is opened read-only."""
+        try:
+            return self.env.open_db(name, create=not self.readonly)
+        except lmdb.NotFoundError:
+            return None
+
     # ---------------------------------------------------------------- reads
     def get(self, key: bytes) -> BlockMeta | None:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Iterable[bytes]) -> list[BlockMeta | None]:
         """Metadata per key (None if absent), with access times not yet flushed folded in."""
-        touches = self._touches
+        touches, objects = self._touches, self._objects
         with self.env.begin(db=self._blocks, buffers=True) as txn:
             out = []
             for k in keys:
                 raw = txn.get(k)
                 meta = None if raw is None else BlockMeta.unpack(raw)
-                if meta is not None and touches and k in touches:
-                    ts, n = touches[k]
-                    meta.last_access, meta.access_count = max(meta.last_access, ts), meta.access_count + n
+                if meta is not None:
+                    if touches and k in touches:
+                        ts, n = touches[k]
+                        meta.last_access, meta.access_count = max(meta.last_access, ts), meta.access_count + n
+                    if objects is not None and txn.get(k, db=objects) is not None:
+                        meta.residency |= Tier.OBJECT  # derived, never stored: no lost updates
                 out.append(meta)
             return out
+
+    def object_location(self, key: bytes) -> Placement | None:
+        """Where the object tier holds `key` (pack id, offset, lengths), if it does."""
+        if self._objects is None:
+            return None
+        with self.env.begin(db=self._objects) as txn:
+            raw = txn.get(key)
+            return None if raw is None else Placement(*_OBJ_VAL.unpack(raw))
 
     def scan(self, after: bytes | None = None, limit: int = 1000) -> list[tuple[bytes, BlockMeta]]:
         """Up to `limit` entries in key order, strictly after `after` (None: from the start)."""
@@ -94,7 +116,10 @@ class Index:
             if ok and after is not None and cur.key() == after:
                 ok = cur.next()
             while ok and len(out) < limit:
-                out.append((cur.key(), BlockMeta.unpack(cur.value())))
+                key, meta = cur.key(), BlockMeta.unpack(cur.value())
+                if self._objects is not None and txn.get(key, db=self._objects) is not None:
+                    meta.residency |= Tier.OBJECT
+                out.append((key, meta))
                 ok = cur.next()
         return out
 
@@ -145,8 +170,13 @@ class Index:
 
     def commit(self, puts: dict[bytes, BlockMeta] | None = None, deletes: Iterable[bytes] = (),
                counters: dict[str, int] | None = None, new_segments: Iterable[int] = (),
-               drop_segments: Iterable[int] = ()) -> None:
-        """Apply puts, deletes and counter bumps atomically, keeping segment usage exact."""
+               drop_segments: Iterable[int] = (), object_puts: dict[bytes, Placement] | None = None,
+               object_drops: dict[bytes, Placement] | None = None) -> None:
+        """Apply puts, deletes and counter bumps atomically, keeping segment usage exact.
+
+        `object_puts` records object-tier copies of blocks still in the index (others are
+        skipped: deleted or expired meanwhile); `object_drops` forgets copies that are still
+        at the given place (a quarantined pack record). Deleting a block forgets its copy."""
         with self._write() as txn:
             seg_delta: dict[int, list[int]] = {}
             counters = dict(counters or {})
@@ -154,6 +184,8 @@ class Index:
                 if txn.get(_SEG_KEY.pack(sid), db=self._segments) is None:
                     txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(0, 0), db=self._segments)
             for key in deletes:
+                if self._objects is not None:
+                    txn.delete(key, db=self._objects)
                 old = txn.pop(key, db=self._blocks)
                 if old is not None:
                     self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
@@ -169,6 +201,12 @@ class Index:
                 txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._segments)
             for sid in drop_segments:
                 txn.delete(_SEG_KEY.pack(sid), db=self._segments)
+            for key, p in (object_puts or {}).items():
+                if txn.get(key, db=self._blocks) is not None:
+                    txn.put(key, _pack_object(p), db=self._objects)
+            for key, p in (object_drops or {}).items():
+                if txn.get(key, db=self._objects) == _pack_object(p):
+                    txn.delete(key, db=self._objects)
             for name, delta in counters.items():
                 if not delta:
                     continue
@@ -250,3 +288,7 @@ class Index:
         if not self.readonly:
             self.flush_touches()
         self.env.close()
+
+
+def _pack_object(p: Placement) -> bytes:
+    return _OBJ_VAL.pack(p.segment_id, p.offset, p.record_len, p.payload_len)

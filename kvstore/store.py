@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable, Iterable, Sequence
 
+from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.events import Event, EventSink, NullSink
 from kvcache.kvstore.errors import TierFullError, UnknownNamespaceError
@@ -60,13 +61,14 @@ class BlockStore(StoreWrites):
         self._lockfile = lock_data_dir(config.data_dir)
         self.stats_counters: collections.Counter[str] = collections.Counter()
         self._dram_meta: dict[bytes, BlockMeta] = {}
-        self.index = self.nvme = self.dram = None
+        self.index = self.nvme = self.dram = self.object = None
         try:
             self.nvme = (NvmeTier(config.nvme_dir, config.nvme, self._quarantine, clock)
                          if config.nvme else None)
             sync = config.nvme is not None and config.nvme.fsync == "always"
             self.index = open_index(config.index_dir, self.nvme, config.index_map_bytes, sync, clock())
             self.dram = DramTier(config.dram, self._on_dram_evict, clock) if config.dram else None
+            self.object = self._open_object_tier()
         except BaseException:
             for part in (self.nvme, self.index):
                 if part is not None:
@@ -245,7 +247,21 @@ class BlockStore(StoreWrites):
                 self._touch(key, now)
                 self._promote(key, meta, header.layout, memoryview(out).cast("B")[: header.raw_len])
                 return header.raw_len
+        if Tier.OBJECT in meta.residency and self.object is not None:
+            n = self._read_object(key, meta, out, now)
+            if n is not None:
+                return n
         return self._miss()
+
+    def _read_object(self, key: bytes, meta: BlockMeta, out, now: float) -> int | None:
+        """The object tier: a miss (never an error) when it is down; promoted to DRAM on a hit."""
+        placement = self.index.object_location(key)
+        n = None if placement is None else self.object.get_into(key, placement, out)
+        if n is not None:
+            self.stats_counters["hits_object"] += 1
+            self._touch(key, now)
+            self._promote(key, meta, check_layout(None, n), memoryview(out).cast("B")[:n])
+        return n
 
     def _miss(self) -> None:
         self.stats_counters["misses"] += 1
@@ -322,6 +338,29 @@ class BlockStore(StoreWrites):
                     self.dram.delete(k)
         return len(gone)
 
+    # ---------------------------------------------------------------- object tier
+    def _open_object_tier(self):
+        if self.config.object_store is None:
+            return None
+        from kvcache.tiering.object_store import ObjectTier  # fsspec/s3fs only when configured
+        return ObjectTier(self.config.object_store, on_corrupt=self._quarantine_object,
+                          on_stored=self._object_stored, on_dropped=self._object_dropped)
+
+    def _object_stored(self, landed: list[tuple[bytes, Placement]]) -> None:
+        """Upload thread: packs landed; record where (blocks deleted meanwhile are skipped)."""
+        self.index.commit(object_puts=dict(landed))
+        self.stats_counters["object_stored"] += len(landed)
+
+    def _object_dropped(self, keys: list[bytes], reason: str) -> None:
+        self.stats_counters["object_dropped"] += len(keys)
+        log.warning("%d blocks not written to the object tier: %s", len(keys), reason)
+
+    def _quarantine_object(self, key: bytes, placement: Placement, reason: str) -> None:
+        """A pack record failed verification: forget that copy (other tiers' copies stay)."""
+        log.error("quarantined object copy of %s: %s", key.hex(), reason)
+        self.index.commit(object_drops={key: placement}, counters={"quarantined": 1})
+        self.stats_counters["quarantined"] += 1
+
     def _quarantine(self, key: bytes, placement: Placement, reason: str) -> None:
         """A persistent copy failed verification: forget it, count it, log it. Never served.
         A block that compaction has just moved elsewhere is left alone (the reader retries)."""
@@ -354,7 +393,7 @@ class BlockStore(StoreWrites):
         try:
             self.flush()
         finally:  # release everything even if one part fails, the lock last
-            for part in (self.dram, self.nvme, self.index):
+            for part in (self.dram, self.object, self.nvme, self.index):  # object flushes into the index
                 try:
                     if part is not None:
                         part.close()

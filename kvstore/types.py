@@ -101,8 +101,10 @@ class BlockMeta:
         return self.hard_pins > 0 or self.soft_pin_until > now
 
     def pack(self) -> bytes:
+        # only NVMe residency is stored: DRAM residency is the DRAM tier's own map and object
+        # residency the index's objects table, both folded in when metadata is read
         head = self._FMT.pack(
-            self.namespace_id, self.payload_len, int(self.residency), self.created,
+            self.namespace_id, self.payload_len, int(self.residency & Tier.NVME), self.created,
             self.last_access, self.expires_at, self.access_count, self.hard_pins, self.soft_pin_until,
             self.segment_id, self.offset, self.record_len,
         )

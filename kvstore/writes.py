@@ -105,6 +105,8 @@ class StoreWrites:
             puts[w.key] = meta
             new_segments.add(p.segment_id)
         self.index.commit(puts, new_segments=new_segments)
+        if self.object is not None:  # copied into the upload queue; landed packs are committed later
+            self.object.enqueue(writes)
 
     def _put_dram_only(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> bool:
         dirty = self.nvme is not None
@@ -167,6 +169,8 @@ class StoreWrites:
                         self.dram.mark_clean([w.key for w in writes])
             if self.nvme is not None:
                 self.nvme.sync()
+            if self.object is not None:
+                self.object.flush()
             self.index.flush_touches()
             self.index.sync()
 

@@ -54,3 +54,13 @@ def test_shipped_example_server_section_is_the_defaults():
     from kvcache.cli.server_config import ServerConfig
     with open(EXAMPLE, "rb") as f:
         assert ServerConfig.from_dict(tomllib.load(f)["server"], env={}) == ServerConfig()
+
+
+def test_object_section(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text(f'[object]\nurl = "file://{tmp_path}/b"\npack_mib = 8\ncodec = "zstd-shuffle2"\n'
+                 '[object.storage_options]\nauto_mkdir = true\n')
+    cfg = StoreConfig.load(str(p), str(tmp_path))
+    assert cfg.object_store.pack_bytes == 8 << 20 and cfg.object_store.codec == "zstd-shuffle2"
+    assert cfg.object_store.storage_options == {"auto_mkdir": True}
+    assert StoreConfig.load(EXAMPLE, str(tmp_path)).object_store is None

@@ -1,0 +1,79 @@
+"""BlockStore with an object tier below NVMe (a file:// pack directory here; the tier itself is
+tested against a real S3 server in tests/tiering/test_object_store.py)."""
+
+import pytest
+
+from kvcache.gc.collector import Collector
+from kvcache.gc.fsck import check
+from kvcache.kvstore import Tier
+from kvcache.kvstore.config import StoreConfig
+from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.object_config import ObjectConfig
+from tests.conftest import make_keys, payload_for, put_blocks
+
+
+@pytest.fixture
+def object_store(make_store, tmp_path):
+    def factory(**kw):
+        cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05, **kw)
+        return make_store(dram_mib=None, object_store=cfg,
+                          nvme_config=NvmeConfig(segment_bytes=1 << 20, capacity_bytes=2 << 20,
+                                                 high_watermark=0.9, low_watermark=0.5))
+    return factory
+
+
+def test_blocks_reach_the_object_tier_and_serve_after_nvme_eviction(object_store, clock):
+    s = object_store()
+    keys = make_keys(60)
+    put_blocks(s, keys, n=16384)        # ~1 MiB: under the NVMe watermark
+    s.flush()                           # waits for the packs to land
+    assert s.stats().counters["object_stored"] == 60
+    assert set(s.lookup(keys).tiers) == {Tier.NVME}          # NVMe is the faster copy
+    more = make_keys(80, start=10_000)
+    for i in range(0, 80, 10):          # push NVMe over its watermark: old blocks lose NVMe copies
+        put_blocks(s, more[i:i + 10], n=16384)
+        clock.advance(seconds=30)
+    Collector(s).step()
+    tiers = s.lookup(keys).tiers
+    assert Tier.OBJECT in tiers and len(tiers) == 60        # nothing lost: still a full prefix
+    objects_only = [k for k, t in zip(keys, tiers) if t == Tier.OBJECT]
+    assert all(s.get(k) == payload_for(k, 16384) for k in objects_only)
+    assert s.stats().counters["hits_object"] == len(objects_only)
+    assert check(s).ok
+
+
+def test_object_locations_survive_restart_and_delete_forgets_them(object_store, make_store, clock):
+    s = object_store()
+    keys = make_keys(5)
+    put_blocks(s, keys)
+    s.close()
+    s = object_store()
+    assert all(s.index.object_location(k) is not None for k in keys)
+    s.delete(keys[:2])
+    assert s.index.object_location(keys[0]) is None and s.get(keys[0]) is None
+    assert s.get(keys[3]) == payload_for(keys[3])
+
+
+def test_corrupt_object_copy_is_quarantined_not_served(object_store, tmp_path):
+    s = object_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    s.flush()
+    # drop the NVMe copies so reads must come from the pack
+    for k in keys:
+        meta = s.index.get(k)
+        meta.residency = Tier.NONE
+        s.index.commit({k: meta})
+    p = s.index.object_location(keys[1])
+    pack = next((tmp_path / "bucket").rglob(f"*{p.segment_id:010d}*"))
+    data = bytearray(pack.read_bytes())
+    data[p.offset + p.record_len - 10] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert s.get(keys[1]) is None
+    assert s.index.object_location(keys[1]) is None
+    assert s.get(keys[0]) == payload_for(keys[0]) and s.get(keys[2]) == payload_for(keys[2])
+
+
+def test_object_tier_needs_nvme(tmp_path):
+    with pytest.raises(ValueError, match="below NVMe"):
+        StoreConfig(str(tmp_path), nvme=None, object_store=ObjectConfig(url=f"file://{tmp_path}"))
