@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from kvcache.cli.fmt import human_size, print_table
+
 TIERS = ("dram", "nvme", "object")
 PREFIX_BUCKETS = ((1 << 10, "<1k"), (4 << 10, "1-4k"), (16 << 10, "4-16k"), (64 << 10, "16-64k"), (math.inf, ">=64k"))
 AGE_BUCKETS = ((3600, "<1h"), (6 * 3600, "1-6h"), (86400, "6-24h"), (3 * 86400, "1-3d"), (math.inf, ">=3d"))
@@ -243,13 +245,13 @@ def print_summary(rep: dict, html_path: str | None = None) -> None:
         print(empty_message(rep))
         return
     u, lk = rep["unit"], rep["lookups"]
-    _table([("lookups", f"{lk['count']:,}"),
+    print_table([("lookups", f"{lk['count']:,}"),
             (f"{u[:-1]} hit rate", f"{_pct(lk['hit_rate'])}  ({lk['hit']:,} of {lk['requested']:,} {u})"),
             (f"prefill {u} saved", f"{rep['prefill_tokens_saved']:,}")])
     if u == "blocks":
         print("  (no event carries a block size, so counts are in blocks)")
     print(f"\nhit {u} by tier")
-    _table([(t, f"{_pct(v['share']):>6}  {v['hit_tokens']:,}") for t, v in rep["tiers"].items()], indent=2)
+    print_table([(t, f"{_pct(v['share']):>6}  {v['hit_tokens']:,}") for t, v in rep["tiers"].items()], indent=2)
     print("\nper tenant")
     _grid(["tenant", "lookups", f"requested {u}", f"hit {u}", "hit rate"],
           [[r["tenant"] or "(none)", r["lookups"], r["requested"], r["hit"], _pct(r["hit_rate"])]
@@ -260,10 +262,10 @@ def print_summary(rep: dict, html_path: str | None = None) -> None:
     _grid(["length", "lookups", f"requested {u}", f"hit {u}", "hit rate"],
           [[b["bucket"], b["lookups"], b["requested"], b["hit"], _pct(b["hit_rate"])] for b in rep["prefix_buckets"]])
     print("\nbytes")
-    rows = [(f"served from {t}", _size(v["bytes_served"])) for t, v in rep["tiers"].items()]
-    rows += [("written by puts", _size(rep["puts"]["bytes"]))]
-    rows += [(f"evicted from {t}", _size(v["bytes_evicted"])) for t, v in rep["tiers"].items() if v["bytes_evicted"]]
-    _table(rows, indent=2)
+    rows = [(f"served from {t}", human_size(v["bytes_served"])) for t, v in rep["tiers"].items()]
+    rows += [("written by puts", human_size(rep["puts"]["bytes"]))]
+    rows += [(f"evicted from {t}", human_size(v["bytes_evicted"])) for t, v in rep["tiers"].items() if v["bytes_evicted"]]
+    print_table(rows, indent=2)
     ev, ex = rep["removals"]["evict"], rep["removals"]["expire"]
     print("\nblocks evicted and expired, by age since written")
     _grid(["age", "evicted", "expired"], [[a, ev["by_age"][a], ex["by_age"][a]] for a in ev["by_age"]])
@@ -293,20 +295,6 @@ def _when(t: float) -> str:
 
 def _pct(r: float | None) -> str:
     return "-" if r is None else f"{r:.1%}"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _table(rows, indent: int = 0) -> None:
-    width = max(len(str(k)) for k, _ in rows)
-    for k, v in rows:
-        print(f"{' ' * indent}{str(k):<{width}}  {v}")
 
 
 def _grid(header: list[str], rows: list[list]) -> None:

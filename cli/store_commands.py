@@ -7,6 +7,7 @@ import dataclasses
 import json
 import time
 
+from kvcache.cli.fmt import human_size, print_table
 from kvcache.kvstore.config import StoreConfig
 
 
@@ -65,15 +66,15 @@ def cmd_stats(args) -> int:
         return 0
     rows = [("data directory", st.data_dir), ("blocks", f"{st.index_blocks:,}"),
             ("namespaces", st.namespaces), ("segments", st.segments),
-            ("live bytes", _size(st.live_bytes))]
-    rows += [(f"{t.tier} disk bytes", _size(t.used_bytes)) for t in st.tiers]
+            ("live bytes", human_size(st.live_bytes))]
+    rows += [(f"{t.tier} disk bytes", human_size(t.used_bytes)) for t in st.tiers]
     if not args.quick:
         rows.append(("pinned blocks", f"{st.pinned_blocks:,}"))
     rows += [(f"total {k}", f"{v:,}") for k, v in sorted(st.persistent_counters.items())]
-    _table(rows)
+    print_table(rows)
     if st.age_histogram:
         print("\nidle time since last access")
-        _table([(k, f"{v:,}") for k, v in st.age_histogram.items()])
+        print_table([(k, f"{v:,}") for k, v in st.age_histogram.items()])
     return 0
 
 
@@ -90,11 +91,11 @@ def cmd_check(args) -> int:
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
-        _table([("blocks checked", f"{rep.blocks_checked:,}"), ("bad blocks", len(rep.bad_blocks)),
+        print_table([("blocks checked", f"{rep.blocks_checked:,}"), ("bad blocks", len(rep.bad_blocks)),
                 ("segment count mismatches", rep.segment_table_mismatches),
                 ("orphan segments", len(rep.orphan_segments)), ("missing segments", len(rep.missing_segments)),
-                ("corrupt records", rep.corrupt_records), ("torn bytes", _size(rep.torn_bytes)),
-                ("unreferenced bytes (GC reclaims)", _size(rep.unreferenced_bytes))])
+                ("corrupt records", rep.corrupt_records), ("torn bytes", human_size(rep.torn_bytes)),
+                ("unreferenced bytes (GC reclaims)", human_size(rep.unreferenced_bytes))])
         for key, why in list(rep.bad_blocks.items())[:20]:
             print(f"  bad {key}: {why}")
         print("fixed." if rep.fixed else ("ok." if rep.ok else "problems found; run with --fix to repair."))
@@ -108,20 +109,6 @@ def cmd_gc(args) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(rep), indent=2))
     else:
-        _table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
-                for k, v in dataclasses.asdict(rep).items()])
+        print_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
+                     for k, v in dataclasses.asdict(rep).items()])
     return 0
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _table(rows) -> None:
-    width = max(len(str(k)) for k, _ in rows)
-    for k, v in rows:
-        print(f"{str(k):<{width}}  {v}")

@@ -145,7 +145,8 @@ def _flaky_tier(tmp_path, **kw):
     return t, fs
 
 
-# ---------------------------------------------------------------- the generic contract
+# ---------------------------------------------------------------- the contract, object specifics
+# (the generic checks also run on file:// packs in test_tier_conformance.py)
 @pytest.fixture(params=["file", "file-shuffle2", "s3"])
 def tier(request, tmp_path):
     corrupt = []
@@ -176,32 +177,12 @@ def test_roundtrip_is_bit_identical(tier):
     assert not tier.corrupt
 
 
-def test_get_into_rejects_small_buffer(tier):
-    [p] = tier.put([_write(1, 5000)])
-    with pytest.raises(ValueError, match="output buffer"):
-        tier.get_into(_key(1), p, bytearray(4999))
-
-
 def test_missing_block_is_a_miss(tier):
     [p] = tier.put([_write(2, 3000)])
     assert tier.get(_key(999), p) is None          # another key at that placement
     assert tier.get(_key(2), Placement(p.segment_id + 50, p.offset, p.record_len, p.payload_len)) is None
     assert tier.get(_key(2), None) is None
     assert any("missing" in why for _, why in tier.corrupt)
-
-
-def test_delete_never_exposes_other_bytes(tier):
-    w = _write(3, 70000)
-    [p] = tier.put([w])
-    tier.delete(w.key, p)
-    tier.put([_write(i, 70000) for i in range(100, 110)])
-    assert tier.get(w.key, p) in (None, bytes(w.payload))
-
-
-def test_usage_counts_bytes(tier):
-    before = tier.usage().used_bytes
-    placements = tier.put([_write(i, 65536) for i in range(200, 210)])
-    assert tier.usage().used_bytes >= before + sum(p.record_len for p in placements)
 
 
 def test_corruption_in_a_pack_is_a_miss_and_reported(tier):

@@ -1,4 +1,4 @@
-"""One contract, every tier: see tiering/base.py."""
+"""One contract, every tier (DRAM, NVMe, object): see tiering/base.py."""
 
 import threading
 
@@ -8,6 +8,7 @@ from kvcache.kvstore.types import raw_layout
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.dram import DramConfig, DramTier
 from kvcache.tiering.nvme import NvmeConfig, NvmeTier
+from kvcache.tiering.object_store import ObjectConfig, ObjectTier
 
 NS_ID = bytes(range(16))
 
@@ -21,11 +22,15 @@ def _write(i: int, n: int) -> BlockWrite:
     return BlockWrite(_key(i), NS_ID, payload, raw_layout(n), 1.0)
 
 
-@pytest.fixture(params=["dram", "nvme", "nvme-odirect"])
+@pytest.fixture(params=["dram", "nvme", "nvme-odirect", "object", "object-shuffle2"])
 def tier(request, tmp_path):
     corrupt = []
     if request.param == "dram":
         t = DramTier(DramConfig(capacity_bytes=64 << 20, page_bytes=2 << 20, prefault=False))
+    elif request.param.startswith("object"):  # packs in a file:// directory; S3 in test_object_store.py
+        codec = "zstd-shuffle2" if request.param.endswith("shuffle2") else "none"
+        t = ObjectTier(ObjectConfig(url=f"file://{tmp_path}/bucket", pack_bytes=4 << 20, codec=codec),
+                       on_corrupt=lambda k, p, why: corrupt.append((k, why)))
     else:
         cfg = NvmeConfig(segment_bytes=4 << 20, o_direct=request.param.endswith("odirect"))
         try:
@@ -74,8 +79,10 @@ def test_delete_never_exposes_other_bytes(tier):
 
 def test_usage_counts_bytes(tier):
     before = tier.usage().used_bytes
-    tier.put([_write(i, 65536) for i in range(200, 210)])
-    assert tier.usage().used_bytes >= before + 10 * 65536
+    placements = tier.put([_write(i, 65536) for i in range(200, 210)])
+    # stored bytes: a whole record on disk (maybe compressed), the payload in DRAM
+    assert tier.usage().used_bytes >= before + sum(p.record_len or p.payload_len for p in placements)
+    assert all(p.payload_len for p in placements)
 
 
 def test_concurrent_puts_and_gets(tier):

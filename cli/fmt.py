@@ -1,0 +1,18 @@
+"""Terminal formatting shared by the CLI's commands."""
+
+from __future__ import annotations
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_table(rows, indent: int = 0) -> None:
+    """Two aligned columns: label, value."""
+    width = max(len(str(k)) for k, _ in rows)
+    for k, v in rows:
+        print(f"{' ' * indent}{str(k):<{width}}  {v}")
