@@ -77,6 +77,7 @@ class BlockStore(StoreWrites):
             raise
         self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
         self._collector = None
+        self._prefetcher = None
         self._closed = False
         # access times reach the index from a thread of their own, never a reader's get
         self._threads = [Periodic("kvcache-touch", config.touch_flush_s, self.index.flush_touches)]
@@ -137,12 +138,16 @@ class BlockStore(StoreWrites):
     # ---------------------------------------------------------------- lookup / get
     def lookup(self, keys: Sequence[bytes], tenant: str = "") -> LookupResult:
         """`tenant` only labels the event for hit-rate reports."""
-        t0, tiers, first = time.perf_counter(), [], None
-        for meta in self._metas(list(keys)):
+        t0, tiers, first, remote = time.perf_counter(), [], None, []
+        for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
                 break
             first = first or meta
             tiers.append(meta.residency.fastest())
+            if tiers[-1] == Tier.OBJECT:
+                remote.append((key, meta))
+        if remote and self.dram is not None:
+            self._prefetch(remote)
         self.stats_counters["lookup_blocks"] += len(keys)
         self.stats_counters["lookup_hits"] += len(tiers)
         self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0)
@@ -252,6 +257,23 @@ class BlockStore(StoreWrites):
             if n is not None:
                 return n
         return self._miss()
+
+    def _prefetch(self, blocks: list[tuple[bytes, BlockMeta]]) -> None:
+        """A lookup found blocks only in the object tier: start copying them into DRAM now,
+        so that the gets which usually follow are served from memory."""
+        if self._prefetcher is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvcache-prefetch")
+
+        def fetch(key: bytes, meta: BlockMeta) -> None:
+            placement = self.index.object_location(key)
+            buf = bytearray(meta.payload_len)
+            n = None if placement is None else self.object.get_into(key, placement, buf)
+            if n is not None:
+                self._promote(key, meta, check_layout(None, n), memoryview(buf)[:n])
+                self.stats_counters["prefetched"] += 1
+        for key, meta in blocks:
+            self._prefetcher.submit(fetch, key, meta)
 
     def _read_object(self, key: bytes, meta: BlockMeta, out, now: float) -> int | None:
         """The object tier: a miss (never an error) when it is down; promoted to DRAM on a hit."""
@@ -389,6 +411,8 @@ class BlockStore(StoreWrites):
             return
         for t in self._threads:
             t.stop()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self._closed = True
         try:
             self.flush()

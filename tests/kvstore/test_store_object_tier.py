@@ -77,3 +77,23 @@ def test_corrupt_object_copy_is_quarantined_not_served(object_store, tmp_path):
 def test_object_tier_needs_nvme(tmp_path):
     with pytest.raises(ValueError, match="below NVMe"):
         StoreConfig(str(tmp_path), nvme=None, object_store=ObjectConfig(url=f"file://{tmp_path}"))
+
+
+def test_lookup_prefetches_object_only_blocks_into_dram(make_store, tmp_path, clock):
+    from kvcache.tiering.object_config import ObjectConfig
+    cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05)
+    s = make_store(dram_mib=4, object_store=cfg)
+    keys = make_keys(8)
+    put_blocks(s, keys)
+    s.flush()
+    for k in keys:  # leave only the object copies
+        s.dram.delete(k)
+        meta = s.index.get(k)
+        meta.residency = Tier.NONE
+        s.index.commit({k: meta})
+    assert set(s.lookup(keys).tiers) == {Tier.OBJECT}
+    s._prefetcher.shutdown(wait=True)   # let the prefetches finish
+    assert s.stats().counters["prefetched"] == 8
+    assert set(s.lookup(keys).tiers) == {Tier.DRAM}
+    assert all(s.get(k) == payload_for(k) for k in keys)
+    assert s.stats().counters.get("hits_object", 0) == 0
