@@ -7,6 +7,7 @@ One `Collector.step()` does at most:
                   victims (oldest of random samples, Redis-style; pinned blocks skipped)
   3. compaction:  one sealed segment whose live fraction is below `compact_below`: copy its
                   live records forward, commit the new places, then unlink it
+  4. object packs: the same for one object-tier pack (gc/pack_collector.py)
 Reads never wait for GC to learn that a block expired: the store checks expiry itself.
 """
 
@@ -17,6 +18,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from kvcache.gc.pack_collector import compact_one_pack
 from kvcache.kvstore.errors import CorruptBlockError
 from kvcache.kvstore.events import Event
 from kvcache.kvstore.types import BlockMeta, Tier
@@ -34,6 +36,8 @@ class GcReport:
     soft_pins_cleared: int = 0
     segments_compacted: int = 0
     segments_removed: int = 0
+    packs_compacted: int = 0
+    packs_removed: int = 0
     bytes_reclaimed: int = 0
     wrapped: bool = False      # the expiry cursor finished a full pass of the key space
 
@@ -56,6 +60,8 @@ class Collector:
         if self.store.nvme is not None:
             self._evict_for_capacity(r)
             self._compact_one(r)
+        if self.store.object is not None:
+            compact_one_pack(self.store, r)
         return r
 
     def make_room(self) -> GcReport:
@@ -73,7 +79,8 @@ class Collector:
         for _ in range(max_steps):
             r = self.step()
             total.add(r)
-            if r.wrapped and not (r.segments_compacted or r.segments_removed or r.evicted):
+            if r.wrapped and not (r.segments_compacted or r.segments_removed or r.evicted
+                                  or r.packs_compacted or r.packs_removed):
                 break
         return total
 

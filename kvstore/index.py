@@ -63,6 +63,7 @@ class Index:
                 self.env.open_db(name, create=not readonly)
                 for name in (b"blocks", b"namespaces", b"segments", b"counters"))
             self._objects = self._open_optional(b"objects")
+            self._packs = self._open_optional(b"packs")
         except lmdb.Error as e:
             self.env.close()
             raise StoreError(f"the index at {path} is not a kvcache index or is damaged ({e}); "
@@ -159,6 +160,14 @@ class Index:
                 out[sid] = SegmentUsage(sid, *_SEG_VAL.unpack(v))
             return out
 
+    def pack_usage(self) -> dict[int, SegmentUsage]:
+        """Live bytes and blocks per object-tier pack (the object tier's segment table)."""
+        if self._packs is None:
+            return {}
+        with self.env.begin(db=self._packs) as txn:
+            return {_SEG_KEY.unpack(k)[0]: SegmentUsage(_SEG_KEY.unpack(k)[0], *_SEG_VAL.unpack(v))
+                    for k, v in txn.cursor()}
+
     def counters(self) -> dict[str, int]:
         with self.env.begin(db=self._counters) as txn:
             return {k.decode(): _I64.unpack(v)[0] for k, v in txn.cursor()}
@@ -171,21 +180,25 @@ class Index:
     def commit(self, puts: dict[bytes, BlockMeta] | None = None, deletes: Iterable[bytes] = (),
                counters: dict[str, int] | None = None, new_segments: Iterable[int] = (),
                drop_segments: Iterable[int] = (), object_puts: dict[bytes, Placement] | None = None,
-               object_drops: dict[bytes, Placement] | None = None) -> None:
-        """Apply puts, deletes and counter bumps atomically, keeping segment usage exact.
+               object_drops: dict[bytes, Placement] | None = None,
+               object_moves: dict[bytes, tuple[Placement, Placement]] | None = None,
+               drop_packs: Iterable[int] = ()) -> None:
+        """Apply puts, deletes and counter bumps atomically, keeping segment and pack usage exact.
 
         `object_puts` records object-tier copies of blocks still in the index (others are
         skipped: deleted or expired meanwhile); `object_drops` forgets copies that are still
-        at the given place (a quarantined pack record). Deleting a block forgets its copy."""
+        at the given place (a quarantined pack record); `object_moves` repoints copies that are
+        still at their old place (pack compaction). Deleting a block forgets its copy."""
         with self._write() as txn:
             seg_delta: dict[int, list[int]] = {}
             counters = dict(counters or {})
             for sid in new_segments:
                 if txn.get(_SEG_KEY.pack(sid), db=self._segments) is None:
                     txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(0, 0), db=self._segments)
+            pack_delta: dict[int, list[int]] = {}
             for key in deletes:
                 if self._objects is not None:
-                    txn.delete(key, db=self._objects)
+                    self._set_object(txn, key, None, pack_delta)
                 old = txn.pop(key, db=self._blocks)
                 if old is not None:
                     self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
@@ -201,18 +214,45 @@ class Index:
                 txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._segments)
             for sid in drop_segments:
                 txn.delete(_SEG_KEY.pack(sid), db=self._segments)
-            for key, p in (object_puts or {}).items():
-                if txn.get(key, db=self._blocks) is not None:
-                    txn.put(key, _pack_object(p), db=self._objects)
-            for key, p in (object_drops or {}).items():
-                if txn.get(key, db=self._objects) == _pack_object(p):
-                    txn.delete(key, db=self._objects)
+            self._commit_objects(txn, pack_delta, object_puts or {}, object_drops or {}, object_moves or {},
+                                 drop_packs)
             for name, delta in counters.items():
                 if not delta:
                     continue
                 raw = txn.get(name.encode(), db=self._counters)
                 cur = _I64.unpack(raw)[0] if raw is not None else 0
                 txn.put(name.encode(), _I64.pack(cur + delta), db=self._counters)
+
+    def _commit_objects(self, txn, pack_delta, puts, drops, moves, drop_packs) -> None:
+        for key, p in puts.items():
+            if txn.get(key, db=self._blocks) is not None:
+                self._set_object(txn, key, p, pack_delta)
+        for key, p in drops.items():
+            if txn.get(key, db=self._objects) == _pack_object(p):
+                self._set_object(txn, key, None, pack_delta)
+        for key, (old, new) in moves.items():
+            if txn.get(key, db=self._objects) == _pack_object(old):
+                self._set_object(txn, key, new, pack_delta)
+        for pid, (db, dn) in pack_delta.items():
+            raw = txn.get(_SEG_KEY.pack(pid), db=self._packs)
+            b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
+            txn.put(_SEG_KEY.pack(pid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._packs)
+        for pid in drop_packs:
+            txn.delete(_SEG_KEY.pack(pid), db=self._packs)
+
+    def _set_object(self, txn, key: bytes, new: Placement | None, pack_delta: dict[int, list[int]]) -> None:
+        """Point `key`'s object copy at `new` (None: forget it), keeping pack usage exact."""
+        raw = txn.get(key, db=self._objects)
+        if raw is not None:
+            pid, _, rlen, _ = _OBJ_VAL.unpack(raw)
+            d = pack_delta.setdefault(pid, [0, 0])
+            d[0], d[1] = d[0] - rlen, d[1] - 1
+        if new is None:
+            txn.delete(key, db=self._objects)
+            return
+        txn.put(key, _pack_object(new), db=self._objects)
+        d = pack_delta.setdefault(new.segment_id, [0, 0])
+        d[0], d[1] = d[0] + new.record_len, d[1] + 1
 
     def set_segment_usage(self, usage: dict[int, tuple[int, int]]) -> None:
         """Replace the whole segment table (used by check --fix after recounting)."""

@@ -97,3 +97,29 @@ def test_lookup_prefetches_object_only_blocks_into_dram(make_store, tmp_path, cl
     assert set(s.lookup(keys).tiers) == {Tier.DRAM}
     assert all(s.get(k) == payload_for(k) for k in keys)
     assert s.stats().counters.get("hits_object", 0) == 0
+
+
+def test_gc_reclaims_sparse_and_dead_packs(make_store, tmp_path, clock):
+    from kvcache.tiering.object_config import ObjectConfig
+    cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05, pack_max_blocks=20)
+    s = make_store(dram_mib=None, object_store=cfg)
+    keys = make_keys(200)
+    put_blocks(s, keys)                 # 10 packs of 20 blocks
+    s.flush()
+    packs_before = s.object.list_packs()
+    assert len(packs_before) == 10 and sum(u.live_blocks for u in s.index.pack_usage().values()) == 200
+    s.delete(keys[:20])                 # pack 1: dead
+    s.delete([k for i, k in enumerate(keys[20:40]) if i % 4])   # pack 2: a quarter live
+    rep = Collector(s).run()
+    assert rep.packs_removed >= 2 and rep.packs_compacted >= 1
+    packs_after = s.object.list_packs()
+    assert min(packs_before) not in packs_after
+    usage = s.index.pack_usage()
+    assert sum(u.live_blocks for u in usage.values()) == 200 - 20 - 15
+    survivors = keys[20:40:4] + keys[40:]
+    for k in survivors:                 # read from the object copy: drop the NVMe ones
+        meta = s.index.get(k)
+        meta.residency = Tier.NONE
+        s.index.commit({k: meta})
+    assert all(s.get(k) == payload_for(k) for k in survivors)
+    assert all(s.get(k) is None for k in keys[:20])
