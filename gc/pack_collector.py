@@ -2,6 +2,7 @@
 
 One call handles at most one pack, the sparsest below `compact_below` live:
 
+    tombstones      ──> carried into a new pack while an older pack may hold their keys
     no live record  ──> remove the pack, drop its usage row
     some live       ──> rewrite_pack: one GET of the old pack, live records verbatim into a
                         new pack (PUT) ──> index commit of the moves (only copies still at
@@ -41,15 +42,23 @@ def compact_one_pack(store, report, compact_below: float = 0.5, keep_newest: int
     if best is None:
         return
     try:
-        _reclaim(store, best, packs[best], usage.get(best), report)
+        _reclaim(store, best, packs[best], usage.get(best), report, older_exists=min(packs) < best)
     except (StoreError, CorruptBlockError) as e:
         log.warning("compacting object pack %d failed (%s); it is retried later", best, e)
 
 
-def _reclaim(store, pid: int, size: int, usage, report) -> None:
+def _reclaim(store, pid: int, size: int, usage, report, older_exists: bool) -> None:
     obj = store.object
+    records = list(_records(obj, pid, size))
+    if older_exists:  # tombstones may still shadow records in older packs: carry them forward
+        by_time: dict[float, list[bytes]] = {}
+        for key, _, h in records:
+            if h.is_tombstone and store.index.get(key) is None:
+                by_time.setdefault(h.created, []).append(key)
+        for deleted_at, keys in by_time.items():
+            obj.put_tombstones(keys, deleted_at)
     if usage is not None and usage.live_blocks:
-        live = [(key, p) for key, p, h in _records(obj, pid, size)
+        live = [(key, p) for key, p, h in records
                 if not h.is_tombstone and store.index.object_location(key) == p]
         moved = obj.rewrite_pack(pid, live)
         old = dict(live)

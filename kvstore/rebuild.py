@@ -5,7 +5,8 @@ the key's records created before its deletion time, or at the same time but earl
 the log (so a block put again after a delete survives). Recovered blocks count as accessed at rebuild time: access times are
 not stored in segments, and expiring hot blocks early would cost more than keeping cold
 ones one more TTL. Their age (max_age) still counts from creation. Pins and explicit
-per-block TTLs live only in the index and are not recovered.
+per-block TTLs live only in the index and are not recovered. Object-tier packs are read
+too (their indexes only): blocks found only there come back as object-only blocks.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from kvcache.tiering.segment import ScanEnd, ScannedRecord, scan
 log = logging.getLogger(__name__)
 
 
-def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = False) -> dict[str, int]:
+def rebuild_index(index: Index, nvme: NvmeTier | None, now: float, progress: bool = False,
+                  obj=None) -> dict[str, int]:
     records: dict[bytes, BlockMeta] = {}
     tombstones: dict[bytes, tuple[float, int, int]] = {}   # key -> (deleted at, segment, offset)
     report = {"segments": 0, "records": 0, "corrupt_records": 0, "torn_bytes": 0, "tombstones": 0}
-    for sid in tqdm(nvme.segment_ids(), desc="rebuilding index", unit="segment", disable=not progress):
+    for sid in tqdm(nvme.segment_ids() if nvme else [], desc="rebuilding index", unit="segment",
+                    disable=not progress):
         report["segments"] += 1
         for item in scan(nvme.path(sid)):
             if isinstance(item, ScanEnd):
@@ -49,7 +52,11 @@ def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = Fal
     # a record outlives a tombstone that is older, or as old but earlier in the log
     live = {k: m for k, m in records.items()
             if tombstones.get(k, (-1.0, 0, 0)) < (m.created, m.segment_id, m.offset)}
-    for ns_id, ns in nvme.load_namespaces().items():
+    objects, descriptors = _object_records(obj, tombstones, live, now, report), {}
+    for tier in (obj, nvme):
+        if tier is not None:
+            descriptors.update(_namespaces_of(tier))
+    for ns_id, ns in descriptors.items():
         try:
             index.add_namespace(Namespace.from_dict(ns))
         except (TypeError, ValueError) as e:
@@ -57,13 +64,54 @@ def rebuild_index(index: Index, nvme: NvmeTier, now: float, progress: bool = Fal
     keys = list(live)
     for i in range(0, len(keys), 10_000):
         chunk = {k: live[k] for k in keys[i: i + 10_000]}
-        index.commit(chunk, new_segments={m.segment_id for m in chunk.values()})
+        index.commit(chunk, new_segments={m.segment_id for m in chunk.values() if Tier.NVME in m.residency},
+                     object_puts={k: objects[k] for k in chunk if k in objects})
     report["blocks"] = len(live)
     log.warning("index rebuilt: %s", report)
     return report
 
 
-def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool, now: float) -> Index:
+def _object_records(obj, tombstones, live: dict[bytes, BlockMeta], now: float, report) -> dict:
+    """Object-tier copies from the pack indexes: added to `live` (object-only blocks get a
+    metadata entry without NVMe residency); returns key -> placement. Pack tombstones count
+    like segment tombstones; an unreachable store leaves the object copies out (logged)."""
+    from kvcache.kvstore.errors import StoreError
+    if obj is None:
+        return {}
+    found: dict[bytes, tuple] = {}
+    try:
+        for key, placement, h in obj.rebuild():
+            if h.is_tombstone:
+                tombstones[key] = max(tombstones.get(key, (0.0, 0, 0)), (h.created, 0, 0))
+            else:
+                found[key] = (placement, h)
+    except StoreError as e:
+        log.error("object tier unreachable during the index rebuild (%s): its copies are not indexed", e)
+        return {}
+    out = {}
+    for key, (placement, h) in found.items():
+        if key not in live:
+            # pack and segment positions do not compare: an object record must be strictly
+            # newer than the key's last tombstone (a re-put in the same clock tick as its
+            # delete comes back only from NVMe)
+            if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
+                continue
+            live[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now)
+        out[key] = placement
+    report["object_records"] = len(out)
+    return out
+
+
+def _namespaces_of(tier) -> dict:
+    try:
+        return tier.load_namespaces()
+    except Exception as e:  # a damaged or unreachable copy: the other tier's may do
+        log.error("namespace descriptors unreadable from %s: %s", type(tier).__name__, e)
+        return {}
+
+
+def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool, now: float,
+               obj=None) -> Index:
     """Open the index, rebuilding it from the segments when it is missing.
 
     A marker file brackets the rebuild: a crash part-way leaves the marker, and the next
@@ -74,15 +122,15 @@ def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool,
     if os.path.exists(marker):
         log.warning("an index rebuild in %s was interrupted; starting it over", index_dir)
         shutil.rmtree(index_dir, ignore_errors=True)
-    must_rebuild = (nvme is not None and not os.path.exists(os.path.join(index_dir, "data.mdb"))
-                    and bool(nvme.segment_ids()))
+    must_rebuild = (not os.path.exists(os.path.join(index_dir, "data.mdb"))
+                    and ((nvme is not None and bool(nvme.segment_ids())) or obj is not None))
     if must_rebuild:
         _durable(lambda: open(marker, "w").close(), marker)
     index = Index(index_dir, map_size=map_size, sync=sync)
     if must_rebuild:
         try:
-            log.warning("index missing at %s: rebuilding it from the NVMe segments", index_dir)
-            rebuild_index(index, nvme, now)
+            log.warning("index missing at %s: rebuilding it from the NVMe segments and object packs", index_dir)
+            rebuild_index(index, nvme, now, obj=obj)
             index.sync()
         except BaseException:
             index.close()

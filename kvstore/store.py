@@ -65,12 +65,13 @@ class BlockStore(StoreWrites):
         try:
             self.nvme = (NvmeTier(config.nvme_dir, config.nvme, self._quarantine, clock)
                          if config.nvme else None)
+            self.object = self._open_object_tier()  # no I/O yet: an index rebuild may read it
             sync = config.nvme is not None and config.nvme.fsync == "always"
-            self.index = open_index(config.index_dir, self.nvme, config.index_map_bytes, sync, clock())
+            self.index = open_index(config.index_dir, self.nvme, config.index_map_bytes, sync, clock(),
+                                    obj=self.object)
             self.dram = DramTier(config.dram, self._on_dram_evict, clock) if config.dram else None
-            self.object = self._open_object_tier()
         except BaseException:
-            for part in (self.nvme, self.index):
+            for part in (self.object, self.nvme, self.index):
                 if part is not None:
                     part.close()
             self._lockfile.close()
@@ -92,8 +93,11 @@ class BlockStore(StoreWrites):
             if ns.id not in self.namespaces:
                 self.index.add_namespace(ns)
                 self.namespaces[ns.id] = ns
+                descriptors = {k.hex(): v.to_dict() for k, v in self.namespaces.items()}
                 if self.nvme is not None:
-                    self.nvme.save_namespaces({k.hex(): v.to_dict() for k, v in self.namespaces.items()})
+                    self.nvme.save_namespaces(descriptors)
+                if self.object is not None:
+                    self._best_effort(self.object.save_namespaces, descriptors)
         return ns.id
 
     def _namespace(self, namespace_id: bytes) -> Namespace:
@@ -349,6 +353,8 @@ class BlockStore(StoreWrites):
             stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
             if stored and self.nvme is not None:
                 segments = self.nvme.put_tombstones(stored, self.clock())
+                if self.object is not None:  # so a rebuild from packs does not resurrect them
+                    self._best_effort(self.object.put_tombstones, stored, self.clock())
             else:
                 segments = set()
             self.index.commit(deletes=stored, new_segments=segments)
@@ -367,6 +373,15 @@ class BlockStore(StoreWrites):
         from kvcache.tiering.object_store import ObjectTier  # fsspec/s3fs only when configured
         return ObjectTier(self.config.object_store, on_corrupt=self._quarantine_object,
                           on_stored=self._object_stored, on_dropped=self._object_dropped)
+
+    def _best_effort(self, fn, *args) -> None:
+        """An object-tier write that must not fail the caller (the store may be down)."""
+        from kvcache.kvstore.errors import StoreError
+        try:
+            fn(*args)
+        except StoreError as e:
+            self.stats_counters["object_errors"] += 1
+            log.warning("object tier: %s failed: %s", fn.__name__, e)
 
     def _object_stored(self, landed: list[tuple[bytes, Placement]]) -> None:
         """Upload thread: packs landed; record where (blocks deleted meanwhile are skipped)."""

@@ -123,3 +123,27 @@ def test_gc_reclaims_sparse_and_dead_packs(make_store, tmp_path, clock):
         s.index.commit({k: meta})
     assert all(s.get(k) == payload_for(k) for k in survivors)
     assert all(s.get(k) is None for k in keys[:20])
+
+
+def test_index_rebuilt_from_packs_keeps_object_only_blocks_and_deletes(make_store, tmp_path, clock):
+    import shutil
+    from kvcache.tiering.object_config import ObjectConfig
+    cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05, pack_max_blocks=10)
+    s = make_store(dram_mib=None, object_store=cfg)
+    keys = make_keys(40)
+    put_blocks(s, keys)
+    s.flush()
+    s.delete(keys[:2])                  # 2 of the first pack's 10: too live to compact
+    clock.advance(seconds=1)
+    later = make_keys(50, start=5_000)
+    put_blocks(s, later)                # five newer packs: the tombstone pack is old enough for GC
+    s.flush()
+    rep = Collector(s).run()            # it has no live blocks: reclaimed, tombstones carried on
+    assert rep.packs_removed >= 1
+    s.close()
+    shutil.rmtree(tmp_path / "data")    # lose the NVMe tier and the index: only packs remain
+    s = make_store(dram_mib=None, object_store=cfg)
+    assert s.index.count() == 88
+    assert all(s.get(k) is None for k in keys[:2])
+    assert all(s.get(k) == payload_for(k) for k in keys[2:] + later)
+    assert set(s.lookup(keys[2:]).tiers) == {Tier.OBJECT}
