@@ -35,7 +35,7 @@ class ObjectConfig:
     auto_min_ratio: float = 1.1           # ... keep compressing only at this ratio or better
     auto_bandwidth_bytes_s: float = 0.0   # ... and faster than this (0: the measured upload rate)
     max_queue_bytes: int = 256 << 20      # write-back memory bound (raw payload bytes)
-    queue_full: str = "block"             # block (up to enqueue_timeout_s, then drop) | drop
+    queue_full: str = "drop"              # drop (the store never waits on S3) | block (up to enqueue_timeout_s)
     enqueue_timeout_s: float = 10.0
     on_outage: str = "drop"               # drop | hold (keep queued within the bound, retry)
     upload_workers: int = 2

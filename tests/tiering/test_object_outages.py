@@ -21,7 +21,7 @@ from tests.tiering.object_helpers import MotoServer, _flaky_tier, _key, _s3_conf
 
 # ---------------------------------------------------------------- queue bounds
 def test_queue_memory_stays_bounded_under_slow_uploads(tmp_path):
-    t, fs = _flaky_tier(tmp_path, max_queue_bytes=512 << 10, pack_bytes=128 << 10)
+    t, fs = _flaky_tier(tmp_path, max_queue_bytes=512 << 10, pack_bytes=128 << 10, queue_full="block")
     fs.delay = 0.01
     landed = t.landed
     block = 40_000
@@ -33,13 +33,15 @@ def test_queue_memory_stays_bounded_under_slow_uploads(tmp_path):
             peak[0] = max(peak[0], t._queue.queued_bytes)
             time.sleep(0.0005)
 
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     writes = [_write(i, block) for i in range(1, 151)]   # 6 MB through a 512 KiB queue
-    assert t.enqueue(writes) == len(writes)
-    assert t.flush(30)
-    stop.set()
-    sampler.join()
+    try:
+        assert t.enqueue(writes) == len(writes)
+        assert t.flush(30)
+    finally:
+        stop.set()
+        sampler.join()
     s = t.stats()
     assert max(peak[0], s["queue_peak_bytes"]) <= (512 << 10) + block
     assert len(landed) == len(writes) and s["dropped_writes"] == 0
