@@ -39,6 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TIERS_EPILOG)
     add_tiers_arguments(t)
     t.set_defaults(func=run_tiers)
+    from kvcache.cli import bench_daemon
+    bench_daemon.add_parser(sub)
     return p
 
 

@@ -7,6 +7,7 @@
     kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
     kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
+    kvcache bench daemon [...]          the daemon against redis-server and memcpy
 """
 
 from __future__ import annotations

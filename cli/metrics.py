@@ -7,6 +7,8 @@ at scrape time, so they can never drift from what the store reports.
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -59,20 +61,27 @@ class Metrics:
         self.latency.labels(endpoint).observe(seconds)
 
     def count_gets(self, got) -> None:
+        """got: (payload or None, tier) per block; one counter update per tier, not per block."""
+        hits, nbytes, misses = collections.Counter(), collections.Counter(), 0
         for payload, tier in got:
             if payload is None:
-                self.blocks.labels("get", "none", "miss").inc()
+                misses += 1
             else:
-                self.blocks.labels("get", tier.label, "hit").inc()
-                self.bytes.labels("get", tier.label).inc(len(payload))
+                hits[tier] += 1
+                nbytes[tier] += len(payload)
+        if misses:
+            self.blocks.labels("get", "none", "miss").inc(misses)
+        for tier, n in hits.items():
+            self.blocks.labels("get", tier.label, "hit").inc(n)
+            self.bytes.labels("get", tier.label).inc(nbytes[tier])
 
     def count_puts(self, stored: int, present: int) -> None:
         self.blocks.labels("put", "any", "stored").inc(stored)
         self.blocks.labels("put", "any", "present").inc(present)
 
     def count_lookup(self, n_keys: int, tiers: tuple[Tier, ...]) -> None:
-        for t in tiers:
-            self.blocks.labels("lookup", t.label, "hit").inc()
+        for t, n in collections.Counter(tiers).items():
+            self.blocks.labels("lookup", t.label, "hit").inc(n)
         self.blocks.labels("lookup", "none", "miss").inc(n_keys - len(tiers))
 
     def render(self) -> tuple[bytes, str]:

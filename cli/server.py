@@ -38,6 +38,7 @@ TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
 QUOTA = web.RequestKey("quota", object)
 PUT_CHUNK_BYTES = 64 << 20
+GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -226,19 +227,37 @@ def _add(totals: list, r) -> None:
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
+    """Frames stream out in groups (at most 32 blocks and GET_GROUP_BYTES, bounded memory): the
+    group's sizes from the index, then one get_many_into into one buffer; no per-block allocation."""
     keys, body = await _keys(request)
+    store = request.app[STORE]
     if len(keys) > request.app[CONFIG].max_batch_blocks:
         raise wire.FrameLimitError(f"at most {request.app[CONFIG].max_batch_blocks} blocks per batch_get")
     sent = [bytes.fromhex(k) for k in body["keys"]]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
     await resp.prepare(request)
     await resp.write(wire.stream_header(len(keys)))
-    for i in range(0, len(keys), 32):  # stream in small groups: bounded memory per request
-        got = await _call(request, request.app[STORE].get_many_tiered, keys[i: i + 32])
-        request.app[METRICS].count_gets(got)
-        for client_key, (payload, tier) in zip(sent[i: i + 32], got):
+    i = 0
+    while i < len(keys):
+        sizes = await _call(request, store.sizes_tiered, keys[i: i + 32])
+        n, nbytes = 0, 0
+        while n < len(sizes) and (n == 0 or nbytes + (sizes[n] or (0,))[0] <= GET_GROUP_BYTES):
+            nbytes, n = nbytes + (sizes[n] or (0,))[0], n + 1
+        buf, pos, slots = memoryview(bytearray(nbytes)), 0, []
+        for s in sizes[:n]:
+            slots.append(None if s is None else buf[pos: pos + s[0]])
+            pos += s[0] if s else 0
+        want = [j for j, v in enumerate(slots) if v is not None]
+        got = await _call(request, store.get_many_into, [keys[i + j] for j in want], [slots[j] for j in want])
+        for j, length in zip(want, got):
+            if length is None:            # gone since sizes_tiered (deleted, expired): a miss
+                slots[j] = None
+        frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(n)]
+        request.app[METRICS].count_gets(frames)
+        for client_key, (payload, tier) in zip(sent[i: i + n], frames):
             for part in wire.encode_get_frame(client_key, payload, tier):
                 await resp.write(part)
+        i += n
     await resp.write_eof()
     return resp
 

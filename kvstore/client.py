@@ -92,6 +92,7 @@ async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
     return err
 
 
+@functools.lru_cache(maxsize=64)   # a lookup reply carries one label per block, from a handful of values
 def _tier(label: str) -> Tier:
     t = Tier.NONE
     for part in label.split("|"):
@@ -147,6 +148,17 @@ def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
         for p in pieces:
             yield p
     return total, body
+
+
+async def _read_into(content, dst: memoryview, n: int) -> None:
+    """The next n bytes of a response into dst[:n], chunk by chunk as they arrive."""
+    pos = 0
+    while pos < n:
+        chunk = await content.read(n - pos)
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        dst[pos: pos + len(chunk)] = chunk
+        pos += len(chunk)
 
 
 def _layout_json(layout: Sequence[TensorSpec]) -> str:
@@ -309,20 +321,32 @@ class AsyncKVClient:
         return out
 
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Batched get_into. A too-small buffer raises ValueError once its frame arrives
-        (earlier buffers may already be filled; BlockStore checks all sizes first)."""
+        """Batched get_into: each payload is copied from the socket's chunks straight into its
+        buffer (no whole-payload intermediate). A too-small buffer raises ValueError when its frame
+        arrives (earlier buffers may already be filled; BlockStore checks all sizes first)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         result: list[int | None] = [None] * len(keys)
-
-        def on_frame(i, f):
-            if f.payload is not None:
-                dst = memoryview(outs[i]).cast("B")
-                if dst.nbytes < len(f.payload):
-                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {len(f.payload)}")
-                dst[: len(f.payload)] = f.payload
-                result[i] = len(f.payload)
-        await self._batch_get(keys, on_frame)
+        base = 0
+        for chunk in _chunks(list(keys), self.max_batch_blocks):
+            async def handle(resp, chunk=chunk, base=base):
+                read = resp.content.readexactly
+                count = await wire.read_stream_header(read, len(chunk))
+                if count != len(chunk):
+                    raise DaemonError(f"batch_get answered {count} frames for {len(chunk)} keys")
+                for i, key in enumerate(chunk):
+                    fkey, hit, _tier_bits, n = await wire.read_get_frame_header(read)
+                    if fkey != key:
+                        raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
+                    if hit:
+                        dst = memoryview(outs[base + i]).cast("B")
+                        if dst.nbytes < n:
+                            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
+                        await _read_into(resp.content, dst, n)
+                        result[base + i] = n
+            await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
+                             json_body={"keys": [k.hex() for k in chunk]})
+            base += len(chunk)
         return result
 
     async def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",

@@ -202,6 +202,11 @@ class BlockStore(StoreWrites):
                     sum(len(p) for p, _ in out if p is not None))
         return out
 
+    def sizes_tiered(self, keys: Sequence[bytes]) -> list[tuple[int, Tier] | None]:
+        """(payload length, fastest tier) of each live block, None where absent: one index read,
+        so that a reader can size its buffers before get_many_into."""
+        return [None if m is None else (m.payload_len, m.residency.fastest()) for m in self._metas(list(keys))]
+
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [m is not None for m in self._metas(list(keys))]
 

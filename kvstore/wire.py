@@ -112,6 +112,15 @@ async def read_get_frame(read: ReadExactly) -> GetFrame:
     return GetFrame(key, await read(plen), Tier(tier))
 
 
+async def read_get_frame_header(read: ReadExactly) -> tuple[bytes, bool, Tier, int]:
+    """A get frame up to its payload: (key, hit, tier, payload length); the caller reads the payload."""
+    (klen,) = _U8.unpack(await read(1))
+    rest = await read(klen + 10)
+    status, tier = rest[klen], rest[klen + 1]
+    (plen,) = _U64.unpack_from(rest, klen + 2)
+    return rest[:klen], status == HIT, Tier(tier), plen
+
+
 def _parse_meta(raw: bytes) -> dict:
     try:
         meta = json.loads(raw)

@@ -1,0 +1,493 @@
+"""`kvcache bench daemon`: batched put/get through the real `kvcache serve` daemon (HTTP and its
+unix socket) against redis-server (memory only, and appendfsync always), memcpy and write()+fdatasync
+of the same bytes in the same run, plus the latency of a 1,000-block lookup. EPILOG says what each
+side does; the method is `kvcache bench tiers`' (batch by batch in rotating order, GB/s of the median
+of `repeats` rounds after a warm-up round, throughput ratios). The same-host path measured is the
+unix socket: a shared-memory path does not exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime as dt
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+from tqdm import tqdm
+
+from kvcache.kvstore.hashing import Namespace, hash_blocks
+from kvcache.kvstore.store import PutItem
+from kvcache.tiering.bench_tiers import (_copy_all, _copy_each, _interleave, _load, _raw_write, _scratch_dir,
+                                         machine_info, parse_sizes, size_label)
+from kvcache.tiering.slab import SlabAllocator
+
+DEFAULT_SIZES = "256K,1M,4M"
+# ratio -> (operation, measured side, baseline side); top level: worst case over sizes
+RATIOS = {
+    "daemon_get_vs_redis": ("get", "daemon_http", "redis_tcp"),
+    "daemon_put_vs_redis": ("put", "daemon_http", "redis_tcp"),
+    "daemon_put_vs_redis_durable": ("put", "daemon_http", "redis_aof_always"),
+    "daemon_put_vs_raw_write": ("put", "daemon_http", "raw_write"),
+    "unix_get_vs_redis": ("get", "daemon_unix", "redis_unix"),
+    "unix_put_vs_redis": ("put", "daemon_unix", "redis_unix"),
+    "local_get_vs_memcpy": ("get", "daemon_unix", "memcpy"),
+}
+TARGETS = {"daemon_get_vs_redis": 1.0, "daemon_put_vs_redis": 1.0, "local_get_vs_memcpy": 0.5}
+SIDES = {"memcpy": "memcpy", "raw_write": "write+fsync", "daemon_http": "daemon http", "daemon_unix": "daemon unix",
+         "redis_tcp": "redis tcp", "redis_unix": "redis unix", "redis_aof_always": "redis aof-always"}
+_NS = Namespace("bench-daemon@v0", "raw/bench", 256, name="bench-daemon")
+_LOOKUP_BLOCKS = 1000
+_LIBC = ctypes.CDLL(None, use_errno=True)   # resolved here: the forked child only calls prctl
+EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
+  put   daemon KVClient.put_many over HTTP and over its unix socket (durable: write-through,
+        fsync "always"); redis-py pipelined SET over TCP and unix socket (memory only) and
+        over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
+        write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
+  get   daemon KVClient.get_many_into (HTTP, unix socket; served from DRAM); pipelined GET
+        + copy into the same buffer (TCP, unix socket); memcpy of the same blocks
+  also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
+
+targets (reported, never enforced): daemon_get_vs_redis >= 1.0, daemon_put_vs_redis >= 1.0,
+local_get_vs_memcpy >= 0.5 (the unix-socket path: a shared-memory path is not built yet).
+Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
+
+examples:
+  kvcache bench daemon
+  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1
+"""
+NOTES = ["daemon_put_vs_redis compares a durable put (fsync always) with a memory-only redis; "
+         "daemon_put_vs_redis_durable is like for like (appendfsync always); daemon_put_vs_raw_write shows how "
+         "close puts come to the disk's own write()+fdatasync of the same bytes",
+         "unix_*_vs_redis: the daemon over its unix socket vs redis over its unix socket",
+         "local_get_vs_memcpy uses the unix-socket path: the shared-memory path is not built yet, so this is the "
+         "same-host socket path, not shm",
+         "redis gets include copying each value into the output buffer, which is what get_many_into delivers",
+         "each put stores fresh blocks: the batch's keys are deleted everywhere first (untimed)"]
+
+
+class MissingDependency(RuntimeError):
+    """redis-server or redis-py is not installed (the CLI exits with status 2)."""
+
+
+def check_dependencies(redis_server: str) -> str:
+    path = shutil.which(redis_server)
+    if path is None:
+        raise MissingDependency(f"redis-server not found ({redis_server!r} is not on PATH): install it with "
+                                "`apt-get install redis-server` (Debian/Ubuntu), or pass --redis-server PATH")
+    if importlib.util.find_spec("redis") is None:
+        raise MissingDependency("the redis Python client is not installed: `pip install redis`")
+    return path
+
+
+# ---------------------------------------------------------------- processes
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(cleanup: contextlib.ExitStack, argv: list[str], log_path: str) -> subprocess.Popen:
+    """Start argv in its own session (Ctrl-C reaches only us, and we stop it), output to log_path;
+    it gets SIGTERM if this process dies without cleaning up (PR_SET_PDEATHSIG)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=lambda: _LIBC.prctl(1, signal.SIGTERM))
+    cleanup.callback(_stop, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, ready, log_path: str, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        time.sleep(0.05)
+    why = f"exited with {proc.returncode}" if proc.poll() is not None else f"not ready in {timeout_s:g} s"
+    with open(log_path, errors="replace") as f:
+        raise RuntimeError(f"{what} did not start ({why}); its output:\n{f.read()[-2000:]}")
+
+
+def daemon_config(sizes: list[int], total_bytes: int, repeats: int) -> dict:
+    """DRAM that holds both key sets of every size below the watermarks (no eviction while
+    timing); NVMe room for every round; write-through with fsync "always" (durable puts)."""
+    page, need = max(16 << 20, max(sizes)), 0
+    for size in sizes:
+        chunk, n = SlabAllocator(page, page).chunk_size(size), 2 * max(1, total_bytes // size)
+        need += -(-n // (page // chunk)) * page
+    written = 2 * total_bytes * len(sizes) * (repeats + 1)
+    return {"store": {"write_policy": "write-through"},
+            "dram": {"capacity_bytes": int(need / 0.85) + 4 * page, "page_bytes": page, "pin_memory": "off"},
+            "nvme": {"fsync": "always", "capacity_bytes": max(4 << 30, 2 * written)}}
+
+
+def start_daemon(cleanup, root: str, sock_dir: str, cfg: dict) -> dict:
+    path, port, sock = os.path.join(root, "daemon.toml"), _free_port(), os.path.join(sock_dir, "kvcache.sock")
+    with open(path, "w") as f:
+        f.write("".join(f"[{sec}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
+                        for sec, kv in cfg.items()))
+    argv = [sys.executable, "-m", "kvcache.cli.main", "serve", "--config", path, "--data-dir",
+            os.path.join(root, "daemon-data"), "--port", str(port), "--unix-socket", sock, "--gc-interval", "3600"]
+    log, url = os.path.join(root, "daemon.log"), f"http://127.0.0.1:{port}"
+    proc = _spawn(cleanup, argv, log)
+    _wait_ready(proc, lambda: urllib.request.urlopen(url + "/healthz", timeout=1).status == 200
+                and os.path.exists(sock), log, "kvcache serve")
+    return {"url": url, "unix_socket": sock, "argv": argv[1:], "config": cfg}
+
+
+def start_redis(cleanup, binary: str, root: str, sock_dir: str, name: str, durable: bool) -> dict:
+    d, port, sock = os.path.join(root, name), _free_port(), os.path.join(sock_dir, f"{name}.sock")
+    os.makedirs(d)
+    persistence = (["--appendonly", "yes", "--appendfsync", "always", "--auto-aof-rewrite-percentage", "0"]
+                   if durable else ["--appendonly", "no"])
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", sock, "--unixsocketperm", "700",
+            "--dir", d, "--save", "", *persistence, "--daemonize", "no", "--protected-mode", "yes"]
+    log = os.path.join(root, f"{name}.log")
+    proc = _spawn(cleanup, argv, log)
+    import redis
+    tcp = redis.Redis(port=port, socket_timeout=120)
+    cleanup.callback(tcp.close)
+    _wait_ready(proc, tcp.ping, log, name)
+    unix = redis.Redis(unix_socket_path=sock, socket_timeout=120)
+    cleanup.callback(unix.close)
+    return {"tcp": tcp, "unix": unix, "argv": argv[1:]}
+
+
+# ---------------------------------------------------------------- operations
+def _daemon_put(client, items) -> None:
+    r = client.put_many(items)
+    if r.stored != len(items) or not r.durable:
+        raise RuntimeError(f"daemon put_many stored {r.stored} of {len(items)} blocks (durable={r.durable})")
+
+
+def _daemon_get(client, keys, out, size: int) -> None:
+    if client.get_many_into(keys, [out] * len(keys)) != [size] * len(keys):
+        raise RuntimeError(f"a batch of {len(keys)} blocks could not be read back from the daemon")
+
+
+def _redis_put(r, keys, blocks) -> None:
+    p = r.pipeline(transaction=False)
+    for k, b in zip(keys, blocks):
+        p.set(k, b)
+    p.execute()
+
+
+def _redis_get(r, keys, dst, size: int) -> None:
+    """Pipelined GET, each value copied into `dst` (what get_many_into delivers)."""
+    p = r.pipeline(transaction=False)
+    for k in keys:
+        p.get(k)
+    for v in p.execute():
+        if v is None or len(v) != size:
+            raise RuntimeError("a block could not be read back from redis")
+        dst[:] = v
+
+
+# ---------------------------------------------------------------- one block size
+@dataclass
+class Sides:
+    http: object            # KVClient over loopback TCP
+    unix: object            # KVClient over the daemon's unix socket
+    rt: object              # redis (memory only) over TCP ...
+    ru: object              # ... and over its unix socket
+    aof: object | None      # the appendfsync-always redis over TCP
+
+
+@dataclass
+class Work:
+    size: int
+    blocks: list[memoryview]
+    kh: list[bytes]         # keys of the HTTP side (and of redis over TCP)
+    ku: list[bytes]         # keys of the unix-socket side (and of redis over unix)
+    batches: list[tuple[int, int]]
+
+    def items(self, keys: list[bytes]) -> list[list[PutItem]]:
+        return [[PutItem(keys[i], self.blocks[i], _NS.id) for i in range(a, b)] for a, b in self.batches]
+
+
+def _put_round(w: Work, s: Sides, ih, iu, region: memoryview, fd: int, acc: dict, r: int) -> None:
+    for j, (a, b) in enumerate(w.batches):
+        s.http.delete(w.kh[a:b] + w.ku[a:b])          # untimed: every put stores fresh blocks
+        s.rt.delete(*w.kh[a:b], *w.ku[a:b])
+        steps = {"put:memcpy": lambda: _copy_all(w.blocks[a:b], region[a * w.size:]),
+                 "put:raw_write": lambda: _raw_write(fd, w.blocks[a:b]),
+                 "put:daemon_http": lambda: _daemon_put(s.http, ih[j]),
+                 "put:daemon_unix": lambda: _daemon_put(s.unix, iu[j]),
+                 "put:redis_tcp": lambda: _redis_put(s.rt, w.kh[a:b], w.blocks[a:b]),
+                 "put:redis_unix": lambda: _redis_put(s.ru, w.ku[a:b], w.blocks[a:b])}
+        if s.aof is not None:
+            s.aof.delete(*w.kh[a:b])
+            steps["put:redis_aof_always"] = lambda: _redis_put(s.aof, w.kh[a:b], w.blocks[a:b])
+        _interleave(acc, steps, j + r)
+
+
+def _get_round(w: Work, s: Sides, out: memoryview, acc: dict, r: int) -> None:
+    for j, (a, b) in enumerate(w.batches):
+        _interleave(acc, {"get:memcpy": lambda: _copy_each(w.blocks[a:b], out),
+                          "get:daemon_http": lambda: _daemon_get(s.http, w.kh[a:b], out, w.size),
+                          "get:daemon_unix": lambda: _daemon_get(s.unix, w.ku[a:b], out, w.size),
+                          "get:redis_tcp": lambda: _redis_get(s.rt, w.kh[a:b], out, w.size),
+                          "get:redis_unix": lambda: _redis_get(s.ru, w.ku[a:b], out, w.size)}, j + r)
+
+
+def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: int, batch_bytes: int,
+               repeats: int, s: Sides, root: str, bar) -> dict:
+    n, per = max(1, total_bytes // size), max(1, batch_bytes // size)
+    key = lambda side, i: xxhash.xxh3_128_digest(f"daemon-bench:{side}:{size}:{i}".encode())  # noqa: E731
+    w = Work(size, [source[i * size: (i + 1) * size] for i in range(n)], [key("http", i) for i in range(n)],
+             [key("unix", i) for i in range(n)], [(a, min(n, a + per)) for a in range(0, n, per)])
+    ih, iu = w.items(w.kh), w.items(w.ku)
+    out, raw_path = memoryview(bytearray(size)), os.path.join(root, "raw.bin")
+    times: dict[str, list[float]] = {}
+    served: Counter = Counter()
+    for r in range(repeats + 1):
+        acc: dict[str, float] = {}
+        bar.set_postfix_str(f"{size_label(size)} put")
+        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)   # a fresh file each round
+        try:
+            _put_round(w, s, ih, iu, region, fd, acc, r)
+        finally:
+            os.close(fd)
+            os.unlink(raw_path)
+        if r == 0:   # untimed checks: which tier will serve the gets, and the bytes themselves
+            served.update(t.label for t in s.http.lookup(w.kh).tiers + s.unix.lookup(w.ku).tiers)
+            for got in (s.http.get(w.kh[-1]), s.unix.get(w.ku[-1]), s.rt.get(w.kh[-1]), s.ru.get(w.ku[-1])):
+                if got != w.blocks[-1]:
+                    raise RuntimeError("a block read back differs from what was written")
+        bar.set_postfix_str(f"{size_label(size)} get")
+        _get_round(w, s, out, acc, r)
+        if r:   # round 0 is the warm-up
+            for name, t in acc.items():
+                times.setdefault(name, []).append(t)
+        bar.update(1)
+    s.http.delete(w.kh + w.ku)                          # free DRAM and redis memory for the next size
+    s.rt.delete(*w.kh, *w.ku)
+    if s.aof is not None:
+        s.aof.flushall()
+    res: dict = {"block_bytes": size, "blocks": n, "bytes": n * size, "batches": len(w.batches),
+                 "batch_blocks": per, "daemon_gets_served_from": dict(served)}
+    for op in ("put", "get"):
+        done = [x for x in SIDES if f"{op}:{x}" in times]
+        res[op] = {x: n * size / statistics.median(times[f"{op}:{x}"]) / 1e9 for x in done}
+        res[op]["rounds_s"] = {x: times[f"{op}:{x}"] for x in done}
+    return res
+
+
+def bench_lookup(http, rt, runs: int) -> dict:
+    """Milliseconds per daemon lookup (HTTP) of a 1,000-block chained prefix, all present; a
+    pipelined EXISTS of the same keys in redis as a reference."""
+    keys = hash_blocks(_NS, np.arange(_LOOKUP_BLOCKS * _NS.block_size, dtype=np.int32) % 100_000)
+    payload = os.urandom(4096)
+    http.put_many([PutItem(k, payload, _NS.id) for k in keys])
+    rt.mset({k: payload for k in keys})
+
+    def redis_exists() -> int:
+        p = rt.pipeline(transaction=False)
+        for k in keys:
+            p.exists(k)
+        return sum(p.execute())
+
+    out: dict = {"lookup_blocks": len(keys), "runs": runs}
+    for name, fn in (("daemon_http", lambda: http.lookup(keys).num_hits), ("redis_pipelined_exists", redis_exists)):
+        ms = []
+        for i in range(max(3, runs // 20) + runs):      # the first few are warm-up
+            t0 = time.perf_counter()
+            if fn() != len(keys):
+                raise RuntimeError(f"{name} did not find all {len(keys)} present keys")
+            ms.append((time.perf_counter() - t0) * 1e3)
+        ms = ms[-runs:]
+        out[name] = {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                     "mean_ms": statistics.fmean(ms), "max_ms": max(ms)}
+    http.delete(keys)
+    rt.delete(*keys)
+    return out
+
+
+# ---------------------------------------------------------------- report
+def summarize(per_size: dict) -> dict:
+    by = {name: {lab: r[op][a] / r[op][b] for lab, r in per_size.items() if a in r[op] and b in r[op]}
+          for name, (op, a, b) in RATIOS.items()}
+    by = {k: v for k, v in by.items() if v}
+    out: dict = {name: min(v.values()) for name, v in by.items()}
+    out["ratios_per_size"] = by
+    out["targets"] = {name: {"target": t, "worst": out[name], "pass": out[name] >= t,
+                             "per_size_pass": {s: v >= t for s, v in by[name].items()}}
+                      for name, t in TARGETS.items() if name in out}
+    return out
+
+
+def write_results(doc: dict, out_dir: str) -> None:
+    """daemon_throughput-<UTC time>.json and daemon_throughput-latest.json, each written atomically."""
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path, latest = (os.path.join(out_dir, f"daemon_throughput-{s}.json") for s in (stamp, "latest"))
+    doc["files"] = {"json": os.path.abspath(path), "latest": os.path.abspath(latest)}
+    text = json.dumps(doc, indent=2) + "\n"
+    for p in (path, latest):
+        with open(p + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(p + ".tmp", p)
+
+
+def _setups(daemon: dict, red: dict, aof: dict | None) -> dict:
+    import redis
+    parser = "hiredis" if getattr(redis.utils, "HIREDIS_AVAILABLE", False) else "pure-Python"
+    return {"daemon": {"argv": daemon["argv"], "config": daemon["config"], "client": "KVClient (aiohttp), retries=0",
+                       "transport": "HTTP/1.1 over loopback TCP, and over the daemon's unix socket",
+                       "durability": "durable: write-through, NVMe fsync 'always' (segment append + fdatasync + index "
+                                     "commit before the reply; every put checked durable=true); event log on (the "
+                                     "serve default); GC every 3600 s (not during the run)"},
+            "redis": {"argv": red["argv"], "version": red["version"], "durability": "none: --save '' --appendonly no",
+                      "client": f"redis-py {redis.__version__} ({parser} parser), pipeline(transaction=False)"},
+            "redis_aof_always": aof and {"argv": aof["argv"], "durability": "durable: --appendonly yes --appendfsync "
+                                         "always (AOF fsync before replies; rewrite off); puts only, over TCP"},
+            "raw_write": "write() of each block to a fresh file in the data dir, one fdatasync per batch",
+            "memcpy": "slice assignment of the same blocks (put: into one region; get: into the one output "
+                      "buffer that every get side fills)"}
+
+
+def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes: int = 16 << 20,
+        data_dir: str | None = None, lookup_runs: int = 200, redis_server: str = "redis-server",
+        redis_durable: bool = True, progress: bool = True) -> dict:
+    """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
+    MissingDependency without redis-server or redis-py."""
+    from kvcache.kvstore.client import KVClient
+    sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
+    if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1:
+        raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1")
+    redis_path = check_dependencies(redis_server)
+    started, load = time.perf_counter(), _load()
+    with contextlib.ExitStack() as cleanup:   # unwinds on errors and Ctrl-C: clients, processes, then dirs
+        root, sock_dir = _scratch_dir(data_dir), tempfile.mkdtemp(prefix="kvb-")   # sockets: short paths
+        cleanup.callback(shutil.rmtree, root, True)
+        cleanup.callback(shutil.rmtree, sock_dir, True)
+        # processes first, before any thread of ours exists (preexec_fn runs in the forked child)
+        daemon = start_daemon(cleanup, root, sock_dir, daemon_config(sizes, total_bytes, repeats))
+        red = start_redis(cleanup, redis_path, root, sock_dir, "redis", durable=False)
+        aof = start_redis(cleanup, redis_path, root, sock_dir, "redis-aof", durable=True) if redis_durable else None
+        red["version"] = red["tcp"].info("server")["redis_version"]
+        http = cleanup.enter_context(KVClient(daemon["url"], retries=0, timeout_s=120))
+        unix = cleanup.enter_context(KVClient("http://localhost", unix_socket=daemon["unix_socket"],
+                                              retries=0, timeout_s=120))
+        http.register_namespace(_NS)
+        sides = Sides(http, unix, red["tcp"], red["unix"], aof["tcp"] if aof else None)
+        source = memoryview(os.urandom(max(total_bytes, max(sizes))))
+        region = memoryview(bytearray(len(source)))
+        with tqdm(total=len(sizes) * (repeats + 1) + 1, desc="daemon benchmark", unit="round",
+                  disable=not progress) as bar:
+            per_size = {size_label(size): bench_size(size, source, region, total_bytes, batch_bytes, repeats,
+                                                     sides, root, bar) for size in sizes}
+            bar.set_postfix_str("lookup")
+            lookup = bench_lookup(http, red["tcp"], lookup_runs)
+            bar.update(1)
+        machine = {**machine_info(root), "load_at_start": load}
+        setups = _setups(daemon, red, aof)
+    doc = {"benchmark": "daemon_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+           "elapsed_s": time.perf_counter() - started, "machine": machine,
+           "config": {"sizes": [size_label(s) for s in sizes], "total_bytes_per_size": total_bytes,
+                      "repeats": repeats, "batch_bytes": batch_bytes, "lookup_runs": lookup_runs,
+                      "data_dir": os.path.dirname(root), "same_host_path": "unix socket (no shared-memory path yet)",
+                      "units": "GB/s = 1e9 bytes/s; ratio = measured throughput / baseline throughput",
+                      "top_level_ratios": "worst case over sizes; per size under ratios_per_size"},
+           "setups": setups, "notes": NOTES, "sizes": per_size, "lookup": lookup,
+           "lookup_1000_p50_ms": lookup["daemon_http"]["p50_ms"], "lookup_1000_p99_ms": lookup["daemon_http"]["p99_ms"]}
+    doc.update(summarize(per_size))
+    write_results(doc, out_dir)
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    rows = [("size", "op", *SIDES.values())]
+    for label, r in doc["sizes"].items():
+        rows += [(label, op, *(f"{r[op][x]:.2f}" if x in r[op] else "-" for x in SIDES)) for op in ("put", "get")]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["throughput, GB/s (median round):"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines += ["", "ratios: worst over sizes (per size):"]
+    for name, per in doc["ratios_per_size"].items():
+        t = doc["targets"].get(name)
+        mark = "" if t is None else f"   target >= {t['target']}: {'PASS' if t['pass'] else 'MISS'}"
+        lines.append(f"  {name:<28} {doc[name]:5.2f}  ({', '.join(f'{s} {v:.2f}' for s, v in per.items())}){mark}")
+    lk = doc["lookup"]
+    d, x = lk["daemon_http"], lk["redis_pipelined_exists"]
+    lines += ["", f"lookup of {lk['lookup_blocks']} present blocks, daemon over HTTP: p50 {d['p50_ms']:.2f} ms, "
+                  f"p99 {d['p99_ms']:.2f} ms ({lk['runs']} runs); redis pipelined EXISTS: p50 {x['p50_ms']:.2f} ms, "
+                  f"p99 {x['p99_ms']:.2f} ms",
+              "durability: daemon puts durable (fsync always), redis tcp/unix memory only, redis aof-always durable; "
+              "same-host path = the daemon's unix socket (no shared-memory path yet)"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
+    from kvcache.cli.bench import _checked
+    count = _checked(int, what="a positive integer")
+    p.add_argument("--sizes", type=_checked(parse_sizes, bool), default=parse_sizes(DEFAULT_SIZES), metavar="LIST",
+                   help=f"comma-separated block sizes, K/M/G suffixes (default: {DEFAULT_SIZES})")
+    p.add_argument("--total-mib", type=_checked(float), default=128, metavar="MIB",
+                   help="bytes per block size, operation and side, in MiB (default: 128)")
+    p.add_argument("--repeats", type=count, default=3, metavar="N",
+                   help="timed rounds; medians are reported (default: 3)")
+    p.add_argument("--batch-mib", type=_checked(float), default=16, metavar="MIB",
+                   help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
+    p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
+    p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
+    p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the daemon's data, redis' AOF and the raw file go: a scratch directory inside DIR, "
+                        "removed afterwards (default: the current directory; pick the disk to measure)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON reports go (default: {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("daemon", help="the serve daemon (HTTP, unix socket) against redis-server and memcpy",
+                       description="Batched put/get throughput of the `kvcache serve` daemon against redis-server "
+                                   "and memcpy, plus lookup latency; prints a table, writes a JSON report.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    add_arguments(p)
+    p.set_defaults(func=run_daemon)
+    return p
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    """Exit status 0 even when a target is missed (the report says so); 2 without redis."""
+    mib = 1 << 20
+    try:
+        doc = run(args.sizes, int(args.total_mib * mib), args.out_dir, args.repeats,
+                  batch_bytes=int(args.batch_mib * mib), data_dir=args.data_dir, lookup_runs=args.lookup_runs,
+                  redis_server=args.redis_server, redis_durable=not args.no_redis_durable,
+                  progress=not args.no_progress)
+    except MissingDependency as e:
+        print(f"kvcache bench daemon: {e}", file=sys.stderr)
+        return 2
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}\n  and {doc['files']['latest']}")
+    return 0
