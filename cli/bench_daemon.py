@@ -34,7 +34,7 @@ from tqdm import tqdm
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.bench_tiers import (_copy_all, _copy_each, _interleave, _load, _raw_write, _scratch_dir,
-                                         machine_info, parse_sizes, size_label)
+                                         machine_info, parse_sizes, size_label, write_results)
 from kvcache.tiering.slab import SlabAllocator
 
 DEFAULT_SIZES = "256K,1M,4M"
@@ -342,19 +342,6 @@ def summarize(per_size: dict) -> dict:
     return out
 
 
-def write_results(doc: dict, out_dir: str) -> None:
-    """daemon_throughput-<UTC time>.json and daemon_throughput-latest.json, each written atomically."""
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, latest = (os.path.join(out_dir, f"daemon_throughput-{s}.json") for s in (stamp, "latest"))
-    doc["files"] = {"json": os.path.abspath(path), "latest": os.path.abspath(latest)}
-    text = json.dumps(doc, indent=2) + "\n"
-    for p in (path, latest):
-        with open(p + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(p + ".tmp", p)
-
-
 def _setups(daemon: dict, red: dict, aof: dict | None) -> dict:
     import redis
     parser = "hiredis" if getattr(redis.utils, "HIREDIS_AVAILABLE", False) else "pure-Python"
@@ -418,7 +405,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
            "setups": setups, "notes": NOTES, "sizes": per_size, "lookup": lookup,
            "lookup_1000_p50_ms": lookup["daemon_http"]["p50_ms"], "lookup_1000_p99_ms": lookup["daemon_http"]["p99_ms"]}
     doc.update(summarize(per_size))
-    write_results(doc, out_dir)
+    write_results(doc, out_dir, "daemon_throughput")
     return doc
 
 

@@ -383,11 +383,11 @@ def summarize(per_size: dict[str, dict]) -> dict:
     return out
 
 
-def write_results(doc: dict, out_dir: str) -> tuple[str, str]:
-    """tier_throughput-<UTC time>.json and tier_throughput-latest.json, each written atomically."""
+def write_results(doc: dict, out_dir: str, name: str = "tier_throughput") -> tuple[str, str]:
+    """<name>-<UTC time>.json and <name>-latest.json, each written atomically."""
     os.makedirs(out_dir, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, latest = (os.path.join(out_dir, f"tier_throughput-{s}.json") for s in (stamp, "latest"))
+    path, latest = (os.path.join(out_dir, f"{name}-{s}.json") for s in (stamp, "latest"))
     doc["files"] = {"json": os.path.abspath(path), "latest": os.path.abspath(latest)}
     text = json.dumps(doc, indent=2) + "\n"
     for p in (path, latest):
