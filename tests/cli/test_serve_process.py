@@ -171,3 +171,38 @@ def test_unix_socket_serves_the_same_store(daemon, tmp_path):
         client.put(key(7), payload(7), NS.id)
     status, body = d.call("GET", f"/v1/blocks/{key(7).hex()}")
     assert status == 200 and body == payload(7)
+
+
+def test_object_store_outage_never_fails_a_request(daemon, tmp_path):
+    """`kvcache serve` with an S3 tier (moto_server in its own process) keeps serving when the
+    S3 server dies: puts are acknowledged durably from NVMe, gets still hit, nothing errors."""
+    from tests.tiering.object_helpers import MotoServer, _need_moto
+    _need_moto()
+    s3 = MotoServer().start()
+    try:
+        s3.create_bucket("kvcache-e2e")
+        cfg = tmp_path / "serve.toml"
+        cfg.write_text(
+            '[object]\nurl = "s3://kvcache-e2e/cache"\npack_linger_s = 0.1\ntimeout_s = 2.0\n'
+            'breaker_failures = 2\nbreaker_cooldown_s = 60.0\n'
+            f'[object.storage_options]\nendpoint_url = "{s3.url}"\nkey = "test"\nsecret = "test"\n')
+        d = daemon("--config", str(cfg))
+        d.call("POST", "/v1/namespaces", NS.to_dict())
+        for i in range(10):
+            d.put(i)
+        deadline = time.monotonic() + 20      # the packs land in S3
+        while json.loads(d.call("GET", "/v1/stats")[1])["counters"].get("object_stored", 0) < 10:
+            assert time.monotonic() < deadline, "nothing reached the object tier"
+            time.sleep(0.1)
+        s3.stop()                             # outage
+        t0 = time.monotonic()
+        for i in range(10, 30):
+            assert d.put(i)["durable"]
+        for i in range(30):
+            status, body = d.call("GET", f"/v1/blocks/{key(i).hex()}")
+            assert status == 200 and body == payload(i)
+        assert time.monotonic() - t0 < 30, "the outage made requests crawl"
+        status, body = d.call("GET", "/metrics")
+        assert status == 200 and b"kvcache_quarantined_total 0.0" in body
+    finally:
+        s3.stop()
