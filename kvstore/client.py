@@ -294,39 +294,10 @@ class AsyncKVClient:
             return n
         return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True, stream=True)
 
-    async def _batch_get(self, keys: Sequence[bytes], on_frame: Callable[[int, wire.GetFrame], None]) -> None:
-        """POST batch_get in chunks; frames are read one at a time off the streamed response."""
-        base = 0
-        for chunk in _chunks(list(keys), self.max_batch_blocks):
-            async def handle(resp, chunk=chunk, base=base):
-                read = resp.content.readexactly
-                count = await wire.read_stream_header(read, len(chunk))
-                if count != len(chunk):
-                    raise DaemonError(f"batch_get answered {count} frames for {len(chunk)} keys")
-                for i, key in enumerate(chunk):
-                    frame = await wire.read_get_frame(read)
-                    if frame.key != key:
-                        raise DaemonError(f"batch_get frame {i} is for key {frame.key.hex()}, expected {key.hex()}")
-                    on_frame(base + i, frame)
-            await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
-                             json_body={"keys": [k.hex() for k in chunk]})
-            base += len(chunk)
-
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-
-        def on_frame(i, f):
-            out[i] = f.payload
-        await self._batch_get(keys, on_frame)
-        return out
-
-    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Batched get_into: each payload is copied from the socket's chunks straight into its
-        buffer (no whole-payload intermediate). A too-small buffer raises ValueError when its frame
-        arrives (earlier buffers may already be filled; BlockStore checks all sizes first)."""
-        if len(keys) != len(outs):
-            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
-        result: list[int | None] = [None] * len(keys)
+    async def _batch_get(self, keys: Sequence[bytes], take) -> None:
+        """POST batch_get in chunks and walk the streamed frames in order, checking each
+        frame's key. `take(i, n, content)` is awaited for every hit: it must consume exactly
+        the n payload bytes from `content` (the response stream)."""
         base = 0
         for chunk in _chunks(list(keys), self.max_batch_blocks):
             async def handle(resp, chunk=chunk, base=base):
@@ -339,14 +310,34 @@ class AsyncKVClient:
                     if fkey != key:
                         raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
                     if hit:
-                        dst = memoryview(outs[base + i]).cast("B")
-                        if dst.nbytes < n:
-                            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-                        await _read_into(resp.content, dst, n)
-                        result[base + i] = n
+                        await take(base + i, n, resp.content)
             await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
                              json_body={"keys": [k.hex() for k in chunk]})
             base += len(chunk)
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+
+        async def take(i, n, content):
+            out[i] = await content.readexactly(n)
+        await self._batch_get(keys, take)
+        return out
+
+    async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Batched get_into: each payload is copied from the socket's chunks straight into its
+        buffer (no whole-payload intermediate). A too-small buffer raises ValueError when its frame
+        arrives (earlier buffers may already be filled; BlockStore checks all sizes first)."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        result: list[int | None] = [None] * len(keys)
+
+        async def take(i, n, content):
+            dst = memoryview(outs[i]).cast("B")
+            if dst.nbytes < n:
+                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
+            await _read_into(content, dst, n)
+            result[i] = n
+        await self._batch_get(keys, take)
         return result
 
     async def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",

@@ -208,10 +208,7 @@ class Index:
                     self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
                 self._account(seg_delta, counters, meta, +1)
                 txn.put(key, meta.pack(), db=self._blocks)
-            for sid, (db, dn) in seg_delta.items():
-                raw = txn.get(_SEG_KEY.pack(sid), db=self._segments)
-                b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
-                txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._segments)
+            _apply_usage(txn, self._segments, seg_delta)
             for sid in drop_segments:
                 txn.delete(_SEG_KEY.pack(sid), db=self._segments)
             self._commit_objects(txn, pack_delta, object_puts or {}, object_drops or {}, object_moves or {},
@@ -233,10 +230,7 @@ class Index:
         for key, (old, new) in moves.items():
             if txn.get(key, db=self._objects) == _pack_object(old):
                 self._set_object(txn, key, new, pack_delta)
-        for pid, (db, dn) in pack_delta.items():
-            raw = txn.get(_SEG_KEY.pack(pid), db=self._packs)
-            b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
-            txn.put(_SEG_KEY.pack(pid), _SEG_VAL.pack(max(0, b + db), max(0, n + dn)), db=self._packs)
+        _apply_usage(txn, self._packs, pack_delta)
         for pid in drop_packs:
             txn.delete(_SEG_KEY.pack(pid), db=self._packs)
 
@@ -332,3 +326,11 @@ class Index:
 
 def _pack_object(p: Placement) -> bytes:
     return _OBJ_VAL.pack(p.segment_id, p.offset, p.record_len, p.payload_len)
+
+
+def _apply_usage(txn, db, delta: dict[int, list[int]]) -> None:
+    """Add (bytes, blocks) deltas to a usage table (segments or packs), never below zero."""
+    for sid, (db_bytes, db_blocks) in delta.items():
+        raw = txn.get(_SEG_KEY.pack(sid), db=db)
+        b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
+        txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db_bytes), max(0, n + db_blocks)), db=db)
