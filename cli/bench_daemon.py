@@ -2,8 +2,8 @@
 unix socket) against redis-server (memory only, and appendfsync always), memcpy and write()+fdatasync
 of the same bytes in the same run, plus the latency of a 1,000-block lookup. EPILOG says what each
 side does; the method is `kvcache bench tiers`' (batch by batch in rotating order, GB/s of the median
-of `repeats` rounds after a warm-up round, throughput ratios). The same-host path measured is the
-unix socket: a shared-memory path does not exist yet.
+of `repeats` rounds after a warm-up round, throughput ratios). Same-host reads are measured twice:
+payloads through the unix socket, and through the shared-memory arena (the socket carries leases).
 """
 
 from __future__ import annotations
@@ -41,42 +41,50 @@ DEFAULT_SIZES = "256K,1M,4M"
 # ratio -> (operation, measured side, baseline side); top level: worst case over sizes
 RATIOS = {
     "daemon_get_vs_redis": ("get", "daemon_http", "redis_tcp"),
-    "daemon_put_vs_redis": ("put", "daemon_http", "redis_tcp"),
+    "daemon_put_vs_redis": ("put", "daemon_http_memory", "redis_tcp"),
     "daemon_put_vs_redis_durable": ("put", "daemon_http", "redis_aof_always"),
+    "durable_put_vs_redis_memory": ("put", "daemon_http", "redis_tcp"),
     "daemon_put_vs_raw_write": ("put", "daemon_http", "raw_write"),
     "unix_get_vs_redis": ("get", "daemon_unix", "redis_unix"),
     "unix_put_vs_redis": ("put", "daemon_unix", "redis_unix"),
-    "local_get_vs_memcpy": ("get", "daemon_unix", "memcpy"),
+    "shm_get_vs_redis": ("get", "daemon_shm", "redis_unix"),
+    "local_get_vs_memcpy": ("get", "daemon_shm", "memcpy"),
+    "unix_get_vs_memcpy": ("get", "daemon_unix", "memcpy"),
 }
 TARGETS = {"daemon_get_vs_redis": 1.0, "daemon_put_vs_redis": 1.0, "local_get_vs_memcpy": 0.5}
-SIDES = {"memcpy": "memcpy", "raw_write": "write+fsync", "daemon_http": "daemon http", "daemon_unix": "daemon unix",
+SIDES = {"memcpy": "memcpy", "raw_write": "write+fsync", "daemon_http": "daemon http",
+         "daemon_http_memory": "daemon http wb", "daemon_unix": "daemon unix",
+         "daemon_shm": "daemon shm",
          "redis_tcp": "redis tcp", "redis_unix": "redis unix", "redis_aof_always": "redis aof-always"}
 _NS = Namespace("bench-daemon@v0", "raw/bench", 256, name="bench-daemon")
 _LOOKUP_BLOCKS = 1000
 _LIBC = ctypes.CDLL(None, use_errno=True)   # resolved here: the forked child only calls prctl
 EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
   put   daemon KVClient.put_many over HTTP and over its unix socket (durable: write-through,
-        fsync "always"); redis-py pipelined SET over TCP and unix socket (memory only) and
+        fsync "always"), and over HTTP to a second daemon in write-back mode (acknowledged
+        from DRAM); redis-py pipelined SET over TCP and unix socket (memory only) and
         over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
         write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
-  get   daemon KVClient.get_many_into (HTTP, unix socket; served from DRAM); pipelined GET
+  get   daemon KVClient.get_many_into (HTTP, unix socket, shared memory; served from DRAM); pipelined GET
         + copy into the same buffer (TCP, unix socket); memcpy of the same blocks
   also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
 
 targets (reported, never enforced): daemon_get_vs_redis >= 1.0, daemon_put_vs_redis >= 1.0,
-local_get_vs_memcpy >= 0.5 (the unix-socket path: a shared-memory path is not built yet).
+local_get_vs_memcpy >= 0.5 (the shared-memory path).
 Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
 
 examples:
   kvcache bench daemon
   kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1
 """
-NOTES = ["daemon_put_vs_redis compares a durable put (fsync always) with a memory-only redis; "
-         "daemon_put_vs_redis_durable is like for like (appendfsync always); daemon_put_vs_raw_write shows how "
-         "close puts come to the disk's own write()+fdatasync of the same bytes",
+NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back daemon (acknowledged from DRAM) "
+         "vs the memory-only redis; daemon_put_vs_redis_durable = the write-through daemon (fsync always) vs "
+         "redis appendfsync always; durable_put_vs_redis_memory shows what durability costs against a "
+         "memory-only redis; daemon_put_vs_raw_write shows how close durable puts come to the disk's own "
+         "write()+fdatasync of the same bytes",
          "unix_*_vs_redis: the daemon over its unix socket vs redis over its unix socket",
-         "local_get_vs_memcpy uses the unix-socket path: the shared-memory path is not built yet, so this is the "
-         "same-host socket path, not shm",
+         "local_get_vs_memcpy: reads through the shared-memory arena (lease over the unix socket, one memcpy, "
+         "release); unix_get_vs_memcpy: the same reads with payloads through the unix socket",
          "redis gets include copying each value into the output buffer, which is what get_many_into delivers",
          "each put stores fresh blocks: the batch's keys are deleted everywhere first (untimed)"]
 
@@ -134,27 +142,28 @@ def _wait_ready(proc: subprocess.Popen, ready, log_path: str, what: str, timeout
         raise RuntimeError(f"{what} did not start ({why}); its output:\n{f.read()[-2000:]}")
 
 
-def daemon_config(sizes: list[int], total_bytes: int, repeats: int) -> dict:
+def daemon_config(sizes: list[int], total_bytes: int, repeats: int, policy: str = "write-through") -> dict:
     """DRAM that holds both key sets of every size below the watermarks (no eviction while
-    timing); NVMe room for every round; write-through with fsync "always" (durable puts)."""
+    timing); NVMe room for every round; write-through with fsync "always" (durable puts), or
+    write-back (puts acknowledged from DRAM, like a memory-only redis)."""
     page, need = max(16 << 20, max(sizes)), 0
     for size in sizes:
         chunk, n = SlabAllocator(page, page).chunk_size(size), 2 * max(1, total_bytes // size)
         need += -(-n // (page // chunk)) * page
     written = 2 * total_bytes * len(sizes) * (repeats + 1)
-    return {"store": {"write_policy": "write-through"},
+    return {"store": {"write_policy": policy},
             "dram": {"capacity_bytes": int(need / 0.85) + 4 * page, "page_bytes": page, "pin_memory": "off"},
             "nvme": {"fsync": "always", "capacity_bytes": max(4 << 30, 2 * written)}}
 
 
-def start_daemon(cleanup, root: str, sock_dir: str, cfg: dict) -> dict:
-    path, port, sock = os.path.join(root, "daemon.toml"), _free_port(), os.path.join(sock_dir, "kvcache.sock")
+def start_daemon(cleanup, root: str, sock_dir: str, cfg: dict, name: str = "daemon") -> dict:
+    path, port, sock = os.path.join(root, f"{name}.toml"), _free_port(), os.path.join(sock_dir, f"{name}.sock")
     with open(path, "w") as f:
         f.write("".join(f"[{sec}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
                         for sec, kv in cfg.items()))
     argv = [sys.executable, "-m", "kvcache.cli.main", "serve", "--config", path, "--data-dir",
-            os.path.join(root, "daemon-data"), "--port", str(port), "--unix-socket", sock, "--gc-interval", "3600"]
-    log, url = os.path.join(root, "daemon.log"), f"http://127.0.0.1:{port}"
+            os.path.join(root, f"{name}-data"), "--port", str(port), "--unix-socket", sock, "--gc-interval", "3600"]
+    log, url = os.path.join(root, f"{name}.log"), f"http://127.0.0.1:{port}"
     proc = _spawn(cleanup, argv, log)
     _wait_ready(proc, lambda: urllib.request.urlopen(url + "/healthz", timeout=1).status == 200
                 and os.path.exists(sock), log, "kvcache serve")
@@ -180,9 +189,9 @@ def start_redis(cleanup, binary: str, root: str, sock_dir: str, name: str, durab
 
 
 # ---------------------------------------------------------------- operations
-def _daemon_put(client, items) -> None:
+def _daemon_put(client, items, durable: bool = True) -> None:
     r = client.put_many(items)
-    if r.stored != len(items) or not r.durable:
+    if r.stored != len(items) or r.durable != durable:
         raise RuntimeError(f"daemon put_many stored {r.stored} of {len(items)} blocks (durable={r.durable})")
 
 
@@ -213,7 +222,9 @@ def _redis_get(r, keys, dst, size: int) -> None:
 @dataclass
 class Sides:
     http: object            # KVClient over loopback TCP
-    unix: object            # KVClient over the daemon's unix socket
+    unix: object            # KVClient over the daemon's unix socket (payloads through the socket)
+    shm: object             # KVClient over the unix socket, payloads through the shared-memory arena
+    memory: object          # KVClient over HTTP to a second daemon in write-back mode (puts acked from DRAM)
     rt: object              # redis (memory only) over TCP ...
     ru: object              # ... and over its unix socket
     aof: object | None      # the appendfsync-always redis over TCP
@@ -225,20 +236,23 @@ class Work:
     blocks: list[memoryview]
     kh: list[bytes]         # keys of the HTTP side (and of redis over TCP)
     ku: list[bytes]         # keys of the unix-socket side (and of redis over unix)
+    kw: list[bytes]         # keys of the write-back daemon
     batches: list[tuple[int, int]]
 
     def items(self, keys: list[bytes]) -> list[list[PutItem]]:
         return [[PutItem(keys[i], self.blocks[i], _NS.id) for i in range(a, b)] for a, b in self.batches]
 
 
-def _put_round(w: Work, s: Sides, ih, iu, region: memoryview, fd: int, acc: dict, r: int) -> None:
+def _put_round(w: Work, s: Sides, ih, iu, iw, region: memoryview, fd: int, acc: dict, r: int) -> None:
     for j, (a, b) in enumerate(w.batches):
         s.http.delete(w.kh[a:b] + w.ku[a:b])          # untimed: every put stores fresh blocks
+        s.memory.delete(w.kw[a:b])
         s.rt.delete(*w.kh[a:b], *w.ku[a:b])
         steps = {"put:memcpy": lambda: _copy_all(w.blocks[a:b], region[a * w.size:]),
                  "put:raw_write": lambda: _raw_write(fd, w.blocks[a:b]),
                  "put:daemon_http": lambda: _daemon_put(s.http, ih[j]),
                  "put:daemon_unix": lambda: _daemon_put(s.unix, iu[j]),
+                 "put:daemon_http_memory": lambda: _daemon_put(s.memory, iw[j], durable=False),
                  "put:redis_tcp": lambda: _redis_put(s.rt, w.kh[a:b], w.blocks[a:b]),
                  "put:redis_unix": lambda: _redis_put(s.ru, w.ku[a:b], w.blocks[a:b])}
         if s.aof is not None:
@@ -252,6 +266,7 @@ def _get_round(w: Work, s: Sides, out: memoryview, acc: dict, r: int) -> None:
         _interleave(acc, {"get:memcpy": lambda: _copy_each(w.blocks[a:b], out),
                           "get:daemon_http": lambda: _daemon_get(s.http, w.kh[a:b], out, w.size),
                           "get:daemon_unix": lambda: _daemon_get(s.unix, w.ku[a:b], out, w.size),
+                          "get:daemon_shm": lambda: _daemon_get(s.shm, w.ku[a:b], out, w.size),
                           "get:redis_tcp": lambda: _redis_get(s.rt, w.kh[a:b], out, w.size),
                           "get:redis_unix": lambda: _redis_get(s.ru, w.ku[a:b], out, w.size)}, j + r)
 
@@ -261,8 +276,9 @@ def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: i
     n, per = max(1, total_bytes // size), max(1, batch_bytes // size)
     key = lambda side, i: xxhash.xxh3_128_digest(f"daemon-bench:{side}:{size}:{i}".encode())  # noqa: E731
     w = Work(size, [source[i * size: (i + 1) * size] for i in range(n)], [key("http", i) for i in range(n)],
-             [key("unix", i) for i in range(n)], [(a, min(n, a + per)) for a in range(0, n, per)])
-    ih, iu = w.items(w.kh), w.items(w.ku)
+             [key("unix", i) for i in range(n)], [key("memory", i) for i in range(n)],
+             [(a, min(n, a + per)) for a in range(0, n, per)])
+    ih, iu, iw = w.items(w.kh), w.items(w.ku), w.items(w.kw)
     out, raw_path = memoryview(bytearray(size)), os.path.join(root, "raw.bin")
     times: dict[str, list[float]] = {}
     served: Counter = Counter()
@@ -271,7 +287,7 @@ def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: i
         bar.set_postfix_str(f"{size_label(size)} put")
         fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)   # a fresh file each round
         try:
-            _put_round(w, s, ih, iu, region, fd, acc, r)
+            _put_round(w, s, ih, iu, iw, region, fd, acc, r)
         finally:
             os.close(fd)
             os.unlink(raw_path)
@@ -287,6 +303,7 @@ def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: i
                 times.setdefault(name, []).append(t)
         bar.update(1)
     s.http.delete(w.kh + w.ku)                          # free DRAM and redis memory for the next size
+    s.memory.delete(w.kw)
     s.rt.delete(*w.kh, *w.ku)
     if s.aof is not None:
         s.aof.flushall()
@@ -342,7 +359,7 @@ def summarize(per_size: dict) -> dict:
     return out
 
 
-def _setups(daemon: dict, red: dict, aof: dict | None) -> dict:
+def _setups(daemon: dict, memory_daemon: dict, red: dict, aof: dict | None) -> dict:
     import redis
     parser = "hiredis" if getattr(redis.utils, "HIREDIS_AVAILABLE", False) else "pure-Python"
     return {"daemon": {"argv": daemon["argv"], "config": daemon["config"], "client": "KVClient (aiohttp), retries=0",
@@ -350,6 +367,10 @@ def _setups(daemon: dict, red: dict, aof: dict | None) -> dict:
                        "durability": "durable: write-through, NVMe fsync 'always' (segment append + fdatasync + index "
                                      "commit before the reply; every put checked durable=true); event log on (the "
                                      "serve default); GC every 3600 s (not during the run)"},
+            "daemon_memory": {"argv": memory_daemon["argv"], "config": memory_daemon["config"],
+                              "client": "KVClient (aiohttp) over loopback TCP, retries=0",
+                              "durability": "none at acknowledgement: write-back, puts acknowledged from DRAM "
+                                            "(durable=false), like the memory-only redis; puts only"},
             "redis": {"argv": red["argv"], "version": red["version"], "durability": "none: --save '' --appendonly no",
                       "client": f"redis-py {redis.__version__} ({parser} parser), pipeline(transaction=False)"},
             "redis_aof_always": aof and {"argv": aof["argv"], "durability": "durable: --appendonly yes --appendfsync "
@@ -376,14 +397,19 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
         cleanup.callback(shutil.rmtree, sock_dir, True)
         # processes first, before any thread of ours exists (preexec_fn runs in the forked child)
         daemon = start_daemon(cleanup, root, sock_dir, daemon_config(sizes, total_bytes, repeats))
+        memory_daemon = start_daemon(cleanup, root, sock_dir, daemon_config(sizes, total_bytes, repeats, "write-back"),
+                                     "daemon-wb")
         red = start_redis(cleanup, redis_path, root, sock_dir, "redis", durable=False)
         aof = start_redis(cleanup, redis_path, root, sock_dir, "redis-aof", durable=True) if redis_durable else None
         red["version"] = red["tcp"].info("server")["redis_version"]
-        http = cleanup.enter_context(KVClient(daemon["url"], retries=0, timeout_s=120))
-        unix = cleanup.enter_context(KVClient("http://localhost", unix_socket=daemon["unix_socket"],
-                                              retries=0, timeout_s=120))
+        http = cleanup.enter_context(KVClient(daemon["url"], retries=0, timeout_s=120, shared_memory="off"))
+        unix, shm = (cleanup.enter_context(KVClient("http://localhost", unix_socket=daemon["unix_socket"], retries=0,
+                                                    timeout_s=120, shared_memory=mode)) for mode in ("off", "on"))
+        memory = cleanup.enter_context(KVClient(memory_daemon["url"], retries=0, timeout_s=120,
+                                                shared_memory="off"))
         http.register_namespace(_NS)
-        sides = Sides(http, unix, red["tcp"], red["unix"], aof["tcp"] if aof else None)
+        memory.register_namespace(_NS)
+        sides = Sides(http, unix, shm, memory, red["tcp"], red["unix"], aof["tcp"] if aof else None)
         source = memoryview(os.urandom(max(total_bytes, max(sizes))))
         region = memoryview(bytearray(len(source)))
         with tqdm(total=len(sizes) * (repeats + 1) + 1, desc="daemon benchmark", unit="round",
@@ -394,12 +420,12 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
             lookup = bench_lookup(http, red["tcp"], lookup_runs)
             bar.update(1)
         machine = {**machine_info(root), "load_at_start": load}
-        setups = _setups(daemon, red, aof)
+        setups = _setups(daemon, memory_daemon, red, aof)
     doc = {"benchmark": "daemon_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "elapsed_s": time.perf_counter() - started, "machine": machine,
            "config": {"sizes": [size_label(s) for s in sizes], "total_bytes_per_size": total_bytes,
                       "repeats": repeats, "batch_bytes": batch_bytes, "lookup_runs": lookup_runs,
-                      "data_dir": os.path.dirname(root), "same_host_path": "unix socket (no shared-memory path yet)",
+                      "data_dir": os.path.dirname(root), "same_host_path": "shared-memory arena (daemon_shm) and unix socket (daemon_unix)",
                       "units": "GB/s = 1e9 bytes/s; ratio = measured throughput / baseline throughput",
                       "top_level_ratios": "worst case over sizes; per size under ratios_per_size"},
            "setups": setups, "notes": NOTES, "sizes": per_size, "lookup": lookup,
@@ -426,8 +452,9 @@ def format_table(doc: dict) -> str:
     lines += ["", f"lookup of {lk['lookup_blocks']} present blocks, daemon over HTTP: p50 {d['p50_ms']:.2f} ms, "
                   f"p99 {d['p99_ms']:.2f} ms ({lk['runs']} runs); redis pipelined EXISTS: p50 {x['p50_ms']:.2f} ms, "
                   f"p99 {x['p99_ms']:.2f} ms",
-              "durability: daemon puts durable (fsync always), redis tcp/unix memory only, redis aof-always durable; "
-              "same-host path = the daemon's unix socket (no shared-memory path yet)"]
+              "durability: daemon puts durable (fsync always), daemon wb acked from DRAM, redis tcp/unix memory only, "
+              "redis aof-always durable; "
+              "same-host reads: daemon shm = shared-memory arena, daemon unix = payloads through the unix socket"]
     return "\n".join(lines)
 
 

@@ -75,6 +75,14 @@ class Metrics:
             self.blocks.labels("get", tier.label, "hit").inc(n)
             self.bytes.labels("get", tier.label).inc(nbytes[tier])
 
+    def count_hits(self, op: str, tier, hits: int, nbytes: int, misses: int) -> None:
+        """Counters for reads that carry no payload here (shared-memory leases)."""
+        if misses:
+            self.blocks.labels(op, "none", "miss").inc(misses)
+        if hits:
+            self.blocks.labels(op, tier.label, "hit").inc(hits)
+            self.bytes.labels(op, tier.label).inc(nbytes)
+
     def count_puts(self, stored: int, present: int) -> None:
         self.blocks.labels("put", "any", "stored").inc(stored)
         self.blocks.labels("put", "any", "present").inc(present)

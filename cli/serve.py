@@ -49,7 +49,10 @@ def load_configs(args):
     data_dir = args.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
     store = StoreConfig.from_dict(raw, data_dir=os.path.expanduser(data_dir))
     gc = args.gc_interval if args.gc_interval is not None else (store.gc_interval_s or 10.0)
-    return dataclasses.replace(store, gc_interval_s=gc), server
+    store = dataclasses.replace(store, gc_interval_s=gc)
+    if store.dram is not None and store.dram.shared_memory is None:  # local clients read the arena directly
+        store = dataclasses.replace(store, dram=dataclasses.replace(store.dram, shared_memory=True))
+    return store, server
 
 
 def describe(store_cfg, server_cfg) -> str:
@@ -59,7 +62,8 @@ def describe(store_cfg, server_cfg) -> str:
              + (f" and unix://{server_cfg.unix_socket}" if server_cfg.unix_socket else ""),
              f"  data directory  {store_cfg.data_dir}"]
     if store_cfg.dram:
-        lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}")
+        shm = "; shared memory for local clients" if store_cfg.dram.shared_memory else ""
+        lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}{shm}")
     if store_cfg.nvme:
         lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")
     if store_cfg.object_store:

@@ -37,6 +37,7 @@ METRICS = web.AppKey("metrics", Metrics)
 TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
 QUOTA = web.RequestKey("quota", object)
+SHM = web.RequestKey("shm", bool)
 PUT_CHUNK_BYTES = 64 << 20
 GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
 
@@ -76,7 +77,7 @@ async def error_middleware(request: web.Request, handler):
 async def auth_middleware(request: web.Request, handler):
     cfg = request.app[CONFIG]
     if request.path == "/healthz" or not cfg.auth_required:
-        request[TENANT], request[ADMIN], request[QUOTA] = "", True, None
+        request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = "", True, None, True
         return await handler(request)
     header = request.headers.get("Authorization", "")
     presented = header[7:] if header.startswith("Bearer ") else ""
@@ -87,6 +88,7 @@ async def auth_middleware(request: web.Request, handler):
     if match is None:
         return _error(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
     request[TENANT], request[ADMIN], request[QUOTA] = match.tenant, match.admin, match.quota_bytes
+    request[SHM] = match.admin or match.shared_memory
     return await handler(request)
 
 
@@ -201,11 +203,22 @@ async def head_block(request: web.Request) -> web.Response:
 
 async def batch_put(request: web.Request) -> web.Response:
     cfg, store = request.app[CONFIG], request.app[STORE]
-    read = request.content.readexactly
+    read, content = request.content.readexactly, request.content
     count = await wire.read_stream_header(read, cfg.max_batch_blocks)
+
+    async def read_payload(n: int) -> bytearray:   # one copy out of the socket's chunks, no join
+        buf, pos = bytearray(n), 0
+        mv = memoryview(buf)
+        while pos < n:
+            chunk = await content.read(n - pos)
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buf[:pos]), n)
+            mv[pos: pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return buf
     totals, chunk, chunk_bytes = [0, 0, True], [], 0
     for _ in range(count):
-        f = await wire.read_put_frame(read, cfg.max_block_bytes)
+        f = await wire.read_put_frame(read, cfg.max_block_bytes, read_payload)
         chunk.append(PutItem(tenant_key(request[TENANT], f.key), f.payload, f.namespace_id, f.layout,
                              request[TENANT], f.ttl_s))
         chunk_bytes += len(f.payload)
@@ -333,6 +346,8 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
         app.router.add_post(f"/v1/{path}", handler)
     app.router.add_get("/v1/stats", stats)
     app.router.add_get("/metrics", metrics)
+    from kvcache.cli import server_shm
+    server_shm.add_routes(app, config)
     app.on_cleanup.append(_shutdown_pool)
     return app
 

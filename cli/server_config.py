@@ -14,6 +14,7 @@ class TokenInfo:
     tenant: str
     admin: bool = False
     quota_bytes: int | None = None   # payload bytes the tenant may keep; puts beyond it get 507
+    shared_memory: bool = False      # may map the DRAM arena (/v1/shm): it sees every tenant's bytes
 
     def __post_init__(self) -> None:
         if len(self.token) < 16:
@@ -29,12 +30,17 @@ class ServerConfig:
     max_batch_blocks: int = 4096
     max_keys: int = 100_000
     unix_socket: str = ""            # also listen on this unix socket (same-host clients)
+    shm_socket: str = ""             # shared-memory control socket (default: <unix_socket>.shm or a temp path)
+    shm_lease_s: float = 30.0        # a shared-memory read lease is void after this long
+    max_shm_leases: int = 4096       # outstanding shared-memory leases (clients that never release)
     workers: int = 8                 # threads running blocking store calls
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be 1-65535, got {self.port}")
+        if self.shm_lease_s <= 0 or self.max_shm_leases < 1:
+            raise ValueError("server.shm_lease_s must be > 0 and server.max_shm_leases >= 1")
         if not self.tokens and not is_loopback(self.host):
             raise ValueError(f"refusing to serve on {self.host} without auth: set [server] tokens or "
                              "KVCACHE_TOKENS, or bind to 127.0.0.1")
@@ -46,8 +52,8 @@ class ServerConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ, **overrides) -> "ServerConfig":
         d = dict(d)
-        tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)), t.get("quota_bytes"))
-                  for t in d.pop("tokens", [])]
+        tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)), t.get("quota_bytes"),
+                            bool(t.get("shared_memory", False))) for t in d.pop("tokens", [])]
         tokens += parse_env_tokens(env.get("KVCACHE_TOKENS", ""))
         known = {f.name for f in fields(cls)} - {"tokens"}
         unknown = set(d) - known

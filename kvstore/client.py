@@ -20,6 +20,9 @@ Contract:
     effect of a retried put is that `stored` may undercount what the first attempt wrote.
     Caveat: a hard pin or unpin retried after a lost reply may count twice (soft pins are
     idempotent). delete and gc are never retried.
+  * Same host: reads go through the daemon's shared-memory arena when it can be mapped
+    (`shared_memory="auto"`, the default; "on" raises if it cannot, "off" never tries):
+    the socket carries only keys and leases, the payload is one memcpy (kvstore/shm_client.py).
   * Timeouts: `timeout_s` bounds each small JSON/single-block request; for streamed batches it
     is an inactivity limit per socket read (a large batch may take longer in total).
 """
@@ -30,6 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import os
 import random
 import threading
@@ -41,10 +45,13 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, read_leased
+from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.stats import StoreStats, TierStats
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import LookupResult, PutResult, TensorSpec, Tier
 
+log = logging.getLogger(__name__)
 RETRY_STATUS = frozenset({502, 503, 504})
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               asyncio.IncompleteReadError)
@@ -172,7 +179,14 @@ class AsyncKVClient:
                  unix_socket: str | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
                  retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
                  pool_size: int = 32, max_batch_blocks: int = 4096, max_batch_bytes: int = 256 << 20,
-                 max_keys: int = 100_000):
+                 max_keys: int = 100_000, shared_memory: str = "auto"):
+        if shared_memory not in ("auto", "on", "off"):
+            raise ValueError(f"shared_memory must be auto, on or off, got {shared_memory!r}")
+        self.shared_memory = shared_memory
+        self._arena: LocalArena | None = None
+        self._arena_tried, self._lease_s = False, 0.0
+        self._control: ShmControl | None = None
+        self._token = token or ""
         self.base_url = base_url.rstrip("/")
         token = token if token is not None else os.environ.get("KVCACHE_TOKEN")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -191,6 +205,7 @@ class AsyncKVClient:
         return self._session
 
     async def close(self) -> None:
+        await self._drop_arena()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -272,12 +287,17 @@ class AsyncKVClient:
         return await self._call("HEAD", f"/v1/blocks/{key.hex()}", handle, miss_ok=True)
 
     async def get(self, key: bytes) -> bytes | None:
+        if await self._shared_arena() is not None:
+            return (await self.get_many([key]))[0]
+
         async def handle(resp):
             return None if resp.status == 404 else await resp.read()
         return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True)
 
     async def get_into(self, key: bytes, out) -> int | None:
         """Stream the payload straight into `out`; its length, or None on a miss."""
+        if await self._shared_arena() is not None:
+            return (await self.get_many_into([key], [out]))[0]
         dst = memoryview(out).cast("B")
 
         async def handle(resp):
@@ -315,13 +335,62 @@ class AsyncKVClient:
                              json_body={"keys": [k.hex() for k in chunk]})
             base += len(chunk)
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    async def _shared_arena(self) -> LocalArena | None:
+        """The daemon's DRAM arena mapped here, or None (not on this host, not allowed, off)."""
+        if self._arena is None and not self._arena_tried and self.shared_memory != "off":
+            self._arena_tried = True
+            try:
+                info = await self._json("GET", "/v1/shm")
+                arena = LocalArena.attach(info)
+                try:
+                    self._control = await ShmControl.connect(info["control_socket"], self._token)
+                except BaseException:
+                    arena.close()
+                    raise
+                self._arena, self._lease_s = arena, float(info["lease_s"])
+            except (ArenaUnavailable, StoreError) as e:
+                if self.shared_memory == "on":
+                    raise DaemonError(f"shared_memory='on' but the daemon's arena cannot be used: {e}") from e
+                log.info("kvcache client: reading over the socket, not shared memory: %s", e)
+        return self._arena
 
-        async def take(i, n, content):
-            out[i] = await content.readexactly(n)
-        await self._batch_get(keys, take)
-        return out
+    async def _read_many(self, keys: Sequence[bytes], from_arena, from_socket) -> list:
+        """Shared memory first when mapped; what it cannot serve goes over the socket."""
+        keys, result = list(keys), [None] * len(keys)
+        arena = await self._shared_arena() if keys else None
+        rest = list(range(len(keys)))
+        if arena is not None:
+            try:
+                got, rest = await read_leased(self._control, arena, keys, self.max_batch_blocks, from_arena,
+                                              self._lease_s)
+            except (OSError, asyncio.IncompleteReadError, ShmProtocolError) as e:   # degrade, never fail
+                log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
+                await self._drop_arena()
+                got = {}
+            for i, v in got.items():
+                result[i] = v
+        if rest:
+            for i, v in zip(rest, await from_socket([keys[i] for i in rest], rest)):
+                result[i] = v
+        return result
+
+    async def _drop_arena(self) -> None:
+        """Unmap and disconnect; the next read tries to attach again."""
+        if self._control is not None:
+            await self._control.close()
+        if self._arena is not None:
+            self._arena.close()
+        self._arena, self._control, self._arena_tried = None, None, False
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        async def over_socket(sub, idx):
+            out: list[bytes | None] = [None] * len(sub)
+
+            async def take(i, n, content):
+                out[i] = await content.readexactly(n)
+            await self._batch_get(sub, take)
+            return out
+        return await self._read_many(keys, lambda i, view: bytes(view), over_socket)
 
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
         """Batched get_into: each payload is copied from the socket's chunks straight into its
@@ -329,16 +398,26 @@ class AsyncKVClient:
         arrives (earlier buffers may already be filled; BlockStore checks all sizes first)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
-        result: list[int | None] = [None] * len(keys)
 
-        async def take(i, n, content):
+        def copy(i, view):
             dst = memoryview(outs[i]).cast("B")
-            if dst.nbytes < n:
-                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-            await _read_into(content, dst, n)
-            result[i] = n
-        await self._batch_get(keys, take)
-        return result
+            if dst.nbytes < view.nbytes:
+                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {view.nbytes}")
+            dst[: view.nbytes] = view
+            return view.nbytes
+
+        async def over_socket(sub, idx):
+            result: list[int | None] = [None] * len(sub)
+
+            async def take(i, n, content):
+                dst = memoryview(outs[idx[i]]).cast("B")
+                if dst.nbytes < n:
+                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
+                await _read_into(content, dst, n)
+                result[i] = n
+            await self._batch_get(sub, take)
+            return result
+        return await self._read_many(keys, copy, over_socket)
 
     async def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
                   ttl_s: float | None = None) -> PutResult:

@@ -31,6 +31,7 @@ from kvcache.kvstore.errors import TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
+from kvcache.kvstore.leases import StoreLeases
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.writes import PutItem, StoreWrites
 from kvcache.kvstore.types import BlockMeta, LookupResult, Tier
@@ -50,7 +51,7 @@ def _placement(meta: BlockMeta) -> Placement:
     return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
 
 
-class BlockStore(StoreWrites):
+class BlockStore(StoreWrites, StoreLeases):
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
                  events: EventSink | None = None):
         self.config = config

@@ -28,14 +28,13 @@ class Tier(enum.IntFlag):
         return _TIER_LABELS[self]   # "dram|nvme"; a dict lookup, it is written once per block in replies
 
     def fastest(self) -> "Tier":
-        for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT):
-            if t in self:
-                return t
-        return Tier.NONE
+        return _FASTEST[self]       # a table: IntFlag membership tests cost ~0.2 us each
 
 
+_TIER_OF = tuple(Tier(v) for v in range(8))
 _TIER_LABELS = {Tier(v): "|".join(t.name.lower() for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT) if t & v) or "none"
                 for v in range(8)}
+_FASTEST = {Tier(v): next((t for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT) if t & v), Tier.NONE) for v in range(8)}
 
 
 # dtype name -> item size in bytes. Names follow torch's spelling so layouts read naturally.
@@ -116,10 +115,10 @@ class BlockMeta:
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> "BlockMeta":
-        raw = bytes(raw)
+        # on every read path (lookups of 1,000 blocks): no copy of `raw`, no IntFlag construction
         (ns, plen, res, created, last, expires, count, hard, soft, seg, off, rlen) = cls._FMT.unpack_from(raw)
-        tenant = raw[cls._FMT.size:].decode()
-        return cls(ns, plen, Tier(res), created, last, count, hard, soft, expires, seg, off, rlen, tenant)
+        tenant = str(raw[cls._FMT.size:], "utf-8") if len(raw) > cls._FMT.size else ""
+        return cls(ns, plen, _TIER_OF[res], created, last, count, hard, soft, expires, seg, off, rlen, tenant)
 
 
 @dataclass(frozen=True, slots=True)

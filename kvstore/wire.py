@@ -86,7 +86,9 @@ async def read_stream_header(read: ReadExactly, max_count: int) -> int:
     return count
 
 
-async def read_put_frame(read: ReadExactly, max_payload: int) -> PutFrame:
+async def read_put_frame(read: ReadExactly, max_payload: int, read_payload: ReadExactly | None = None) -> PutFrame:
+    """One put frame; `read_payload(n)` reads the payload when given (e.g. chunk by chunk into one
+    buffer, sparing the join that readexactly does), else `read`."""
     (klen,) = _U8.unpack(await read(1))
     if not 1 <= klen <= 64:
         raise BlockFormatError(f"frame key length {klen} is outside 1-64")
@@ -99,7 +101,7 @@ async def read_put_frame(read: ReadExactly, max_payload: int) -> PutFrame:
     (plen,) = _U64.unpack(await read(8))
     if plen > max_payload:
         raise FrameLimitError(f"block of {plen} bytes exceeds the {max_payload}-byte limit")
-    return PutFrame(key, ns, await read(plen), meta.get("layout"), meta.get("ttl_s"))
+    return PutFrame(key, ns, await (read_payload or read)(plen), meta.get("layout"), meta.get("ttl_s"))
 
 
 async def read_get_frame(read: ReadExactly) -> GetFrame:

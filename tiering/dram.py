@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kvcache.kvstore.errors import StoreError, TierFullError
+from kvcache.kvstore.errors import TierFullError
 from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
 from kvcache.tiering.slab import SlabAllocator
 
@@ -42,6 +42,7 @@ class DramConfig:
     eviction: str = "lru"          # "lru": reads refresh recency; "fifo": insertion order only
     pin_memory: str = "auto"       # "auto" | "on" | "off"
     prefault: bool = True          # touch the arena at start-up, not on the first puts
+    shared_memory: bool | None = None  # local clients map the arena (None: on in `kvcache serve`)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -76,26 +77,6 @@ class EvictedBlock:
 EvictCallback = Callable[[list[EvictedBlock]], None]
 
 
-def _pin(buf: mmap.mmap, mode: str) -> bool:
-    if mode == "off":
-        return False
-    try:  # lazy: the store never needs torch, and only CUDA can page-lock here
-        import torch
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if not has_cuda:
-        if mode == "on":
-            raise StoreError("dram.pin_memory = 'on' needs a CUDA device; use 'auto' or 'off' on CPU-only hosts")
-        return False
-    import ctypes
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    rc = torch.cuda.cudart().cudaHostRegister(addr, len(buf), 0)
-    if int(rc) != 0:
-        raise StoreError(f"cudaHostRegister failed with code {int(rc)}; set dram.pin_memory = 'off'")
-    return True
-
-
 class DramTier(BlockTier):
     kind = Tier.DRAM
     MAX_EVICT_PER_ALLOC = 256
@@ -105,26 +86,16 @@ class DramTier(BlockTier):
         self.config = config
         self._clock = clock
         self._slab = SlabAllocator(config.capacity_bytes, config.page_bytes)
-        self._buf = mmap.mmap(-1, self._slab.capacity)
-        if config.prefault:
-            self._prefault()
-        self.pinned = _pin(self._buf, config.pin_memory)
-        self._mv = memoryview(self._buf)
+        self.arena = Arena(self._slab.capacity, shared=bool(config.shared_memory), prefault=config.prefault,
+                           pin_memory=config.pin_memory)
+        self.pinned = self.arena.pinned
+        self._mv = self.arena.view
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self._lru = config.eviction == "lru"
         self._doomed_offsets: list[int] = []
         self.evictions = 0
-
-    def _prefault(self) -> None:
-        try:  # Linux >= 5.14; Python 3.11's mmap module lacks the constant
-            self._buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
-        except (OSError, ValueError):
-            zeros = bytes(1 << 20)
-            for off in range(0, len(self._buf), len(zeros)):
-                n = min(len(zeros), len(self._buf) - off)
-                self._buf[off: off + n] = zeros[:n]
 
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
@@ -234,13 +205,7 @@ class DramTier(BlockTier):
         """Copy each block into its buffer: one lock round-trip to lease them all, the
         copies with no lock held, one round-trip to release (a 64 KiB copy is ~6 us; the
         per-call Python around it must stay small)."""
-        with self._lock:
-            held = [self._entries.get(k) for k in keys]
-            for k, e in zip(keys, held):
-                if e is not None:
-                    e.leases += 1
-                    if self._lru:
-                        self._entries.move_to_end(k)
+        held = self.acquire(keys)
         try:
             result: list[int | None] = []
             for e, out in zip(held, outs):
@@ -254,12 +219,28 @@ class DramTier(BlockTier):
                 result.append(e.nbytes)
             return result
         finally:
-            with self._lock:
-                for e in held:
-                    if e is not None:
-                        e.leases -= 1
-                        if e.doomed and e.leases == 0:
-                            self._slab.free(e.offset)
+            self.release(held)
+
+    def acquire(self, keys: Sequence[bytes]) -> list["_Entry | None"]:
+        """Lease the blocks present (None for the others): until `release`, their chunks
+        (`.offset`, `.nbytes` in the arena) are neither evicted nor reused. The shared-memory
+        path holds these across requests while a local client copies."""
+        with self._lock:
+            held = [self._entries.get(k) for k in keys]
+            for k, e in zip(keys, held):
+                if e is not None:
+                    e.leases += 1
+                    if self._lru:
+                        self._entries.move_to_end(k)
+        return held
+
+    def release(self, held: Sequence["_Entry | None"]) -> None:
+        with self._lock:
+            for e in held:
+                if e is not None:
+                    e.leases -= 1
+                    if e.doomed and e.leases == 0:
+                        self._slab.free(e.offset)
 
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:
@@ -337,8 +318,5 @@ class DramTier(BlockTier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-        self._mv.release()
-        try:
-            self._buf.close()
-        except BufferError:  # a caller still holds a view (e.g. a traceback): the GC frees it later
+        if not self.arena.close():  # a caller still holds a view (e.g. a traceback): the GC frees it later
             log.warning("DRAM arena still referenced at close; it is freed when the last view goes")
