@@ -30,6 +30,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--fix", action="store_true", help="repair what was found")
     p.add_argument("--quick", action="store_true", help="verify headers only, not payload checksums")
     p.add_argument("--rebuild", action="store_true", help="rebuild the index from the NVMe segments")
+    p.add_argument("--objects", action="store_true",
+                   help="also re-read and verify every object-tier copy (one ranged GET per block: slow and "
+                        "billed on S3); --fix forgets bad copies")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_check)
 
@@ -87,7 +90,7 @@ def cmd_check(args) -> int:
         if os.path.isdir(idx):
             shutil.move(idx, idx + f".old-{int(time.time())}")
     with open_offline_store(args) as store:
-        rep = check(store, fix=args.fix, deep=not args.quick, progress=not args.json)
+        rep = check(store, fix=args.fix, deep=not args.quick, progress=not args.json, objects=args.objects)
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
@@ -95,9 +98,14 @@ def cmd_check(args) -> int:
                 ("segment count mismatches", rep.segment_table_mismatches),
                 ("orphan segments", len(rep.orphan_segments)), ("missing segments", len(rep.missing_segments)),
                 ("corrupt records", rep.corrupt_records), ("torn bytes", human_size(rep.torn_bytes)),
-                ("unreferenced bytes (GC reclaims)", human_size(rep.unreferenced_bytes))])
+                ("unreferenced bytes (GC reclaims)", human_size(rep.unreferenced_bytes))]
+                + ([("object copies checked", f"{rep.objects_checked:,}"),
+                    ("bad object copies", len(rep.bad_object_copies)),
+                    ("object copies unverified (store unreachable)", rep.objects_unverified)] if args.objects else []))
         for key, why in list(rep.bad_blocks.items())[:20]:
             print(f"  bad {key}: {why}")
+        for key, why in list(rep.bad_object_copies.items())[:20]:
+            print(f"  bad object copy {key}: {why}")
         print("fixed." if rep.fixed else ("ok." if rep.ok else "problems found; run with --fix to repair."))
     return 0 if (rep.ok or rep.fixed) else 1
 

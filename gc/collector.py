@@ -38,6 +38,7 @@ class GcReport:
     segments_removed: int = 0
     packs_compacted: int = 0
     packs_removed: int = 0
+    packs_vanished: int = 0    # deleted from the bucket by someone else (a lifecycle rule): copies forgotten
     bytes_reclaimed: int = 0
     wrapped: bool = False      # the expiry cursor finished a full pass of the key space
 

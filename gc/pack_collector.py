@@ -1,6 +1,7 @@
 """Object-tier GC: reclaim packs made sparse by expiry, deletes and NVMe-only rewrites.
 
-One call handles at most one pack, the sparsest below `compact_below` live:
+One call handles at most one pack, the sparsest below `compact_below` live, after forgetting
+packs that vanished from the bucket (lifecycle expiration rules delete objects behind our back):
 
     tombstones      ──> carried into a new pack while an older pack may hold their keys
     no live record  ──> remove the pack, drop its usage row
@@ -24,12 +25,13 @@ log = logging.getLogger(__name__)
 
 def compact_one_pack(store, report, compact_below: float = 0.5, keep_newest: int = 4) -> None:
     obj = store.object
+    usage = store.index.pack_usage()    # before listing: every pack in it was uploaded before the listing
     try:
         packs = obj.list_packs()
     except StoreError as e:
         log.info("object tier unreachable, pack GC skipped: %s", e)
         return
-    usage = store.index.pack_usage()
+    forget_vanished_packs(store, report, [pid for pid in usage if pid not in packs])
     old_enough = sorted(packs)[:-keep_newest] if keep_newest else sorted(packs)
     best, best_ratio = None, compact_below
     for pid in old_enough:
@@ -45,6 +47,21 @@ def compact_one_pack(store, report, compact_below: float = 0.5, keep_newest: int
         _reclaim(store, best, packs[best], usage.get(best), report, older_exists=min(packs) < best)
     except (StoreError, CorruptBlockError) as e:
         log.warning("compacting object pack %d failed (%s); it is retried later", best, e)
+
+
+def forget_vanished_packs(store, report, gone: list[int]) -> None:
+    """Packs the index counts on but the bucket no longer lists: a lifecycle rule (or someone)
+    deleted them. Forget those copies in one commit, so that lookups stop reporting blocks that
+    only lived there and nobody GETs a missing object. Listings are strongly consistent on S3,
+    MinIO and file://, and `usage` was read before the listing, so a fresh upload never looks gone."""
+    if not gone:
+        return
+    copies = store.index.object_copies_in(gone)
+    store.index.commit(object_drops=copies, drop_packs=gone)
+    store.stats_counters["object_vanished"] += len(copies)
+    report.packs_vanished += len(gone)
+    log.warning("%d object packs are gone from the bucket (lifecycle rule?); forgot %d block copies in them",
+                len(gone), len(copies))
 
 
 def _reclaim(store, pid: int, size: int, usage, report, older_exists: bool) -> None:

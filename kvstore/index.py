@@ -160,6 +160,19 @@ class Index:
                 out[sid] = SegmentUsage(sid, *_SEG_VAL.unpack(v))
             return out
 
+    def object_copies_in(self, pack_ids: Iterable[int]) -> dict[bytes, Placement]:
+        """Every block whose object copy lives in one of `pack_ids` (a full scan of the objects
+        table: only for packs that vanished, which is rare)."""
+        wanted, out = set(pack_ids), {}
+        if self._objects is None or not wanted:
+            return out
+        with self.env.begin(db=self._objects) as txn:
+            for key, raw in txn.cursor():
+                p = Placement(*_OBJ_VAL.unpack(raw))
+                if p.segment_id in wanted:
+                    out[bytes(key)] = p
+        return out
+
     def pack_usage(self) -> dict[int, SegmentUsage]:
         """Live bytes and blocks per object-tier pack (the object tier's segment table)."""
         if self._packs is None:

@@ -78,6 +78,7 @@ class BlockStore(StoreWrites, StoreLeases):
             self._lockfile.close()
             raise
         self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
+        _warn_if_lifecycle_shorter(config)
         self._collector = None
         self._prefetcher = None
         self._closed = False
@@ -378,7 +379,8 @@ class BlockStore(StoreWrites, StoreLeases):
             return None
         from kvcache.tiering.object_store import ObjectTier  # fsspec/s3fs only when configured
         return ObjectTier(self.config.object_store, on_corrupt=self._quarantine_object,
-                          on_stored=self._object_stored, on_dropped=self._object_dropped)
+                          on_stored=self._object_stored, on_dropped=self._object_dropped,
+                          on_missing=self._object_vanished)
 
     def _best_effort(self, fn, *args) -> None:
         """An object-tier write that must not fail the caller (the store may be down)."""
@@ -397,6 +399,13 @@ class BlockStore(StoreWrites, StoreLeases):
     def _object_dropped(self, keys: list[bytes], reason: str) -> None:
         self.stats_counters["object_dropped"] += len(keys)
         log.warning("%d blocks not written to the object tier: %s", len(keys), reason)
+
+    def _object_vanished(self, key: bytes, placement: Placement, reason: str) -> None:
+        """The pack holding a copy was deleted outside kvcache (a bucket lifecycle rule): forget
+        the copy; GC forgets the rest of that pack's copies in one go."""
+        log.info("object copy of %s forgotten: %s", key.hex(), reason)
+        self.index.commit(object_drops={key: placement})
+        self.stats_counters["object_vanished"] += 1
 
     def _quarantine_object(self, key: bytes, placement: Placement, reason: str) -> None:
         """A pack record failed verification: forget that copy (other tiers' copies stay)."""
@@ -451,6 +460,20 @@ class BlockStore(StoreWrites, StoreLeases):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warn_if_lifecycle_shorter(config: StoreConfig) -> None:
+    """A bucket lifecycle rule shorter than retention is legal (packs vanish, copies are forgotten,
+    blocks live on in the other tiers), but the operator should know the object tier holds less."""
+    obj = config.object_store
+    if obj is None or not obj.lifecycle_days:
+        return
+    rules = [config.retention.default, *config.retention.namespaces.values(), *config.retention.tenants.values()]
+    longest = max(max(r.ttl_s, r.max_age_s or 0) for r in rules)
+    if longest > obj.lifecycle_days * 86400:
+        log.warning("retention keeps blocks up to %.0f h but the bucket's lifecycle rule deletes objects after "
+                    "%.1f days: older blocks are served from DRAM/NVMe only (raise the rule or lower retention)",
+                    longest / 3600, obj.lifecycle_days)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:

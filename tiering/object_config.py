@@ -47,6 +47,7 @@ class ObjectConfig:
     close_timeout_s: float = 30.0         # close() flushes this long, then drops what is left
     capacity_bytes: int = 0               # reported by usage(); 0 = unbounded
     index_tail_bytes: int = 64 << 10      # rebuild reads this much of a pack's tail first
+    lifecycle_days: float = 0.0           # the bucket's expiration rule for this prefix, if any (0: none)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -74,6 +75,7 @@ class ObjectConfig:
         need(self.auto_min_ratio >= 1.0 and self.auto_sample_bytes > 0,
              "auto_min_ratio must be >= 1 and auto_sample_bytes > 0")
         need(1 <= self.zstd_level <= 22, "zstd_level must be 1-22")
+        need(self.lifecycle_days >= 0, "lifecycle_days must be >= 0 (0: the bucket has no expiration rule)")
 
     def split_url(self) -> tuple[str, str]:
         if "://" in self.url:

@@ -61,12 +61,13 @@ class ObjectTier(BlockTier):
 
     def __init__(self, config: ObjectConfig, on_corrupt: CorruptCallback | None = None,
                  on_stored: StoredCallback | None = None, on_dropped: DroppedCallback | None = None,
-                 fs=None):
+                 fs=None, on_missing: CorruptCallback | None = None):
         self.config = config
         self.fs = fs if fs is not None else make_fs(config)
         self.root = self.fs._strip_protocol(config.url).rstrip("/")
         self.pack_dir = f"{self.root}/packs"
         self._on_corrupt = on_corrupt or (lambda key, placement, why: None)
+        self._on_missing = on_missing or self._on_corrupt   # a vanished pack is not corruption
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         self.io = FsIO(self.fs, self.breaker, config.timeout_s)
         self.codec = PayloadCodec(config.zstd_level)
@@ -74,7 +75,7 @@ class ObjectTier(BlockTier):
         self._counters: dict[str, float] = dict.fromkeys(
             ("records_encoded", "put_bytes_raw", "put_bytes_stored", "packs_uploaded", "upload_bytes",
              "upload_s", "upload_failures", "gets", "hits", "misses_unavailable", "corrupt", "dropped_writes",
-             "dropped_bytes", "packs_removed", "torn_packs"), 0)
+             "dropped_bytes", "packs_removed", "torn_packs", "vanished"), 0)
         self._packs: dict[int, PackStat] = {}
         self._next_id: int | None = None      # learned from the first listing (lazily: no I/O here)
         self._auto = {"state": "sampling" if config.codec == "auto" else "fixed", "reason": ""}
@@ -214,8 +215,10 @@ class ObjectTier(BlockTier):
         try:
             raw = self.io.call("cat_file", self.path(p.segment_id), start=p.offset, end=p.offset + p.record_len,
                                timeout=self._deadline(p.record_len))
-        except FileNotFoundError:
-            return self._corrupt(key, p, f"pack {p.segment_id} is missing")
+        except FileNotFoundError:   # deleted by a lifecycle rule or by hand: a miss, the copy is forgotten
+            self._count(vanished=1)
+            self._on_missing(key, p, f"pack {p.segment_id} is gone from the bucket")
+            return None
         except ObjectStoreUnavailable:
             self._count(misses_unavailable=1)
             return None

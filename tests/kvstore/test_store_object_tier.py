@@ -147,3 +147,69 @@ def test_index_rebuilt_from_packs_keeps_object_only_blocks_and_deletes(make_stor
     assert all(s.get(k) is None for k in keys[:2])
     assert all(s.get(k) == payload_for(k) for k in keys[2:] + later)
     assert set(s.lookup(keys[2:]).tiers) == {Tier.OBJECT}
+
+
+def _object_only(s, keys):
+    """Drop the NVMe copies so reads must come from the packs."""
+    for k in keys:
+        meta = s.index.get(k)
+        meta.residency = Tier.NONE
+        s.index.commit({k: meta})
+
+
+def _pack_file(tmp_path, s, key):
+    p = s.index.object_location(key)
+    return next((tmp_path / "bucket").rglob(f"*{p.segment_id:010d}*"))
+
+
+def test_packs_deleted_by_a_lifecycle_rule_become_misses_not_corruption(object_store, tmp_path):
+    s = object_store()
+    first = make_keys(3)
+    put_blocks(s, first)
+    s.flush()
+    second = make_keys(3, start=500)
+    put_blocks(s, second)
+    s.flush()
+    _object_only(s, first + second)
+    assert _pack_file(tmp_path, s, first[0]) != _pack_file(tmp_path, s, second[0])
+    _pack_file(tmp_path, s, first[0]).unlink()            # the bucket's rule expired the first pack
+    assert s.get(first[0]) is None                        # a miss, and that copy is forgotten
+    assert s.index.object_location(first[0]) is None
+    c = s.stats().counters
+    assert c["object_vanished"] == 1 and c.get("quarantined", 0) == 0
+    vanished_pack = _pack_file(tmp_path, s, second[0])
+    vanished_pack.unlink()
+    r = Collector(s).step()                               # GC notices both packs are gone: all their copies go
+    assert r.packs_vanished == 2 and s.stats().counters["object_vanished"] == 1 + 5
+    assert all(s.index.object_location(k) is None for k in first + second)
+    assert s.lookup(second).num_hits == 0                 # no phantom hits, no GETs for missing objects
+    assert int(vanished_pack.name.split(".")[0].split("-")[-1]) not in s.index.pack_usage()
+    assert s.get(first[1]) is None and s.stats().counters.get("quarantined", 0) == 0
+
+
+def test_check_objects_verifies_every_copy_and_fix_forgets_bad_ones(object_store, tmp_path):
+    s = object_store()
+    keys = make_keys(4)
+    put_blocks(s, keys)
+    s.flush()
+    rep = check(s, objects=True)
+    assert rep.ok and rep.objects_checked == 4
+    pack = _pack_file(tmp_path, s, keys[2])
+    p = s.index.object_location(keys[2])
+    data = bytearray(pack.read_bytes())
+    data[p.offset + p.record_len - 5] ^= 0x55
+    pack.write_bytes(bytes(data))
+    assert check(s).ok                                     # without --objects the copies are not read
+    rep = check(s, objects=True)
+    assert not rep.ok and list(rep.bad_object_copies) == [keys[2].hex()]
+    rep = check(s, objects=True, fix=True)
+    assert s.index.object_location(keys[2]) is None and s.get(keys[2]) == payload_for(keys[2])   # NVMe copy stays
+    assert check(s, objects=True).ok
+
+
+def test_retention_longer_than_the_bucket_lifecycle_warns(object_store, caplog):
+    with caplog.at_level("WARNING"):
+        object_store(lifecycle_days=1)                     # retention: 72 h by default
+    assert "lifecycle rule deletes objects after 1.0 days" in caplog.text
+    with pytest.raises(ValueError, match="lifecycle_days"):
+        ObjectConfig(url="file:///tmp/x", lifecycle_days=-1)

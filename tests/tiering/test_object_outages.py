@@ -140,7 +140,7 @@ def test_s3_outage_reads_miss_fast_then_recover(moto):
         server.create_bucket("kv-outage")
         time.sleep(cfg.breaker_cooldown_s + 0.1)
         assert t.get(writes[0].key, placements[0]) is None  # the data is gone; the store answers
-        assert t.breaker.state == "closed" and any("missing" in why for why in corrupt)
+        assert t.breaker.state == "closed" and any("gone from the bucket" in why for why in corrupt)
         assert t.enqueue([_write(20, 30_000)]) == 1 and t.flush(10)
         [p] = t.put([_write(21, 30_000)])
         assert t.get(_key(20), dict(landed)[_key(20)]) == bytes(_write(20, 30_000).payload)

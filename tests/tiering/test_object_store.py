@@ -59,7 +59,7 @@ def test_missing_block_is_a_miss(tier):
     assert tier.get(_key(999), p) is None          # another key at that placement
     assert tier.get(_key(2), Placement(p.segment_id + 50, p.offset, p.record_len, p.payload_len)) is None
     assert tier.get(_key(2), None) is None
-    assert any("missing" in why for _, why in tier.corrupt)
+    assert any("gone from the bucket" in why for _, why in tier.corrupt)   # on_missing defaults to on_corrupt
 
 
 def test_corruption_in_a_pack_is_a_miss_and_reported(tier):
