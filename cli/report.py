@@ -6,7 +6,8 @@
 
 The numbers are computed from `lookup` events, the engine's question "how much of this
 prompt is cached?": a lookup's requested tokens are its prompt length in full blocks and
-its hit tokens are the prefill it saved. A lookup that misses entirely carries no namespace,
+its hit tokens are the prefill it saved. A lookup that misses entirely carries no namespace
+unless the caller named it (`lookup(keys, namespace_id=...)`, which the engine does),
 hence no block size and no token count (see `BlockStore._event`); its block size is taken
 from the same tenant's other events (most frequent value), else from all events. If no event
 has a block size at all, the report counts blocks instead of tokens and says so.

@@ -88,6 +88,9 @@ def cmd_serve(args) -> int:
             events.close()
         raise
     app = build_app(store, server_cfg)
+    from kvcache.cli.reconfigure import CONFIG_FILE, reload_on_sighup
+    app[CONFIG_FILE] = os.path.abspath(args.config) if args.config else ""
+    reload_on_sighup(app)   # the main thread's loop: signal handlers can only be installed there
 
     async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
         store.close()

@@ -276,8 +276,11 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
 
 
 async def lookup(request: web.Request) -> web.Response:
-    keys, _ = await _keys(request)
-    r = await _call(request, request.app[STORE].lookup, keys, request[TENANT])
+    keys, body = await _keys(request)
+    ns = body.get("namespace")
+    if ns is not None and not (isinstance(ns, str) and len(ns) == 32):
+        raise BlockFormatError('"namespace" is the 32-hex-digit namespace id (optional; labels hit-rate reports)')
+    r = await _call(request, request.app[STORE].lookup, keys, request[TENANT], bytes.fromhex(ns) if ns else None)
     request.app[METRICS].count_lookup(len(keys), r.tiers)
     return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
 
@@ -331,7 +334,8 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware, metrics_middleware],
                           client_max_size=config.max_block_bytes + (1 << 20))
-    app[STORE], app[CONFIG] = store, config
+    from kvcache.cli.reconfigure import LiveConfig, reconfigure_handler
+    app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
     app.router.add_get("/healthz", healthz)
@@ -345,6 +349,7 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
                           ("delete", delete), ("gc", run_gc)):
         app.router.add_post(f"/v1/{path}", handler)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_post("/v1/admin/reconfigure", reconfigure_handler)
     app.router.add_get("/metrics", metrics)
     from kvcache.cli import server_shm
     server_shm.add_routes(app, config)

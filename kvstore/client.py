@@ -264,12 +264,13 @@ class AsyncKVClient:
             raise DaemonError(f"daemon registered namespace {ns_id.hex()}, expected {ns.id.hex()}")
         return ns_id
 
-    async def lookup(self, keys: Sequence[bytes], tenant: str = "") -> LookupResult:
+    async def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
         """Longest contiguous run of hits. `tenant` (an event label in BlockStore) is ignored:
-        the daemon labels lookups with the token's tenant."""
+        the daemon labels lookups with the token's tenant; `namespace_id` labels the report."""
         tiers: list[Tier] = []
+        extra = {"namespace": namespace_id.hex()} if namespace_id else {}
         for chunk in _chunks(list(keys), self.max_keys):
-            r = await self._json("POST", "/v1/lookup", {"keys": [k.hex() for k in chunk]})
+            r = await self._json("POST", "/v1/lookup", {"keys": [k.hex() for k in chunk], **extra})
             tiers += [_tier(t) for t in r["tiers"][: r["num_hits"]]]
             if r["num_hits"] < len(chunk):
                 break

@@ -142,8 +142,9 @@ class BlockStore(StoreWrites, StoreLeases):
                 self.index.flush_touches()
 
     # ---------------------------------------------------------------- lookup / get
-    def lookup(self, keys: Sequence[bytes], tenant: str = "") -> LookupResult:
-        """`tenant` only labels the event for hit-rate reports."""
+    def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
+        """`tenant` and `namespace_id` only label the event for hit-rate reports (the namespace
+        gives a lookup that misses entirely its token count)."""
         t0, tiers, first, remote = time.perf_counter(), [], None, []
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
@@ -156,14 +157,15 @@ class BlockStore(StoreWrites, StoreLeases):
             self._prefetch(remote)
         self.stats_counters["lookup_blocks"] += len(keys)
         self.stats_counters["lookup_hits"] += len(tiers)
-        self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0)
+        self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0, namespace_id=namespace_id)
         return LookupResult(len(tiers), tuple(tiers))
 
     def _event(self, kind: str, meta: BlockMeta | None, tenant: str, blocks: int, tiers, latency_s: float,
-               nbytes: int = 0) -> None:
+               nbytes: int = 0, namespace_id: bytes | None = None) -> None:
         if not self._events_on:  # keep the hot read path free of event objects
             return
-        ns = self.namespaces.get(meta.namespace_id) if meta is not None else None
+        ns_id = meta.namespace_id if meta is not None else namespace_id
+        ns = self.namespaces.get(ns_id) if ns_id is not None else None
         self.events.record(Event(
             self.clock(), kind, ns.id.hex() if ns else "", tenant or (meta.tenant if meta else ""), blocks,
             blocks * ns.block_size if ns else 0, len(tiers), tiers.count(Tier.DRAM), tiers.count(Tier.NVME),

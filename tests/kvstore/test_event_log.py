@@ -172,3 +172,27 @@ def test_importing_the_store_does_not_import_pyarrow():
     code = ("import sys, kvcache.kvstore.store, kvcache.kvstore.event_log; "
             "assert 'pyarrow' not in sys.modules, 'pyarrow imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_full_miss_lookup_counts_tokens_when_the_namespace_is_named(tmp_path):
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from tests.conftest import make_keys
+
+    class Sink:
+        def __init__(self):
+            self.events = []
+
+        def record(self, e):
+            self.events.append(e)
+
+        def close(self):
+            pass
+    sink = Sink()
+    with BlockStore(StoreConfig(str(tmp_path)), events=sink) as store:
+        store.register_namespace(NS)
+        keys = make_keys(3, start=77)
+        store.lookup(keys)
+        store.lookup(keys, namespace_id=NS.id)
+    unnamed, named = [e for e in sink.events if e.kind == "lookup"]
+    assert unnamed.tokens == 0 and named.tokens == 3 * NS.block_size and named.hit_blocks == 0

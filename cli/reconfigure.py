@@ -1,0 +1,121 @@
+"""Reconfiguring a running daemon: `POST /v1/admin/reconfigure` (admin) and SIGHUP.
+
+    new config (the --config file read again, or a JSON body shaped like the TOML)
+      │ parse and validate all of it ── any error: 400, nothing changes
+      v
+    hot settings ──> swapped in at once: tokens (add, revoke, quotas, flags), request limits,
+                     shared-memory lease settings, retention policies
+    the rest     ──> unchanged, named in "restart_required" (tiers, capacities, sockets, ports)
+
+A swap is one attribute write (LiveConfig.current, store.config), so a request sees either the
+old settings or the new ones, never a mix. Revoking a token takes effect on the next request;
+open shared-memory control connections keep the tenant they authenticated with until they close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tomllib
+from typing import Any, Mapping
+
+from aiohttp import web
+
+from kvcache.cli.server_config import ServerConfig
+
+log = logging.getLogger(__name__)
+HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases")
+FIXED_SERVER = ("host", "port", "unix_socket")     # given on the command line: kept as they are
+HOT_STORE = ("retention",)
+IGNORED_STORE = ("data_dir", "gc_interval_s")       # the command line decides these
+
+
+class LiveConfig:
+    """The server settings in force; attribute reads go to the current ServerConfig."""
+
+    def __init__(self, config: ServerConfig):
+        self.current = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)
+
+
+CONFIG_FILE = web.AppKey("config_file", str)
+
+
+def reconfigure(app: web.Application, raw: Mapping[str, Any]) -> dict:
+    """Apply `raw` (a parsed config) to the running daemon; what changed and what needs a restart."""
+    from kvcache.cli import server as srv
+    from kvcache.kvstore.config import StoreConfig
+    live, store = app[srv.CONFIG], app[srv.STORE]
+    old_server, old_store = live.current, store.config
+    new_server = ServerConfig.from_dict(raw.get("server", {}),
+                                        **{f: getattr(old_server, f) for f in FIXED_SERVER})
+    new_store = StoreConfig.from_dict(raw, data_dir=old_store.data_dir)
+    if old_store.dram is not None and new_store.dram is not None and new_store.dram.shared_memory is None:
+        new_store = dataclasses.replace(new_store, dram=dataclasses.replace(
+            new_store.dram, shared_memory=old_store.dram.shared_memory))   # serve's default, as at start
+    applied, restart = [], []
+    for f in dataclasses.fields(ServerConfig):
+        if getattr(new_server, f.name) != getattr(old_server, f.name):
+            (applied if f.name in HOT_SERVER else restart).append(f"server.{f.name}")
+    for f in dataclasses.fields(StoreConfig):
+        if f.name not in IGNORED_STORE and getattr(new_store, f.name) != getattr(old_store, f.name):
+            (applied if f.name in HOT_STORE else restart).append(f.name)
+    hot_server = dataclasses.replace(old_server, **{f: getattr(new_server, f) for f in HOT_SERVER})
+    live.current = hot_server
+    store.config = dataclasses.replace(old_store, retention=new_store.retention)
+    if "server.shm_lease_s" in applied or "server.max_shm_leases" in applied:
+        from kvcache.cli.server_shm import LEASES
+        app[LEASES].lease_s, app[LEASES].max_leases = hot_server.shm_lease_s, hot_server.max_shm_leases
+    log.warning("reconfigured: applied %s; needs a restart to change: %s", applied or "nothing",
+                restart or "nothing")
+    return {"applied": applied, "restart_required": restart}
+
+
+def read_config_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+
+
+async def reconfigure_handler(request: web.Request) -> web.Response:
+    """Body: a JSON object shaped like the TOML config, or nothing to re-read the --config file."""
+    from kvcache.cli import server as srv
+    srv._require_admin(request)
+    if request.can_read_body:
+        raw = await request.json()
+        if not isinstance(raw, dict):
+            raise srv.BlockFormatError("expected a JSON object shaped like the TOML config")
+    else:
+        path = request.app.get(CONFIG_FILE, "")
+        if not path:
+            raise srv.BlockFormatError("this daemon was started without --config: send the new settings "
+                                       "as a JSON body shaped like the TOML config")
+        raw = read_config_file(path)
+    return web.json_response(reconfigure(request.app, raw))
+
+
+def reload_on_sighup(app: web.Application) -> None:
+    """SIGHUP re-reads the --config file (a failed reload is logged and changes nothing)."""
+    import asyncio
+    import signal
+
+    def reload() -> None:
+        path = app.get(CONFIG_FILE, "")
+        if not path:
+            log.warning("SIGHUP ignored: the daemon was started without --config")
+            return
+        try:
+            reconfigure(app, read_config_file(os.path.expanduser(path)))
+        except (ValueError, TypeError, KeyError) as e:
+            log.error("SIGHUP reload of %s failed, settings unchanged: %s", path, e)
+
+    async def install(app: web.Application) -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    app.on_startup.append(install)
