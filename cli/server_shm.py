@@ -1,10 +1,12 @@
 """The same-host shared-memory read path of `kvcache serve` (docs/api.md, "Shared memory").
 
     GET /v1/shm (HTTP, authenticated)  -> {pid, fd, size, inode, lease_s, control_socket}
-    control socket (kvstore/shm_wire.py): HELLO token, then LEASE keys -> slots, RELEASE / FORGET lease
+    control socket (cli/shm_control.py, framing in kvstore/shm_wire.py):
+        HELLO token, then LEASE keys -> slots, RELEASE / FORGET lease
 
-The control channel is a bare unix socket, not HTTP: a lease round trip must cost far less than
-copying the blocks, and HTTP's per-request overhead is several times a 16 MiB memcpy budget.
+The control channel is a bare unix socket served by threads of its own, not HTTP on the event
+loop: a lease round trip must cost far less than copying the blocks, and an HTTP request costs
+several times what a 16 MiB memcpy does.
 A lease pins the chunks (BlockStore.lease_dram) until released, until its connection closes, or
 until `server.shm_lease_s` passes; an expired lease is released by the daemon, its chunks may be
 reused, and a late RELEASE answers valid=0, so the client throws its copy away and reads over
@@ -18,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import hmac
 import itertools
-import logging
 import os
 import secrets
 import tempfile
@@ -31,12 +31,7 @@ from typing import Callable
 from aiohttp import web
 
 from kvcache.cli import server as srv
-from kvcache.kvstore import shm_wire as w
-from kvcache.kvstore.hashing import tenant_key
-from kvcache.kvstore.leases import SOCKET, DramLease
-from kvcache.kvstore.types import Tier
-
-log = logging.getLogger(__name__)
+from kvcache.kvstore.leases import DramLease
 
 
 class LeaseTable:
@@ -128,84 +123,6 @@ async def shm_info(request: web.Request) -> web.Response:
                               "lease_s": request.app[LEASES].lease_s, "control_socket": request.app[CONTROL_PATH]})
 
 
-class ControlSession:
-    """One control connection: HELLO first (the token decides tenant and permission), then leases."""
-
-    def __init__(self, app: web.Application):
-        self.app, self.store, self.config = app, app[srv.STORE], app[srv.CONFIG]
-        self.tenant: str | None = None
-        self.owned: set[int] = set()
-
-    def hello(self, body: bytes) -> tuple[int, bytes]:
-        token = body.decode("utf-8", "replace")
-        if not self.config.auth_required:
-            self.tenant = ""
-            return 0, b""
-        match = None
-        for t in self.config.tokens:  # constant time, like the HTTP auth
-            if hmac.compare_digest(t.token.encode(), token.encode()):
-                match = t
-        if match is None:
-            return 401, b"missing or unknown token"
-        if not (match.admin or match.shared_memory):
-            return 403, DENIED.encode()
-        self.tenant = match.tenant
-        return 0, b""
-
-    async def lease(self, body: bytes) -> tuple[int, bytes]:
-        t0 = time.perf_counter()
-        keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
-        dram = self.store.dram
-        if all(dram.contains(k) for k in keys):   # memory only: cheaper inline than a thread hop
-            slots, lease = self.store.lease_dram(keys)
-        else:                                     # some come from NVMe or object storage
-            loop = asyncio.get_running_loop()
-            slots, lease = await loop.run_in_executor(self.app[srv.POOL], self.store.lease_dram, keys)
-        lease_id = self.app[LEASES].add(lease, self.owned)
-        if lease_id is None:
-            return 503, (f"{self.app[LEASES].max_leases} shared-memory leases are outstanding; release leases "
-                         "or raise server.max_shm_leases").encode()
-        m = self.app[srv.METRICS]
-        hits = sum(1 for s in slots if isinstance(s, tuple))
-        m.count_hits("get", Tier.DRAM, hits, lease.nbytes, slots.count(None))
-        m.observe_request("shm:lease", 200, time.perf_counter() - t0)
-        return 0, w.encode_slots(lease_id, slots)
-
-    async def handle(self, op: int, body: bytes) -> tuple[int, bytes] | None:
-        if op == w.HELLO:
-            return self.hello(body)
-        if self.tenant is None:
-            return 401, b"send HELLO with a token first"
-        if op == w.LEASE:
-            return await self.lease(body)
-        if op in (w.RELEASE, w.FORGET):
-            lease_id = w.decode_u64(body)
-            valid = lease_id in self.owned and self.app[LEASES].pop(lease_id)
-            self.owned.discard(lease_id)
-            return None if op == w.FORGET else (0, bytes((int(valid),)))
-        return 400, f"unknown control op {op}".encode()
-
-
-async def _serve_connection(app: web.Application, reader, writer) -> None:
-    session = ControlSession(app)
-    try:
-        while True:
-            n, op = w.split_head(await reader.readexactly(w.HEAD_BYTES))
-            try:
-                reply = await session.handle(op, await reader.readexactly(n))
-            except (w.ShmProtocolError, ValueError) as e:
-                reply = (400, str(e).encode())
-            if reply is not None:
-                writer.write(w.frame(*reply))
-    except (asyncio.IncompleteReadError, ConnectionError, w.ShmProtocolError):
-        pass   # the client went away, or spoke garbage: drop the connection
-    except Exception:
-        log.exception("shared-memory control connection failed")
-    finally:
-        app[LEASES].drop_owner(session.owned)   # a dead client's leases end now, not at expiry
-        writer.close()
-
-
 def control_path(config) -> str:
     if config.shm_socket:
         return config.shm_socket
@@ -222,15 +139,8 @@ def add_routes(app: web.Application, config) -> None:
 
     async def control(app: web.Application):
         """The control socket while the app runs, and a sweeper for abandoned leases."""
-        server, path = None, app[CONTROL_PATH]
-        if _arena_info(store) is not None:
-            if os.path.exists(path):
-                os.unlink(path)    # a stale socket from a killed daemon
-            old = os.umask(0o177)  # 0600: only this user connects (the arena is readable by it anyway)
-            try:
-                server = await asyncio.start_unix_server(lambda r, wr: _serve_connection(app, r, wr), path)
-            finally:
-                os.umask(old)
+        from kvcache.cli.shm_control import ControlServer
+        server = ControlServer(app, app[CONTROL_PATH]) if _arena_info(store) is not None else None
 
         async def sweep():
             while True:
@@ -241,7 +151,5 @@ def add_routes(app: web.Application, config) -> None:
         task.cancel()
         if server is not None:
             server.close()
-            if os.path.exists(path):
-                os.unlink(path)
         app[LEASES].release_all()
     app.cleanup_ctx.append(control)

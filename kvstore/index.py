@@ -308,6 +308,13 @@ class Index:
             _, n = self._touches.get(key, (0.0, 0))
             self._touches[key] = (now, n + 1)
 
+    def touch_many(self, keys, now: float) -> None:
+        touches = self._touches
+        with self._touch_lock:
+            for key in keys:
+                n = touches.get(key, (0.0, 0))[1]
+                touches[key] = (now, n + 1)
+
     def pending_touches(self) -> int:
         return len(self._touches)
 

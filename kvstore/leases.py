@@ -44,11 +44,11 @@ class StoreLeases:
             by_index = dict(zip(cold, self.dram.acquire([keys[i] for i in cold])))
             held = [by_index[i] if e is None else e for i, e in zip(live, held)]
         slots: list = [None] * len(keys)
-        now, warm = self.clock(), set(live) - set(cold)
         for i, e in zip(live, held):
             slots[i] = SOCKET if e is None else (e.offset, e.nbytes)
-            if i in warm:
-                self._touch(keys[i], now)
+        cold_set = set(cold)
+        warm = [keys[i] for i in live if i not in cold_set]
+        self._touch_many(warm, self.clock())
         self.stats_counters["hits_dram"] += len(warm)
         self.stats_counters["misses"] += len(keys) - len(live)
         if self._events_on:

@@ -1,26 +1,28 @@
 """Framing of the shared-memory control channel: a unix socket that carries only keys, offsets
 and leases (the payloads are in the shared arena). Little-endian; one request, one reply, in order.
 
-    request:  u32 body_len | u8 op | body
+    request:  u32 body_len | u16 op | body
       HELLO    (1)  token (utf-8; empty when the daemon has no auth)
       LEASE    (2)  u32 n | n x (u8 key_len | key)
       RELEASE  (3)  u64 lease_id                       -> reply: u8 valid
       FORGET   (4)  u64 lease_id                       -> no reply (release, answer not wanted)
-    reply:    u32 body_len | u8 status (0 ok, else an HTTP-like code) | body (error: utf-8 message)
+    reply:    u32 body_len | u16 status (0 ok, else an HTTP status) | body (error: utf-8 message)
       HELLO    u8 0
-      LEASE    u64 lease_id | u32 n | n x (u8 kind | u64 offset | u64 nbytes)   kind: 0 miss, 1 leased, 2 socket
+      LEASE    u64 lease_id | u32 n | n x u64 offset | n x u64 nbytes | n x u8 kind   kind: 0 miss, 1 leased, 2 socket
+               (columns, not records: each column is one array copy to encode and decode)
 """
 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 
 HELLO, LEASE, RELEASE, FORGET = 1, 2, 3, 4
 MISS, LEASED, SOCKET = 0, 1, 2
 MAX_BODY = 16 << 20
-_HEAD = struct.Struct("<IB")
+_HEAD = struct.Struct("<IH")
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
-_SLOT = struct.Struct("<BQQ")
 
 
 class ShmProtocolError(ValueError):
@@ -73,21 +75,33 @@ def decode_keys(body: bytes, max_keys: int) -> list[bytes]:
 
 def encode_slots(lease_id: int, slots) -> bytes:
     """slots: (offset, nbytes), None (miss) or the string "socket", per key."""
-    parts = [_U64.pack(lease_id), _U32.pack(len(slots))]
-    for s in slots:
-        parts.append(_SLOT.pack(MISS, 0, 0) if s is None else _SLOT.pack(SOCKET, 0, 0) if isinstance(s, str)
-                     else _SLOT.pack(LEASED, s[0], s[1]))
-    return b"".join(parts)
+    offsets, sizes, kinds = array("Q"), array("Q"), bytearray(len(slots))
+    for i, s in enumerate(slots):
+        if isinstance(s, tuple):
+            offsets.append(s[0])
+            sizes.append(s[1])
+            kinds[i] = LEASED
+        else:
+            offsets.append(0)
+            sizes.append(0)
+            kinds[i] = MISS if s is None else SOCKET
+    if sys.byteorder != "little":
+        offsets.byteswap()
+        sizes.byteswap()
+    return b"".join((_U64.pack(lease_id), _U32.pack(len(slots)), offsets.tobytes(), sizes.tobytes(), kinds))
 
 
 def decode_slots(body: bytes) -> tuple[int, list]:
     (lease_id,), (n,) = _U64.unpack_from(body), _U32.unpack_from(body, 8)
-    if len(body) != 12 + n * _SLOT.size:
+    if len(body) != 12 + 17 * n:
         raise ShmProtocolError("LEASE reply has the wrong length")
-    out: list = []
-    for kind, off, nbytes in _SLOT.iter_unpack(memoryview(body)[12:]):
-        out.append((off, nbytes) if kind == LEASED else "socket" if kind == SOCKET else None)
-    return lease_id, out
+    offsets, sizes = array("Q", body[12: 12 + 8 * n]), array("Q", body[12 + 8 * n: 12 + 16 * n])
+    if sys.byteorder != "little":
+        offsets.byteswap()
+        sizes.byteswap()
+    kinds = body[12 + 16 * n:]
+    return lease_id, [(o, z) if k == LEASED else None if k == MISS else "socket"
+                      for o, z, k in zip(offsets, sizes, kinds)]
 
 
 def encode_u64(v: int) -> bytes:

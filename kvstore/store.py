@@ -141,6 +141,18 @@ class BlockStore(StoreWrites, StoreLeases):
             if self.index.pending_touches() > MAX_PENDING_TOUCHES:  # bound memory if the flusher lags
                 self.index.flush_touches()
 
+    def _touch_many(self, keys: Sequence[bytes], now: float) -> None:
+        dram_meta, in_index = self._dram_meta, []
+        for key in keys:
+            meta = dram_meta.get(key)
+            if meta is not None:
+                meta.last_access, meta.access_count = now, meta.access_count + 1
+            else:
+                in_index.append(key)
+        self.index.touch_many(in_index, now)
+        if self.index.pending_touches() > MAX_PENDING_TOUCHES:
+            self.index.flush_touches()
+
     # ---------------------------------------------------------------- lookup / get
     def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
         """`tenant` and `namespace_id` only label the event for hit-rate reports (the namespace
@@ -231,9 +243,9 @@ class BlockStore(StoreWrites, StoreLeases):
             for i, n in zip(in_dram, got):
                 if n is not None:
                     result[i] = n
-                    self._touch(keys[i], now)
                 else:  # evicted since the lookup: fall through to the other tiers
                     metas[i].residency &= ~Tier.DRAM
+            self._touch_many([keys[i] for i, n in zip(in_dram, got) if n is not None], now)
             self.stats_counters["hits_dram"] += sum(n is not None for n in got)
         for i, (key, out, meta) in enumerate(zip(keys, outs, metas)):
             if meta is None:

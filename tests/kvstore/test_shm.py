@@ -248,3 +248,38 @@ def test_real_daemon_serves_local_reads_from_shared_memory(tmp_path):
         out = d.stop()
     assert "shared memory for local clients" in out and "stopped cleanly" in out
     assert not os.path.exists(f"/proc/{d.proc.pid}")
+
+
+def test_control_socket_rejects_bad_frames_and_unauthenticated_leases(served):
+    import json
+    import socket
+    import urllib.request
+    from kvcache.kvstore import shm_wire as w
+    url, store = served()
+    req = urllib.request.Request(url + "/v1/shm", headers={"Authorization": f"Bearer {ADMIN}"})
+    path = json.loads(urllib.request.urlopen(req).read())["control_socket"]
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+
+    def call(sock, op, body):
+        sock.sendall(w.frame(op, body))
+        n, status = w.split_head(sock.recv(w.HEAD_BYTES, socket.MSG_WAITALL))
+        return status, sock.recv(n, socket.MSG_WAITALL) if n else b""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        assert call(s, w.LEASE, w.encode_keys([b"k" * 16]))[0] == 401          # no HELLO yet
+        assert call(s, w.HELLO, PLAIN.encode())[0] == 403                      # not allowed to map
+        assert call(s, w.HELLO, b"wrong-token-0123456789")[0] == 401
+        assert call(s, w.HELLO, SHARER.encode()) == (0, b"")
+        status, msg = call(s, w.LEASE, b"\x05\x00\x00\x00\x10abc")            # 5 keys promised, 1 short one
+        assert status == 400 and b"truncated" in msg
+        assert call(s, 99, b"")[0] == 400
+        status, body = call(s, w.LEASE, w.encode_keys([b"k" * 16]))           # still usable afterwards
+        assert status == 0 and w.decode_slots(body)[1] == [None]
+    with socket.socket(socket.AF_UNIX) as s:                                   # an absurd frame length: dropped
+        s.connect(path)
+        s.sendall(b"\xff\xff\xff\xff\x02\x00")
+        assert s.recv(10) == b""
+    with KVClient(url, ADMIN, shared_memory="on") as c:                        # the daemon is fine
+        c.register_namespace(NS)
+        put_blocks(c, make_keys(1))
+        assert c.get(make_keys(1)[0]) == payload_for(make_keys(1)[0])

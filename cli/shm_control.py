@@ -1,0 +1,171 @@
+"""The shared-memory control socket of `kvcache serve`: one thread per connection, blocking I/O.
+
+    accept thread ── conn ──> session thread:  HELLO token ─> tenant, permission
+                                               LEASE keys  ─> BlockStore.lease_dram ─> slots
+                                               RELEASE / FORGET lease_id
+                              connection closed ─> its leases end at once (not at expiry)
+
+Threads, not the aiohttp event loop: a lease is a few microseconds of dict work per key plus
+one round trip, and a blocking recv in its own thread wakes faster than a loop shared with HTTP
+traffic; blocks that must first come from NVMe or object storage are read right here, so one
+slow client never stalls the loop. The socket is created with mode 0600.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import socket
+import threading
+import time
+
+from kvcache.cli import server as srv
+from kvcache.cli.server_shm import DENIED, LEASES
+from kvcache.kvstore import shm_wire as w
+from kvcache.kvstore.hashing import tenant_key
+from kvcache.kvstore.types import Tier
+
+log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 256
+
+
+class ControlSession:
+    """One control connection: HELLO first (the token decides tenant and permission), then leases."""
+
+    def __init__(self, app):
+        self.app, self.store, self.config = app, app[srv.STORE], app[srv.CONFIG]
+        self.leases = app[LEASES]
+        self.tenant: str | None = None
+        self.owned: set[int] = set()
+
+    def hello(self, body: bytes) -> tuple[int, bytes]:
+        token = body.decode("utf-8", "replace")
+        if not self.config.auth_required:
+            self.tenant = ""
+            return 0, b""
+        match = None
+        for t in self.config.tokens:  # constant time, like the HTTP auth
+            if hmac.compare_digest(t.token.encode(), token.encode()):
+                match = t
+        if match is None:
+            return 401, b"missing or unknown token"
+        if not (match.admin or match.shared_memory):
+            return 403, DENIED.encode()
+        self.tenant = match.tenant
+        return 0, b""
+
+    def lease(self, body: bytes) -> tuple[int, bytes]:
+        t0 = time.perf_counter()
+        keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
+        slots, lease = self.store.lease_dram(keys)
+        lease_id = self.leases.add(lease, self.owned)
+        if lease_id is None:
+            return 503, (f"{self.leases.max_leases} shared-memory leases are outstanding; release leases "
+                         "or raise server.max_shm_leases").encode()
+        m = self.app[srv.METRICS]
+        hits = sum(1 for s in slots if isinstance(s, tuple))
+        m.count_hits("get", Tier.DRAM, hits, lease.nbytes, slots.count(None))
+        m.observe_request("shm:lease", 200, time.perf_counter() - t0)
+        return 0, w.encode_slots(lease_id, slots)
+
+    def handle(self, op: int, body: bytes) -> tuple[int, bytes] | None:
+        if op == w.HELLO:
+            return self.hello(body)
+        if self.tenant is None:
+            return 401, b"send HELLO with a token first"
+        if op == w.LEASE:
+            return self.lease(body)
+        if op in (w.RELEASE, w.FORGET):
+            lease_id = w.decode_u64(body)
+            valid = lease_id in self.owned and self.leases.pop(lease_id)
+            self.owned.discard(lease_id)
+            return None if op == w.FORGET else (0, bytes((int(valid),)))
+        return 400, f"unknown control op {op}".encode()
+
+    def close(self) -> None:
+        self.leases.drop_owner(self.owned)   # a dead client's leases end now, not at expiry
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = conn.recv_into(view[pos:])
+        if got == 0:
+            raise ConnectionError("closed")
+        pos += got
+    return bytes(buf)
+
+
+class ControlServer:
+    def __init__(self, app, path: str):
+        self.app, self.path = app, path
+        if os.path.exists(path):
+            os.unlink(path)            # a stale socket from a killed daemon
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)          # 0600: only this user connects (the arena is readable by it anyway)
+        try:
+            self._sock.bind(path)
+        finally:
+            os.umask(old)
+        self._sock.listen(64)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kvcache-shm-accept", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return                 # closed
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning("refusing a shared-memory control connection: %d open", MAX_CONNECTIONS)
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvcache-shm-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        session = ControlSession(self.app)
+        try:
+            while True:
+                n, op = w.split_head(_recv_exact(conn, w.HEAD_BYTES))
+                body = _recv_exact(conn, n)
+                try:
+                    reply = session.handle(op, body)
+                except (w.ShmProtocolError, ValueError) as e:
+                    reply = (400, str(e).encode())
+                if reply is not None:
+                    conn.sendall(w.frame(*reply))
+        except (ConnectionError, OSError, w.ShmProtocolError):
+            pass   # the client went away, or spoke garbage: drop the connection
+        except Exception:
+            log.exception("shared-memory control connection failed")
+        finally:
+            session.close()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:                # wakes their threads, which release their leases
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
