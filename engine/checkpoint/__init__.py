@@ -1,0 +1,1 @@
+"""Checkpoints: official safetensors layout, quantised formats, transformers name maps, demo init."""

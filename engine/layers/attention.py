@@ -1,0 +1,138 @@
+"""V4 attention: one shared K = V latent row per token (MQA), a sliding window, compressed history.
+
+    x ─ wq_a ─ q_norm ─> qr ─ wq_b ─> q [H, D] ─ (V4: per-head RMS) ─ RoPE(t)
+    x ─ wkv ─ kv_norm ─> kv [D] ─ RoPE(t)                         (the row the window caches)
+    keys for query t:  window rows t-W+1 .. t   +   compressed entries (HCA: all visible,
+                       CSA: the indexer's top-k), one softmax with a per-head sink in the
+                       denominator only:  p_i = exp(s_i) / (sum_j exp(s_j) + exp(sink_h))
+    o = sum_i p_i kv_i ─ RoPE(-t) on the rope dims ─ grouped wo_a (o_groups) ─ wo_b
+
+Long prompts are processed in query blocks of QUERY_BLOCK tokens, each against the window rows
+it can see, so memory stays O(block x (window + block + entries)), never O(T^2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcache.engine.config import ModelConfig
+from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
+from kvcache.engine.layers.norm import RMSNorm, rms
+from kvcache.engine.layers.rope import RotaryTables, apply_rope
+
+QUERY_BLOCK = 256
+
+
+@dataclass
+class AttentionState:
+    """Per-request state of one attention layer."""
+    window: torch.Tensor | None = None           # [B, <= W-1, D] the last rows (RoPE'd), fp32
+    compressor: CompressorState | None = None
+    index: CompressorState | None = None          # CSA: the indexer's key compressor
+
+    def clone(self) -> "AttentionState":
+        return AttentionState(None if self.window is None else self.window.clone(),
+                              None if self.compressor is None else self.compressor.clone(),
+                              None if self.index is None else self.index.clone())
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ratio: int | None = None):
+        """`ratio` overrides the config's compress ratio (drafter blocks sit past the backbone)."""
+        super().__init__()
+        c = config
+        self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.o_groups, self.eps = c.o_groups, c.rms_norm_eps
+        ratio = c.compress_ratios[layer] if ratio is None else ratio
+        self.kind = "swa" if ratio == 0 else c.layer_kind(layer)
+        self.q_head_norm = not c.is_v41
+        self.table = "main" if self.kind == "swa" else "compress"
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = nn.Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
+                              bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads))
+        self.compressor = (Compressor(c.hidden_size, c.head_dim, ratio, overlap=self.kind == "csa",
+                                      eps=c.rms_norm_eps) if self.kind in ("csa", "hca") else None)
+        self.indexer = (Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
+                                ratio, c.rms_norm_eps) if self.kind == "csa" else None)
+        self.ratio = ratio
+
+    def new_state(self) -> AttentionState:
+        return AttentionState(compressor=CompressorState() if self.compressor else None,
+                              index=CompressorState() if self.indexer else None)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
+                rope: RotaryTables) -> torch.Tensor:
+        """x [B, T, dim] at absolute positions [T] (contiguous after what `state` holds)."""
+        B, T, _ = x.shape
+        cos, sin = rope.cos_sin(positions, self.table)                       # [T, r/2]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim).float()
+        if self.q_head_norm:
+            q = rms(q, self.eps)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        kv = apply_rope(self.kv_norm(self.wkv(x)).float(), cos, sin)         # [B, T, D]
+        prev = state.window if state.window is not None else kv.new_zeros((B, 0, self.head_dim))
+        rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
+        first_row = int(positions[0]) - prev.shape[1]
+        entries = index_keys = None
+        if self.compressor is not None:
+            entries = self.compressor(x, state.compressor, rope)
+        if self.indexer is not None:
+            index_keys = self.indexer.keys(x, state.index, rope)
+        out = torch.cat([self._block(q[:, i:i + QUERY_BLOCK], positions[i:i + QUERY_BLOCK], rows, first_row,
+                                     entries, index_keys, x[:, i:i + QUERY_BLOCK], qr[:, i:i + QUERY_BLOCK], rope)
+                         for i in range(0, T, QUERY_BLOCK)], 1)              # [B, T, H, D]
+        state.window = rows[:, -(self.window - 1):] if self.window > 1 else rows[:, :0]
+        out = apply_rope(out, cos[:, None], sin[:, None], inverse=True)
+        return self._project(out.to(x.dtype))
+
+    def _block(self, q, pos, rows, first_row, entries, index_keys, x, qr, rope) -> torch.Tensor:
+        """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries."""
+        lo = max(int(pos[0]) - self.window + 1 - first_row, 0)
+        hi = int(pos[-1]) + 1 - first_row
+        keys = rows[:, lo:hi]                                                  # [B, S, D]
+        kpos = torch.arange(lo, hi, device=q.device) + first_row
+        delta = pos[:, None] - kpos[None, :]
+        bias = torch.zeros(delta.shape, device=q.device).masked_fill((delta < 0) | (delta >= self.window),
+                                                                      float("-inf"))
+        bias = bias.expand(q.shape[0], -1, -1)                                # [B, Tq, S]
+        if entries is not None and entries.shape[1]:
+            bias = torch.cat([bias, self._entry_bias(pos, entries, index_keys, x, qr, rope)], -1)
+            keys = torch.cat([keys, entries], 1)
+        scores = torch.einsum("bthd,bsd->bhts", q, keys) * self.head_dim ** -0.5 + bias[:, None]
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+        return torch.einsum("bhts,bsd->bthd", probs, keys)
+
+    def _entry_bias(self, pos, entries, index_keys, x, qr, rope) -> torch.Tensor:
+        """0 where query t may read compressed entry n, -inf elsewhere: [B, Tq, N]."""
+        B, N = entries.shape[0], entries.shape[1]
+        if self.indexer is None:       # HCA: every closed window is visible
+            visible = (pos + 1) // self.ratio
+            hidden = torch.arange(N, device=pos.device)[None, :] >= visible[:, None]
+            return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(B, -1, -1)
+        top = self.indexer.select(x, qr, pos, index_keys, rope)               # [B, Tq, k], -1 = none
+        bias = torch.full((B, pos.shape[0], N + 1), float("-inf"), device=pos.device)
+        bias.scatter_(-1, torch.where(top >= 0, top, torch.full_like(top, N)), 0.0)
+        return bias[..., :N]
+
+    def _project(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b."""
+        B, T = o.shape[:2]
+        g = o.reshape(B, T, self.o_groups, -1)
+        w = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])             # [G, o_lora, H*D/G]
+        z = torch.einsum("btgi,goi->btgo", g, w).reshape(B, T, -1)
+        return self.wo_b(z)
+
+
+__all__ = ["Attention", "AttentionState", "F"]

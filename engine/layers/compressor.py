@@ -1,0 +1,127 @@
+"""V4 compressors: learned, gated pooling of KV rows into one entry per window of `ratio` tokens.
+
+HCA (ratio m, no overlap): entry w pools tokens [m*w, m*w + m) channel by channel:
+    entry_w = norm( sum_j softmax_j(wgate x_j + ape[j mod m]) * wkv x_j ),  RoPE at position m*w
+
+CSA (ratio 4, overlapping): wkv/wgate give 2*d channels per token, Ca = [:d], Cb = [d:];
+entry w pools 2m slots: Ca of window w-1 (empty for w = 0) and Cb of window w:
+
+    slots:   [ Ca(4w-4) .. Ca(4w-1) | Cb(4w) .. Cb(4w+3) ]     softmax over the 8 slots, per channel
+
+Tokens of an unfinished window wait in the state's buffer (raw projections); CSA also carries
+the Ca half of the last closed window. An entry exists once its window is complete, and query t
+may read entry w iff w < (t + 1) // m. The lightning indexer (CSA layers) owns a second CSA
+compressor at index_head_dim and scores entries per query to keep the top `index_topk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvcache.engine.layers.norm import RMSNorm
+from kvcache.engine.layers.rope import RotaryTables, apply_rope
+
+
+@dataclass
+class CompressorState:
+    """Per-request state of one compressor (the part of the KV a prefix cache must keep)."""
+    entries: torch.Tensor | None = None      # [B, N, d] emitted entries (normed, RoPE'd)
+    buf_kv: torch.Tensor | None = None       # [B, p < m, c*d] raw rows of the unfinished window
+    buf_gate: torch.Tensor | None = None     # [B, p, c*d] their gate logits (+ ape)
+    overlap_kv: torch.Tensor | None = None   # CSA: Ca rows of the last closed window [B, m, d]
+    overlap_gate: torch.Tensor | None = None
+    count: int = 0                           # entries emitted
+
+    def clone(self) -> "CompressorState":
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return CompressorState(c(self.entries), c(self.buf_kv), c(self.buf_gate), c(self.overlap_kv),
+                               c(self.overlap_gate), self.count)
+
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        c = 2 if overlap else 1
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        self.wkv = nn.Linear(dim, c * head_dim, bias=False)
+        self.wgate = nn.Linear(dim, c * head_dim, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * head_dim))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, state: CompressorState, rope: RotaryTables) -> torch.Tensor:
+        """Feed tokens x [B, T, dim]; returns every entry so far [B, N, d] (state updated)."""
+        m, d = self.ratio, self.head_dim
+        kv, gate = self.wkv(x).float(), self.wgate(x).float()
+        if state.buf_kv is not None:
+            kv, gate = torch.cat([state.buf_kv, kv], 1), torch.cat([state.buf_gate, gate], 1)
+        usable = kv.shape[1] // m * m
+        state.buf_kv, state.buf_gate = kv[:, usable:], gate[:, usable:]
+        B = x.shape[0]
+        if usable:
+            n_w = usable // m
+            kv = kv[:, :usable].view(B, n_w, m, -1)
+            gate = gate[:, :usable].view(B, n_w, m, -1) + self.ape.float()
+            if self.overlap:
+                kv, gate = self._overlap(kv, gate, state)
+            pooled = (kv * torch.softmax(gate, dim=2)).sum(2)                    # [B, n_w, d]
+            pos = torch.arange(n_w, device=x.device) * m + state.count * m
+            cos, sin = rope.cos_sin(pos, "compress")
+            new = apply_rope(self.norm(pooled), cos, sin)
+            state.entries = new if state.entries is None else torch.cat([state.entries, new], 1)
+            state.count += n_w
+        if state.entries is None:
+            state.entries = x.new_zeros((B, 0, d), dtype=torch.float32)
+        return state.entries
+
+    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
+        """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""
+        B, n_w, m, _ = kv.shape
+        d = self.head_dim
+        slots_kv = kv.new_zeros((B, n_w, 2 * m, d))
+        slots_gate = gate.new_full((B, n_w, 2 * m, d), float("-inf"))
+        slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., d:], gate[..., d:]
+        slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+        if state.overlap_kv is not None:
+            slots_kv[:, 0, :m], slots_gate[:, 0, :m] = state.overlap_kv, state.overlap_gate
+        state.overlap_kv, state.overlap_gate = kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone()
+        return slots_kv, slots_gate
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: I[t, s] = sum_h w[t, h] * relu(q_I[t, h] . K_I[s]); keeps the top-k per query."""
+
+    def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, ratio: int,
+                 eps: float):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ratio = n_heads, head_dim, topk, ratio
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+        self.compressor = Compressor(dim, head_dim, ratio, overlap=True, eps=eps)
+
+    def keys(self, x: torch.Tensor, state: CompressorState, rope: RotaryTables) -> torch.Tensor:
+        return self.compressor(x, state, rope)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               rope: RotaryTables) -> torch.Tensor:
+        """x [B, T, dim], qr [B, T, q_lora], positions [T], keys [B, N, dI] -> top-k ids [B, T, k], -1 = none."""
+        B, T, _ = x.shape
+        N = keys.shape[1]
+        q = self.wq_b(qr).float().view(B, T, self.n_heads, self.head_dim)
+        cos, sin = rope.cos_sin(positions, "compress")
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        scores = torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        index = (scores * w[..., None]).sum(2)                                     # [B, T, N]
+        visible = (positions + 1) // self.ratio                                   # [T]
+        future = torch.arange(N, device=x.device)[None, :] >= visible[:, None]    # [T, N]
+        index = index.masked_fill(future, float("-inf"))
+        k = min(self.topk, N)
+        if k == 0:
+            return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
+        top = index.topk(k, dim=-1).indices
+        return torch.where(top >= visible[None, :, None], torch.full_like(top, -1), top)
+
+

@@ -1,0 +1,147 @@
+"""DeepSeek-V4-Flash (`deepseek_v4`): the readable model file.
+
+    ids ─ embed ─> hc_mult identical streams
+        ─ for each block:  hc_pre(attn) ─ attn_norm ─ Attention ─ hc_post
+                           hc_pre(ffn)  ─ ffn_norm  ─ MoE       ─ hc_post
+        ─ hc_head (learned collapse) ─ norm ─ head ─> logits
+
+Layer kinds come from `compress_ratios` (0: sliding window only, 4: CSA with the lightning
+indexer, other: HCA); the first `num_hash_layers` MoE layers route by token id. The MTP block
+(`mtp.0`, V4 preview) loads and runs: h0 = e_proj(enorm(embed(next token))) on every stream
++ h_proj(hnorm(target streams)), one SWA block, its own hc head and norm, the shared head.
+Parameter names are the official checkpoint's (`layers.3.attn.wq_a.weight`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvcache.engine.config import ModelConfig
+from kvcache.engine.layers.attention import Attention, AttentionState
+from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
+from kvcache.engine.layers.moe import MoE
+from kvcache.engine.layers.norm import RMSNorm
+from kvcache.engine.layers.rope import RotaryTables
+
+
+@dataclass
+class ModelState:
+    """A request's KV state: one AttentionState per layer, and how many tokens it holds."""
+    layers: list[AttentionState]
+    length: int = 0
+    drafter: list[AttentionState] = field(default_factory=list)
+
+    def clone(self) -> "ModelState":
+        return ModelState([s.clone() for s in self.layers], self.length, [s.clone() for s in self.drafter])
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ratio: int | None = None, hashed: bool | None = None):
+        super().__init__()
+        c = config
+        self.c = c
+        self.attn = Attention(c, layer, ratio)
+        self.ffn = MoE(c, hashed=layer < c.num_hash_layers if hashed is None else hashed)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        hc_params(self, "hc_attn", c.hc_mult, c.hidden_size)
+        hc_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: AttentionState, rope: RotaryTables,
+                token_ids: torch.Tensor) -> torch.Tensor:
+        """h [B, T, n, d] streams -> streams."""
+        c = self.c
+        pre, post, comb = hc_mix(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c.hc_sinkhorn_iters,
+                                 c.hc_eps, c.rms_norm_eps)
+        h = expand(self.attn(self.attn_norm(collapse(h, pre)), positions, state, rope), h, post, comb)
+        pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
+                                 c.hc_eps, c.rms_norm_eps)
+        return expand(self.ffn(self.ffn_norm(collapse(h, pre)), token_ids), h, post, comb)
+
+
+def _head_params(module: nn.Module, c: ModelConfig) -> None:
+    n, d = c.hc_mult, c.hidden_size
+    module.hc_head_fn = nn.Parameter(torch.zeros(n, n * d))
+    module.hc_head_base = nn.Parameter(torch.zeros(n))
+    module.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
+class MTPBlock(Block):
+    """`mtp.{i}`: a SWA block (non-hash MoE) that predicts the token after next from the
+    target's streams and the next token's embedding; its own hc head and norm."""
+
+    def __init__(self, config: ModelConfig):
+        c = config
+        super().__init__(c, c.num_hidden_layers, ratio=0, hashed=False)
+        d = c.hidden_size
+        self.enorm, self.hnorm = RMSNorm(d, c.rms_norm_eps), RMSNorm(d, c.rms_norm_eps)
+        self.norm = RMSNorm(d, c.rms_norm_eps)
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        _head_params(self, c)
+
+    def draft(self, streams: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+              state: AttentionState, rope: RotaryTables, next_ids: torch.Tensor) -> torch.Tensor:
+        """streams [B, T, n, d] (target, before its hc head), next_embeds [B, T, d] -> hidden [B, T, d]."""
+        h = self.e_proj(self.enorm(next_embeds)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
+        h = self(h, positions, state, rope, next_ids)
+        c = self.c
+        return self.norm(hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = self.config = config
+        self.rope = RotaryTables(c)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        _head_params(self, c)
+        self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_nextn_predict_layers))
+
+    def new_state(self) -> ModelState:
+        return ModelState([blk.attn.new_state() for blk in self.layers], 0,
+                          [m.attn.new_state() for m in self.mtp])
+
+    def streams(self, token_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """Run the backbone on the next tokens [B, T]; the residual streams [B, T, n, d] (state advanced)."""
+        B, T = token_ids.shape
+        positions = torch.arange(state.length, state.length + T, device=token_ids.device)
+        if int(positions[-1]) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions[-1])} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        h = self.embed(token_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for blk, st in zip(self.layers, state.layers):
+            h = blk(h, positions, st, self.rope, token_ids)
+        state.length += T
+        return h
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        y = hc_head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+        return self.head(self.norm(y)).float()
+
+    def forward(self, token_ids: torch.Tensor, state: ModelState | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (fp32) for tokens [B, T] that continue `state` (a new one if None)."""
+        if state is None:
+            state = self.new_state()
+        check_ids(token_ids, self.config.vocab_size)
+        return self.logits(self.streams(token_ids, state))
+
+    def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, state: ModelState,
+                   start: int) -> torch.Tensor:
+        """MTP-1 draft logits for the tokens after `next_ids`, given the target's streams."""
+        positions = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)
+        h = self.mtp[0].draft(streams, self.embed(next_ids), positions, state.drafter[0], self.rope, next_ids)
+        return self.head(h).float()
+
+
+def check_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
+    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
+        bad = token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0]
+        raise ValueError(f"token id {int(bad)} is outside the model's vocabulary (0..{vocab_size - 1})")
