@@ -20,7 +20,7 @@ from kvcache.engine.config import ModelConfig, YarnConfig
 
 def inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
     """One inverse frequency per rotary pair (dim // 2 of them), in fp32."""
-    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if yarn is None or yarn.factor <= 1.0 or yarn.original_max_position_embeddings <= 0:
         return base
 
@@ -30,7 +30,7 @@ def inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     # ramp 0: high frequencies kept (extrapolate); ramp 1: low frequencies divided by the factor
     return base / yarn.factor * ramp + base * (1 - ramp)
 
