@@ -5,7 +5,7 @@
     kvcache check DIR [--fix] [--quick] reconcile index and segments, recount
     kvcache gc DIR [--max-steps N]      expire, evict over watermarks, compact segments
     kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
-    kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
+    kvcache model init|logits|info      demo checkpoints, logits, parameter counts and KV bytes
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
     kvcache bench daemon [...]          the daemon against redis-server and memcpy
 """
@@ -27,7 +27,7 @@ EPILOG = """examples:
   kvcache check /data/kvcache --fix
   kvcache gc /data/kvcache --config configs/store.toml
   kvcache report /data/kvcache --since 24h --out report.html
-  kvcache report /data/kvcache --since 24h --out report.html
+  kvcache model init --config v4-tiny --out /tmp/v4-tiny
   kvcache bench tiers --sizes 64K,1M,4M
 """
 
@@ -41,11 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured JSON log lines for log shippers (default: text)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvcache.cli import bench, report, serve, store_commands
+    from kvcache.cli import bench, model, report, serve, store_commands
     serve.add_parser(sub)
     store_commands.add_parsers(sub)
     report.add_parser(sub)
     bench.add_parser(sub)
+    model.add_parser(sub)
     return p
 
 

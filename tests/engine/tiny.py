@@ -23,22 +23,5 @@ def v4_config(**over) -> ModelConfig:
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights with enough spread that every path matters (routing, sinks, gates, hc mixes)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight",)) :
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("_scale"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=g))
-            elif name.endswith(("_fn",)):
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2 and name.endswith("weight"):
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                n_exp = model.config.n_routed_experts
-                b.copy_(torch.stack([torch.randperm(n_exp, generator=g)[: b.shape[1]] for _ in range(b.shape[0])]))
-    return model
+    from kvcache.engine.checkpoint.init import random_weights
+    return random_weights(model, seed)

@@ -1,0 +1,148 @@
+"""`kvcache model init | logits | info`: demo checkpoints, logits for checking a checkpoint, and
+what a model is (architecture, parameters, KV bytes per token per layer group)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+EPILOG = """examples:
+  kvcache model init --config v4-tiny --out /tmp/v4-tiny --seed 0
+  kvcache model info /tmp/v4-tiny
+  kvcache model info v4-flash                    # a config name needs no weights
+  kvcache model logits --model /tmp/v4-tiny --prompt-ids 0,17,42,99 --out logits.npy
+"""
+
+
+def resolve_config(name: str) -> str:
+    """A config name under configs/models/, a config.json path, or a checkpoint directory."""
+    for cand in (name, os.path.join(CONFIG_DIR, f"{name}.json")):
+        if os.path.isfile(cand) or os.path.isfile(os.path.join(cand, "config.json")):
+            return cand
+    names = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".json"))
+    raise FileNotFoundError(f"no model config {name!r}: give a config.json, a checkpoint directory, or one of "
+                            f"{', '.join(names)}")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("model", help="demo checkpoints, logits and facts about a DeepSeek-V4 model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    ms = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    i = ms.add_parser("init", help="write a deterministic random checkpoint (official layout, quantised tensors, "
+                                   "config.json, tokenizer.json)")
+    i.add_argument("--config", required=True, metavar="NAME", help="configs/models/NAME.json or a config.json path")
+    i.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    i.add_argument("--seed", type=int, default=0, help="weights seed (default 0): same seed, same bytes")
+    i.add_argument("--shard-mib", type=float, default=1024, help="safetensors shard size (default 1024 MiB)")
+    i.set_defaults(func=cmd_init)
+    g = ms.add_parser("logits", help="float32 logits for every position of a prompt, as .npy")
+    g.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    g.add_argument("--prompt-ids", required=True, metavar="IDS", help="comma-separated token ids, e.g. 0,17,42")
+    g.add_argument("--out", required=True, metavar="FILE.npy", help="where the [positions, vocab] array goes")
+    g.set_defaults(func=cmd_logits)
+    f = ms.add_parser("info", help="architecture, parameter counts, KV bytes per token per layer group")
+    f.add_argument("model", metavar="DIR|NAME", help="checkpoint directory, config.json, or a config name")
+    f.add_argument("--json", action="store_true", help="print JSON")
+    f.set_defaults(func=cmd_info)
+
+
+def cmd_init(args) -> int:
+    import torch
+    from tqdm import tqdm
+    from kvcache.engine.checkpoint.init import random_weights
+    from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
+    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.models import build_model
+    from kvcache.engine.tokenizer import build_demo_tokenizer
+    config = ModelConfig.load(resolve_config(args.config))
+    torch.manual_seed(args.seed)
+    model = random_weights(build_model(config), args.seed)
+    snap_to_formats(model, config)          # what is saved is exactly what loads back
+    tensors = len(model.state_dict())
+    with tqdm(total=tensors, desc="writing checkpoint", unit="tensor", disable=not sys.stderr.isatty()) as bar:
+        files = save_checkpoint(model, config, args.out, int(args.shard_mib * (1 << 20)), progress=bar)
+    tok = build_demo_tokenizer(min(config.vocab_size, 32768))
+    tok.save(args.out)
+    print(f"wrote {config.model_type} checkpoint to {args.out}: {len(files)} shard(s), {tensors} tensors, "
+          f"{_count(model):,} parameters, tokenizer of {tok.vocab_size} tokens (logits: {config.vocab_size})")
+    return 0
+
+
+def cmd_logits(args) -> int:
+    import numpy as np
+    import torch
+    from kvcache.engine.checkpoint.loader import load_model
+    try:
+        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    model, config = load_model(args.model, progress=sys.stderr.isatty())
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0].float().numpy()
+    np.save(args.out, logits.astype(np.float32))
+    print(f"wrote {args.out}: float32 {logits.shape[0]} positions x {logits.shape[1]} vocab")
+    return 0
+
+
+def _count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_facts(config) -> dict:
+    """Parameter counts from the config alone (no weights built), and the KV layout."""
+    import torch
+    from kvcache.engine.kv_layout import ROW_FORMATS, kv_layout
+    from kvcache.engine.models import model_class
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        part = ("embed/head" if name.startswith(("embed", "head")) else "drafter (mtp)" if name.startswith("mtp.")
+                else "routed experts" if ".ffn.experts." in name else "attention" if ".attn." in name
+                else "other (mHC, norms, gates, shared experts)")
+        groups[part] = groups.get(part, 0) + p.numel()
+    total = sum(groups.values())
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    inactive = config.num_hidden_layers * (config.n_routed_experts - config.num_experts_per_tok) * per_expert
+    layout = kv_layout(config)
+    return {"model_type": config.model_type, "layers": config.num_hidden_layers,
+            "layer_kinds": [config.layer_kind(i) for i in range(config.num_hidden_layers)],
+            "parameters": total, "parameters_by_part": groups,
+            "activated_per_token": total - inactive - groups.get("drafter (mtp)", 0),
+            "kv_groups": layout.describe(),
+            "kv_history_bytes_per_token": {f: layout.bytes_per_token(f) for f in ROW_FORMATS},
+            "kv_window_bytes_per_request_bf16": layout.window_bytes()}
+
+
+def cmd_info(args) -> int:
+    from kvcache.engine.config import ModelConfig
+    config = ModelConfig.load(resolve_config(args.model))
+    facts = model_facts(config)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    kinds = facts["layer_kinds"]
+    print(f"{config.model_type}: {facts['layers']} layers ({', '.join(f'{k} x{kinds.count(k)}' for k in sorted(set(kinds)))}),"
+          f" hidden {config.hidden_size}, {config.num_attention_heads} heads x {config.head_dim}, window "
+          f"{config.sliding_window}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}")
+    print(f"parameters: {facts['parameters']:,} ({facts['activated_per_token']:,} activated per token)")
+    for part, n in facts["parameters_by_part"].items():
+        print(f"  {part:<42} {n:>16,}")
+    print("KV cache, history bytes per token:")
+    for g in facts["kv_groups"]:
+        print(f"  {g['group']:<11} layers {_ranges(g['layers']):<28} row {g['row_dim']:>4}  "
+              f"1 row / {g['tokens_per_row']} tok   bf16 {g['bf16_bytes_per_token']:>9.1f} B/token")
+    for fmt, b in facts["kv_history_bytes_per_token"].items():
+        print(f"  total in {fmt:<26} {b:>9.1f} B/token")
+    print(f"  sliding windows (bounded): {facts['kv_window_bytes_per_request_bf16'] / 2**20:.2f} MiB per request (bf16)")
+    return 0
+
+
+def _ranges(ids) -> str:
+    ids = list(ids)
+    return ",".join(map(str, ids)) if len(ids) <= 6 else f"{ids[0]}..{ids[-1]} ({len(ids)})"

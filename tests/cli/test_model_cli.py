@@ -1,0 +1,65 @@
+"""`kvcache model init | logits | info` through the real command line."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from kvcache.engine.checkpoint.loader import load_model
+from kvcache.engine.tokenizer import load_tokenizer
+
+
+def kv(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "kvcache.cli.main", *args], capture_output=True, text=True,
+                          check=check)
+
+
+def _digest(d):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def test_init_is_deterministic_and_logits_match_the_loaded_model(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    out = kv("model", "init", "--config", "v4-tiny", "--out", str(a), "--seed", "7").stdout
+    assert "deepseek_v4 checkpoint" in out
+    kv("model", "init", "--config", "v4-tiny", "--out", str(b), "--seed", "7")
+    kv("model", "init", "--config", "v4-tiny", "--out", str(c), "--seed", "8")
+    assert _digest(a) == _digest(b) and _digest(a) != _digest(c)
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(_digest(a))
+    ids = [0, 17, 42, 99, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300]
+    kv("model", "logits", "--model", str(a), "--prompt-ids", ",".join(map(str, ids)), "--out", str(tmp_path / "l.npy"))
+    got = np.load(tmp_path / "l.npy")
+    model, config = load_model(str(a), progress=False)
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0].numpy()
+    assert got.dtype == np.float32 and got.shape == (len(ids), config.vocab_size) and np.array_equal(got, want)
+    tok = load_tokenizer(str(a))
+    assert tok.bos_id == 0 and tok.eos_id == 1 and tok.vocab_size <= config.vocab_size
+    assert tok.decode(tok.encode("prefix caching")) == "prefix caching"
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    r = kv("model", "logits", "--model", str(tmp_path), "--prompt-ids", "1,2", "--out", "x.npy", check=False)
+    assert r.returncode == 2 and "config.json" in r.stderr
+    r = kv("model", "init", "--config", "no-such-model", "--out", str(tmp_path / "x"), check=False)
+    assert r.returncode == 2 and "v4-tiny" in r.stderr
+    kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"))
+    r = kv("model", "logits", "--model", str(tmp_path / "m"), "--prompt-ids", "1,a", "--out", "x.npy", check=False)
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    r = kv("model", "logits", "--model", str(tmp_path / "m"), "--prompt-ids", "1,999", "--out", "x.npy", check=False)
+    assert r.returncode == 2 and "outside the model's vocabulary" in r.stderr
+
+
+def test_info_of_the_real_flash_config():
+    facts = json.loads(kv("model", "info", "v4-flash", "--json").stdout)
+    assert facts["parameters"] == 290_942_289_362               # incl. the MTP block, as counted upstream
+    kinds = facts["layer_kinds"]
+    assert kinds.count("csa") == 21 and kinds.count("hca") == 20 and kinds[:2] == ["swa", "swa"]
+    per_token = facts["kv_history_bytes_per_token"]
+    assert per_token["bf16"] == 6880                             # 21 x (1024/4 + 256/4) + 20 x 1024/128
+    assert round(per_token["fp8_ds_mla+fp8_index"]) == 3850 and round(per_token["fp8_ds_mla+mxfp4_index"]) == 3514
+    text = kv("model", "info", "v4-flash").stdout
+    assert "6880.0 B/token" in text and "290,942,289,362" in text
