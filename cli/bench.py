@@ -41,7 +41,43 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.set_defaults(func=run_tiers)
     from kvcache.cli import bench_daemon
     bench_daemon.add_parser(sub)
+    m = sub.add_parser("model", help="V4 prefill/decode speed against transformers; KV bytes per token",
+                       description="Prefill tokens/s and decode ms/token of the engine's DeepSeek-V4 against "
+                                   "transformers' implementation on the same weights, and KV bytes per token of the "
+                                   "real Flash configs; prints a table, writes a JSON report.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG)
+    add_model_arguments(m)
+    m.set_defaults(func=run_model)
     return p
+
+
+MODEL_EPILOG = """examples:
+  kvcache bench model                                   # v4-tiny and v4-small at 512, 2k, 8k tokens
+  kvcache bench model --configs v4-tiny --lengths 128,512 --decode-steps 8
+  kvcache bench model --baseline-max-tokens 2048        # skip transformers' O(T^2) 8k prefill
+Needs the engine extra (torch) and transformers (the test extra).
+"""
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
+    p.add_argument("--configs", default="v4-tiny,v4-small", help="model configs (configs/models/NAME.json)")
+    p.add_argument("--lengths", default="512,2048,8192", help="prompt lengths in tokens")
+    p.add_argument("--decode-steps", type=_checked(int), default=16, help="decode steps timed (default 16)")
+    p.add_argument("--baseline-max-tokens", type=_checked(int), default=8192,
+                   help="longest prompt given to transformers (its eager attention is O(T^2) in memory)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR", help="where the JSON report goes")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_model(args) -> int:
+    from kvcache.engine.bench_model import format_table, run
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    doc = run([c.strip() for c in args.configs.split(",") if c.strip()], lengths, args.out_dir,
+              args.decode_steps, args.baseline_max_tokens, args.seed, progress=not args.no_progress)
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}")
+    return 0
 
 
 def _checked(parse, ok=lambda v: v > 0, what="a positive number"):

@@ -82,6 +82,7 @@ class ModelConfig:
     engram_layer_ids: tuple[int, ...] = ()
     engram_num_embeddings: tuple[int, ...] = ()
     engram_max_ngram_size: int = 0
+    engram_vocab_size: int = 0
     engram_n_heads: int = 0
     engram_head_dim: int = 0
     engram_compressed_vocab_size: int = 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
@@ -71,8 +70,9 @@ class Attention(nn.Module):
                               index=CompressorState() if self.indexer else None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
-                rope: RotaryTables) -> torch.Tensor:
-        """x [B, T, dim] at absolute positions [T] (contiguous after what `state` holds)."""
+                rope: RotaryTables, shared: dict | None = None) -> torch.Tensor:
+        """x [B, T, dim] at absolute positions [T] (contiguous after what `state` holds).
+        `shared` carries what V4.1 layers read from their source layers (unused by V4)."""
         B, T, _ = x.shape
         cos, sin = rope.cos_sin(positions, self.table)                       # [T, r/2]
         qr = self.q_norm(self.wq_a(x))
@@ -84,19 +84,27 @@ class Attention(nn.Module):
         prev = state.window if state.window is not None else kv.new_zeros((B, 0, self.head_dim))
         rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
         first_row = int(positions[0]) - prev.shape[1]
-        entries = index_keys = None
-        if self.compressor is not None:
-            entries = self.compressor(x, state.compressor, rope)
-        if self.indexer is not None:
-            index_keys = self.indexer.keys(x, state.index, rope)
+        entries, entry_bias = self.history(x, qr, positions, state, rope, shared)
         out = torch.cat([self._block(q[:, i:i + QUERY_BLOCK], positions[i:i + QUERY_BLOCK], rows, first_row,
-                                     entries, index_keys, x[:, i:i + QUERY_BLOCK], qr[:, i:i + QUERY_BLOCK], rope)
+                                     entries, None if entries is None else entry_bias(i, i + QUERY_BLOCK))
                          for i in range(0, T, QUERY_BLOCK)], 1)              # [B, T, H, D]
         state.window = rows[:, -(self.window - 1):] if self.window > 1 else rows[:, :0]
         out = apply_rope(out, cos[:, None], sin[:, None], inverse=True)
         return self._project(out.to(x.dtype))
 
-    def _block(self, q, pos, rows, first_row, entries, index_keys, x, qr, rope) -> torch.Tensor:
+    def history(self, x, qr, positions, state: AttentionState, rope: RotaryTables, shared):
+        """(compressed entries [B, N, D] or None, bias(i, j) -> [B, j-i, N] for query rows i..j)."""
+        if self.compressor is None:
+            return None, None
+        entries = self.compressor(x, state.compressor, rope)
+        N = entries.shape[1]
+        if self.indexer is None:       # HCA: every closed window is visible
+            return entries, lambda i, j: visible_bias(positions[i:j], N, self.ratio, x.shape[0])
+        keys = self.indexer.keys(x, state.index, rope)
+        return entries, lambda i, j: topk_bias(
+            self.indexer.select(x[:, i:j], qr[:, i:j], positions[i:j], keys, rope), N)
+
+    def _block(self, q, pos, rows, first_row, entries, entry_bias) -> torch.Tensor:
         """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries."""
         lo = max(int(pos[0]) - self.window + 1 - first_row, 0)
         hi = int(pos[-1]) + 1 - first_row
@@ -107,24 +115,12 @@ class Attention(nn.Module):
                                                                       float("-inf"))
         bias = bias.expand(q.shape[0], -1, -1)                                # [B, Tq, S]
         if entries is not None and entries.shape[1]:
-            bias = torch.cat([bias, self._entry_bias(pos, entries, index_keys, x, qr, rope)], -1)
+            bias = torch.cat([bias, entry_bias], -1)
             keys = torch.cat([keys, entries], 1)
         scores = torch.einsum("bthd,bsd->bhts", q, keys) * self.head_dim ** -0.5 + bias[:, None]
         sink = self.attn_sink.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
         return torch.einsum("bhts,bsd->bthd", probs, keys)
-
-    def _entry_bias(self, pos, entries, index_keys, x, qr, rope) -> torch.Tensor:
-        """0 where query t may read compressed entry n, -inf elsewhere: [B, Tq, N]."""
-        B, N = entries.shape[0], entries.shape[1]
-        if self.indexer is None:       # HCA: every closed window is visible
-            visible = (pos + 1) // self.ratio
-            hidden = torch.arange(N, device=pos.device)[None, :] >= visible[:, None]
-            return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(B, -1, -1)
-        top = self.indexer.select(x, qr, pos, index_keys, rope)               # [B, Tq, k], -1 = none
-        bias = torch.full((B, pos.shape[0], N + 1), float("-inf"), device=pos.device)
-        bias.scatter_(-1, torch.where(top >= 0, top, torch.full_like(top, N)), 0.0)
-        return bias[..., :N]
 
     def _project(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b."""
@@ -135,4 +131,17 @@ class Attention(nn.Module):
         return self.wo_b(z)
 
 
-__all__ = ["Attention", "AttentionState", "F"]
+
+
+def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> torch.Tensor:
+    """0 where query at `pos` may read entry n (n < (pos + 1) // ratio), -inf elsewhere: [B, Tq, N]."""
+    hidden = torch.arange(n_entries, device=pos.device)[None, :] >= ((pos + 1) // ratio)[:, None]
+    return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(batch, -1, -1)
+
+
+def topk_bias(top: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """0 at the selected entries (top [B, Tq, k], -1 = none), -inf elsewhere: [B, Tq, N]."""
+    B, Tq, _ = top.shape
+    bias = torch.full((B, Tq, n_entries + 1), float("-inf"), device=top.device)
+    bias.scatter_(-1, torch.where(top >= 0, top, torch.full_like(top, n_entries)), 0.0)
+    return bias[..., :n_entries]

@@ -1,0 +1,20 @@
+"""`kvcache bench model` at a tiny size: both sides run, the report has ratios and KV figures."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+from kvcache.engine.bench_model import format_table, run   # noqa: E402
+
+
+def test_tiny_run_writes_the_report(tmp_path):
+    doc = run(["v4-tiny"], [32, 64], str(tmp_path), decode_steps=3, baseline_max=32, progress=False)
+    on_disk = json.loads((tmp_path / "model_forward-latest.json").read_text())
+    assert on_disk == json.loads(json.dumps(doc))
+    rows = on_disk["results"]["v4-tiny"]["lengths"]
+    assert rows["32"]["prefill_ratio_ours_vs_transformers"] > 0 and rows["32"]["decode_ratio_ours_vs_transformers"] > 0
+    assert "transformers" not in rows["64"]["prefill_tokens_per_s"]        # above --baseline-max-tokens
+    kv = on_disk["kv_bytes_per_token"]
+    assert kv["v4-flash"]["bf16"]["computed"] == 6880 and kv["v41-flash"]["v41_fp4+mxfp4_index"]["computed"] == 890
+    assert "v4-tiny" in format_table(doc) and on_disk["machine"]["cpu_count"]
