@@ -58,13 +58,20 @@ def cmd_init(args) -> int:
     from kvcache.engine.models import build_model
     from kvcache.engine.tokenizer import build_demo_tokenizer
     config = ModelConfig.load(resolve_config(args.config))
+    tok = build_demo_tokenizer(min(config.vocab_size, 32768))
+    if config.engram_layer_ids:       # Engram's hash tables are sized by the tokenizer's compressed vocabulary
+        import dataclasses
+        from kvcache.engine.layers.engram import compressed_token_map
+        token_map = compressed_token_map(tok)
+        config = dataclasses.replace(config, engram_compressed_vocab_size=int(token_map.max()) + 1)
     torch.manual_seed(args.seed)
     model = random_weights(build_model(config), args.seed)
+    if config.engram_layer_ids:
+        model.set_token_map(token_map)
     snap_to_formats(model, config)          # what is saved is exactly what loads back
     tensors = len(model.state_dict())
     with tqdm(total=tensors, desc="writing checkpoint", unit="tensor", disable=not sys.stderr.isatty()) as bar:
         files = save_checkpoint(model, config, args.out, int(args.shard_mib * (1 << 20)), progress=bar)
-    tok = build_demo_tokenizer(min(config.vocab_size, 32768))
     tok.save(args.out)
     print(f"wrote {config.model_type} checkpoint to {args.out}: {len(files)} shard(s), {tensors} tensors, "
           f"{_count(model):,} parameters, tokenizer of {tok.vocab_size} tokens (logits: {config.vocab_size})")
@@ -103,6 +110,7 @@ def model_facts(config) -> dict:
     groups: dict[str, int] = {}
     for name, p in model.named_parameters():
         part = ("embed/head" if name.startswith(("embed", "head")) else "drafter (mtp)" if name.startswith("mtp.")
+                else "engram tables" if "engram.embed" in name
                 else "routed experts" if ".ffn.experts." in name else "attention" if ".attn." in name
                 else "other (mHC, norms, gates, shared experts)")
         groups[part] = groups.get(part, 0) + p.numel()
@@ -113,7 +121,10 @@ def model_facts(config) -> dict:
     return {"model_type": config.model_type, "layers": config.num_hidden_layers,
             "layer_kinds": [config.layer_kind(i) for i in range(config.num_hidden_layers)],
             "parameters": total, "parameters_by_part": groups,
-            "activated_per_token": total - inactive - groups.get("drafter (mtp)", 0),
+            # Engram reads (max_ngram - 1) x heads rows per layer and token, not its tables
+            "activated_per_token": total - inactive - groups.get("drafter (mtp)", 0) - groups.get("engram tables", 0)
+            + len(config.engram_layer_ids) * (config.engram_max_ngram_size - 1) * config.engram_n_heads
+            * config.engram_head_dim,
             "kv_groups": layout.describe(),
             "kv_history_bytes_per_token": {f: layout.bytes_per_token(f) for f in ROW_FORMATS},
             "kv_window_bytes_per_request_bf16": layout.window_bytes()}

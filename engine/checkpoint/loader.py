@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvcache.engine.checkpoint.formats import scale_name
+from kvcache.engine.checkpoint.formats import fp8_block, scale_name
 from kvcache.engine.checkpoint.hf_names import from_transformers, is_transformers_layout
 from kvcache.engine.checkpoint.quant import dequant_fp4, dequant_fp8
 from kvcache.engine.config import ModelConfig
@@ -107,7 +107,7 @@ def _decode(name: str, raw: torch.Tensor, get_scale, block) -> torch.Tensor:
         scale = get_scale(name)
         if block is None:
             raise CheckpointError(f"{name} is FP8 but config.json has no quantization_config.weight_block_size")
-        return dequant_fp8(raw, scale, block)
+        return dequant_fp8(raw, scale, fp8_block(name, block))
     if raw.dtype in (torch.int8, torch.uint8) and name.endswith(".weight"):
         return dequant_fp4(raw, get_scale(name))
     return raw
@@ -169,4 +169,8 @@ def load_model(path: str, device: str = "cpu", progress: bool = True):
         model = model_class(config)(config)
     model = model.to_empty(device=device)
     load_weights(model, config, path, progress)
+    if config.engram_layer_ids:      # Engram keys n-grams by the checkpoint tokenizer's normalised spellings
+        from kvcache.engine.layers.engram import compressed_token_map
+        from kvcache.engine.tokenizer import load_tokenizer
+        model.set_token_map(compressed_token_map(load_tokenizer(path)))
     return model.eval(), config

@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from kvcache.engine.checkpoint.formats import scale_name, storage_format
+from kvcache.engine.checkpoint.formats import fp8_block, scale_name, storage_format
 from kvcache.engine.checkpoint.quant import quantize_fp4, quantize_fp8
 from kvcache.engine.config import ModelConfig
 
@@ -19,7 +19,7 @@ def encode_tensor(name: str, t: torch.Tensor, config: ModelConfig) -> dict[str, 
     fmt = storage_format(name, config.expert_dtype)
     t = t.detach()
     if fmt == "fp8" and config.weight_block_size is not None:      # no block size: an unquantised checkpoint
-        q, s = quantize_fp8(t.float(), config.weight_block_size)
+        q, s = quantize_fp8(t.float(), fp8_block(name, config.weight_block_size))
         return {name: q, scale_name(name): s}
     if fmt == "fp4":
         q, s = quantize_fp4(t.float())

@@ -74,13 +74,7 @@ class Attention(nn.Module):
         """x [B, T, dim] at absolute positions [T] (contiguous after what `state` holds).
         `shared` carries what V4.1 layers read from their source layers (unused by V4)."""
         B, T, _ = x.shape
-        cos, sin = rope.cos_sin(positions, self.table)                       # [T, r/2]
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim).float()
-        if self.q_head_norm:
-            q = rms(q, self.eps)
-        q = apply_rope(q, cos[:, None], sin[:, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)).float(), cos, sin)         # [B, T, D]
+        qr, q, kv = self.qkv(x, positions, rope)
         prev = state.window if state.window is not None else kv.new_zeros((B, 0, self.head_dim))
         rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
         first_row = int(positions[0]) - prev.shape[1]
@@ -89,8 +83,30 @@ class Attention(nn.Module):
                                      entries, None if entries is None else entry_bias(i, i + QUERY_BLOCK))
                          for i in range(0, T, QUERY_BLOCK)], 1)              # [B, T, H, D]
         state.window = rows[:, -(self.window - 1):] if self.window > 1 else rows[:, :0]
-        out = apply_rope(out, cos[:, None], sin[:, None], inverse=True)
-        return self._project(out.to(x.dtype))
+        return self.output(out, positions, rope, x.dtype)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTables):
+        """(qr [B, T, q_lora], q [B, T, H, D], kv [B, T, D]): q and the K = V row, RoPE'd at `positions`."""
+        B, T, _ = x.shape
+        cos, sin = rope.cos_sin(positions, self.table)                       # [T, r/2]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, T, self.n_heads, self.head_dim).float()
+        if self.q_head_norm:
+            q = rms(q, self.eps)
+        q = apply_rope(q, cos[:, None], sin[:, None])
+        return qr, q, apply_rope(self.kv_norm(self.wkv(x)).float(), cos, sin)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """softmax with the sink in the denominator: q [B, Tq, H, D], keys [B, S, D], bias [B, Tq, S]."""
+        scores = torch.einsum("bthd,bsd->bhts", q, keys) * self.head_dim ** -0.5 + bias[:, None]
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+        return torch.einsum("bhts,bsd->bthd", probs, keys)
+
+    def output(self, out: torch.Tensor, positions: torch.Tensor, rope: RotaryTables, dtype) -> torch.Tensor:
+        """Inverse RoPE on the rope dims, then the grouped output projection."""
+        cos, sin = rope.cos_sin(positions, self.table)
+        return self._project(apply_rope(out, cos[:, None], sin[:, None], inverse=True).to(dtype))
 
     def history(self, x, qr, positions, state: AttentionState, rope: RotaryTables, shared):
         """(compressed entries [B, N, D] or None, bias(i, j) -> [B, j-i, N] for query rows i..j)."""
@@ -117,10 +133,7 @@ class Attention(nn.Module):
         if entries is not None and entries.shape[1]:
             bias = torch.cat([bias, entry_bias], -1)
             keys = torch.cat([keys, entries], 1)
-        scores = torch.einsum("bthd,bsd->bhts", q, keys) * self.head_dim ** -0.5 + bias[:, None]
-        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
-        return torch.einsum("bhts,bsd->bthd", probs, keys)
+        return self.attend(q, keys, bias)
 
     def _project(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b."""

@@ -42,16 +42,21 @@ def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
 
 
 class Gate(nn.Module):
-    def __init__(self, config: ModelConfig, hashed: bool):
+    """`ffn.gate.{weight, bias | tid2eid}`; V4.1 adds `bias_vl`, the selection bias of image tokens."""
+
+    def __init__(self, config: ModelConfig, hashed: bool, n_experts: int, top_k: int):
         super().__init__()
-        self.top_k, self.score_fn = config.num_experts_per_tok, config.scoring_func
+        self.top_k, self.score_fn = top_k, config.scoring_func
         self.scale, self.normalise = config.routed_scaling_factor, config.norm_topk_prob
         self.hashed = hashed
-        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        self.image_token = config.image_token_id if config.is_v41 else None
+        self.weight = nn.Parameter(torch.zeros(n_experts, config.hidden_size))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
         else:
-            self.bias = nn.Parameter(torch.zeros(config.n_routed_experts))
+            self.bias = nn.Parameter(torch.zeros(n_experts))
+            if config.is_v41:
+                self.bias_vl = nn.Parameter(torch.zeros(n_experts))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, d] -> (weights [N, k] fp32, expert ids [N, k])."""
@@ -61,7 +66,11 @@ class Gate(nn.Module):
                 raise ValueError("hash-routed MoE layers need the token ids")
             ids = self.tid2eid[token_ids.reshape(-1)].long()
         else:
-            ids = torch.topk(scores + self.bias.float(), self.top_k, dim=-1, sorted=False).indices
+            bias = self.bias.float()
+            if self.image_token is not None and token_ids is not None:
+                is_image = (token_ids.reshape(-1) == self.image_token)[:, None]
+                bias = torch.where(is_image, self.bias_vl.float(), bias)
+            ids = torch.topk(scores + bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.normalise:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -69,11 +78,11 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, hashed: bool, n_experts: int | None = None):
+    def __init__(self, config: ModelConfig, hashed: bool, n_experts: int | None = None, top_k: int | None = None):
         super().__init__()
         n = n_experts or config.n_routed_experts
         dim, inter, limit = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
-        self.gate = Gate(config, hashed)
+        self.gate = Gate(config, hashed, n, top_k or config.num_experts_per_tok)
         self.experts = nn.ModuleList(Expert(dim, inter, limit) for _ in range(n))
         self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
 

@@ -9,6 +9,9 @@ def model_class(config: ModelConfig):
     if config.model_type == "deepseek_v4":
         from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
         return DeepseekV4ForCausalLM
+    if config.model_type == "deepseek_v41":
+        from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
+        return DeepseekV41ForCausalLM
     raise NotImplementedError(f"{config.model_type} is parsed but its model is not built yet")
 
 

@@ -33,9 +33,11 @@ class ModelState:
     layers: list[AttentionState]
     length: int = 0
     drafter: list[AttentionState] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)      # e.g. V4.1 Engram's last token ids
 
     def clone(self) -> "ModelState":
-        return ModelState([s.clone() for s in self.layers], self.length, [s.clone() for s in self.drafter])
+        return ModelState([s.clone() for s in self.layers], self.length, [s.clone() for s in self.drafter],
+                          {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()})
 
 
 class Block(nn.Module):

@@ -1,0 +1,89 @@
+"""V4.1 kv-source layers (2, 8, 14: ratio 2; 20: ratio 1): the compressed KV and index keys that
+every later layer of the group reads.
+
+    ratio 2:  rows p-1, p (p odd) ─ per channel softmax over the pair's wgate logits ─ sum of wkv rows
+    ratio 1:  wkv row of every token (no gate, no pooling)
+    latent = norm(pooled)                       (fp32; written when the group closes)
+    entry  = RoPE(latent) at (p // r) * r       the main cache row (compress table)
+    index key = RoPE(k_norm(indexer.wk(latent)))  from the *un-rotated* latent, then rotated
+
+A ratio-2 pair split across two forward calls waits in the state's one-row buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvcache.engine.layers.norm import RMSNorm
+from kvcache.engine.layers.rope import RotaryTables, apply_rope
+
+
+@dataclass
+class SourceState:
+    entries: torch.Tensor | None = None       # [B, N, D] main rows (RoPE'd)
+    index_keys: torch.Tensor | None = None    # [B, N, dI] index keys (RoPE'd)
+    pending: torch.Tensor | None = None       # ratio 2: [B, p < 2, 2D] raw (kv | gate) rows of an open pair
+    count: int = 0
+
+    def clone(self) -> "SourceState":
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        return SourceState(c(self.entries), c(self.index_keys), c(self.pending), self.count)
+
+
+class SourceCompressor(nn.Module):
+    """`attn.compressor.{wkv, wgate (ratio 2), norm}` of a kv-source layer."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, eps: float):
+        super().__init__()
+        if ratio not in (1, 2):
+            raise ValueError(f"V4.1 kv sources compress at ratio 1 or 2, not {ratio}")
+        self.ratio, self.head_dim = ratio, head_dim
+        self.wkv = nn.Linear(dim, head_dim, bias=False)
+        if ratio == 2:
+            self.wgate = nn.Linear(dim, head_dim, bias=False)
+        self.norm = RMSNorm(head_dim, eps)
+
+    def latents(self, x: torch.Tensor, state: SourceState) -> torch.Tensor:
+        """Feed tokens [B, T, dim]; the latents of the groups they close [B, n, D] (un-rotated)."""
+        rows = self.wkv(x).float()
+        if self.ratio == 1:
+            return self.norm(rows)
+        rows = torch.cat([rows, self.wgate(x).float()], -1)                   # [B, T, 2D]
+        if state.pending is not None:
+            rows = torch.cat([state.pending, rows], 1)
+        usable = rows.shape[1] // 2 * 2
+        state.pending = rows[:, usable:]
+        pairs = rows[:, :usable].unflatten(1, (usable // 2, 2))                 # [B, n, 2, 2D]
+        kv, gate = pairs[..., : self.head_dim], pairs[..., self.head_dim:]
+        return self.norm((kv * torch.softmax(gate, dim=2)).sum(2))
+
+
+class IndexKeys(nn.Module):
+    """`attn.indexer.{wk, k_norm}` of a kv source: index keys from the pre-RoPE latent."""
+
+    def __init__(self, head_dim: int, index_head_dim: int, eps: float):
+        super().__init__()
+        self.wk = nn.Linear(head_dim, index_head_dim, bias=False)
+        self.k_norm = RMSNorm(index_head_dim, eps)
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(self.wk(latent))
+
+
+def emit(state: SourceState, latents: torch.Tensor, keys: torch.Tensor | None, ratio: int,
+         rope: RotaryTables) -> None:
+    """Rotate new latents and index keys at their group's first position and append them."""
+    n = latents.shape[1]
+    if n == 0 and state.entries is not None:
+        return
+    pos = (torch.arange(n) + state.count) * ratio
+    cos, sin = rope.cos_sin(pos, "compress")
+    rot = apply_rope(latents, cos, sin)
+    state.entries = rot if state.entries is None else torch.cat([state.entries, rot], 1)
+    if keys is not None:
+        krot = apply_rope(keys, cos, sin)
+        state.index_keys = krot if state.index_keys is None else torch.cat([state.index_keys, krot], 1)
+    state.count += n

@@ -1,0 +1,117 @@
+"""DSpark drafter of V4.1 (`mtp.0`, `mtp.1`, `mtp.2`): its forward pass; drafting policy and
+verification belong to the engine's speculative decoding.
+
+    context:  target streams of layers dspark_target_layer_ids, averaged over the hc streams,
+              concatenated ─ mtp.0.main_proj ─ mtp.0.main_norm ─> main_x [T, d]
+              each stage writes kv_norm(wkv(main_x)), RoPE'd at the context positions, into its
+              own sliding window (the drafter's only cache)
+    block:    [anchor, noise x (block_size - 1)] at the next positions, embedded to hc streams,
+              through the 3 stages (SWA blocks, dspark experts); block tokens see the context window
+              causally and each other in both directions; collapse with the last FFN pre -> h_i
+    heads:    logits_i = head(mtp.2.norm(h_i)) + markov_head.head @ markov_head.embed[prev_i]
+              confidence_i = sigmoid(confidence_head.proj([h_i ; markov_head.embed[prev_i]]))
+              prev_1 = anchor, prev_i = the token drafted at i - 1
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvcache.engine.config import ModelConfig
+from kvcache.engine.layers.attention import AttentionState
+from kvcache.engine.layers.hyper import collapse
+from kvcache.engine.layers.norm import RMSNorm
+from kvcache.engine.layers.rope import apply_rope
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank)
+        self.head = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=False)
+
+
+def make_stages(config: ModelConfig) -> nn.ModuleList:
+    from kvcache.engine.models.deepseek_v41 import Block41
+    c, x = config, config.extra
+    n = c.num_nextn_predict_layers
+    stages = nn.ModuleList(Block41(c, c.num_hidden_layers + i, ratio=0, n_experts=x.get("dspark_n_routed_experts"),
+                                   top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
+    targets = len(x.get("dspark_target_layer_ids", [])) or 3
+    stages[0].main_proj = nn.Linear(targets * c.hidden_size, c.hidden_size, bias=False)
+    stages[0].main_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    last = stages[-1]
+    last.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+    rank = int(x.get("dspark_markov_rank", 256))
+    last.markov_head = MarkovHead(c.vocab_size, rank)
+    last.confidence_head = ConfidenceHead(c.hidden_size + rank)
+    return stages
+
+
+def write_context(model, taps: dict[int, torch.Tensor], positions: torch.Tensor, states: list[AttentionState]) -> None:
+    """Feed the target's hidden states at `positions` into every stage's window."""
+    stages, c = model.mtp, model.config
+    feats = torch.cat([taps[t].float().mean(2) for t in c.extra["dspark_target_layer_ids"]], -1)
+    main_x = stages[0].main_norm(stages[0].main_proj(feats.to(stages[0].main_proj.weight.dtype)))
+    for stage, st in zip(stages, states):
+        attn = stage.attn
+        cos, sin = model.rope.cos_sin(positions, attn.table)
+        kv = apply_rope(attn.kv_norm(attn.wkv(main_x)).float(), cos, sin)
+        rows = kv if st.window is None else torch.cat([st.window, kv], 1)
+        st.window = rows[:, -(attn.window - 1):]
+
+
+def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[AttentionState]) -> torch.Tensor:
+    """h_i [B, block, d] for the block [anchor, noise...] placed at positions start, start+1, ..."""
+    c = model.config
+    size, noise = int(c.extra.get("dspark_block_size", 5)), int(c.extra.get("dspark_noise_token_id", 0))
+    ids = torch.cat([anchor[:, None], torch.full((anchor.shape[0], size - 1), noise, dtype=torch.long)], 1)
+    positions = torch.arange(start, start + size)
+    h = model.embed(ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+    pre = None
+    for stage, st in zip(model.mtp, states):
+        h, pre = stage(h, pre, positions, st, model.rope, ids, {}, attend=_block_attention(stage.attn, model.rope))
+    return collapse(h, pre)
+
+
+def _block_attention(attn, rope):
+    """Attention of a draft block: the window (causal, within W) plus the whole block (bidirectional);
+    the block's rows are not kept (the window holds only accepted context)."""
+    def run(x, positions, state: AttentionState, _rope, _shared):
+        _, q, kv = attn.qkv(x, positions, rope)
+        ctx = state.window if state.window is not None else kv.new_zeros((kv.shape[0], 0, kv.shape[-1]))
+        first = int(positions[0]) - ctx.shape[1]
+        delta = positions[:, None] - (torch.arange(ctx.shape[1]) + first)[None, :]
+        ctx_bias = torch.zeros(delta.shape).masked_fill((delta <= 0) | (delta >= attn.window), float("-inf"))
+        bias = torch.cat([ctx_bias, torch.zeros(len(positions), len(positions))], 1).expand(x.shape[0], -1, -1)
+        out = attn.attend(q, torch.cat([ctx, kv], 1), bias)
+        return attn.output(out, positions, rope, x.dtype)
+    return run
+
+
+def heads(model, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [B, V], confidence [B]) for one block position given the previous token [B]."""
+    last = model.mtp[-1]
+    e = last.markov_head.embed(prev)
+    logits = model.head(last.norm(hidden)).float() + last.markov_head.head(e).float()
+    conf = torch.sigmoid(last.confidence_head.proj(torch.cat([hidden, e], -1).float()))[..., 0]
+    return logits, conf
+
+
+def greedy_draft(model, anchor: torch.Tensor, start: int, states) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens [B, block] and confidences [B, block] of one draft block (the Markov loop)."""
+    hidden = draft_hidden(model, anchor, start, states)
+    prev, toks, confs = anchor, [], []
+    for i in range(hidden.shape[1]):
+        logits, conf = heads(model, hidden[:, i], prev)
+        prev = logits.argmax(-1)
+        toks.append(prev)
+        confs.append(conf)
+    return torch.stack(toks, 1), torch.stack(confs, 1)
