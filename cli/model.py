@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
     g.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     g.add_argument("--prompt-ids", required=True, metavar="IDS", help="comma-separated token ids, e.g. 0,17,42")
     g.add_argument("--out", required=True, metavar="FILE.npy", help="where the [positions, vocab] array goes")
+    g.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16), or auto")
     g.set_defaults(func=cmd_logits)
     f = ms.add_parser("info", help="architecture, parameter counts, KV bytes per token per layer group")
     f.add_argument("model", metavar="DIR|NAME", help="checkpoint directory, config.json, or a config name")
@@ -88,9 +89,10 @@ def cmd_logits(args) -> int:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     if not ids:
         raise ValueError("--prompt-ids is empty")
-    model, config = load_model(args.model, progress=sys.stderr.isatty())
+    model, config = load_model(args.model, device=args.device, progress=sys.stderr.isatty())
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([ids]))[0].float().numpy()
+        logits = model(torch.tensor([ids], device=device))[0].float().cpu().numpy()
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: float32 {logits.shape[0]} positions x {logits.shape[1]} vocab")
     return 0

@@ -162,12 +162,17 @@ def _report_extras(view: dict, expected: dict) -> None:
 
 
 def load_model(path: str, device: str = "cpu", progress: bool = True):
-    """(model, config) from a checkpoint directory, weights dequantised to fp32 for CPU compute."""
+    """(model, config) from a checkpoint directory: fp32 weights on CPU, bf16 on an accelerator
+    (engine/device.py); quantised tensors are dequantised on the way in."""
+    from kvcache.engine.device import select
     from kvcache.engine.models import model_class
+    place = select(device)
     config = ModelConfig.load(path)
     with torch.device("meta"):
         model = model_class(config)(config)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=place.device)
+    if place.dtype != torch.float32:
+        model = model.to(place.dtype)
     load_weights(model, config, path, progress)
     if config.engram_layer_ids:      # Engram keys n-grams by the checkpoint tokenizer's normalised spellings
         from kvcache.engine.layers.engram import compressed_token_map

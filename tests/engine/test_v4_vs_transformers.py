@@ -96,3 +96,18 @@ def test_name_maps_round_trip(pair):
     back = dict(from_transformers(hf.state_dict()))
     assert set(back) == {k for k in official if not k.startswith("mtp.")}
     assert all(torch.equal(back[k], official[k]) for k in back)
+
+
+@torch.no_grad()
+def test_mtp_block_runs_a_forward_pass(pair):
+    """The MTP block (transformers has none) drafts from the target's streams and the next tokens."""
+    ours, _ = pair
+    ids = _prompt(24, seed=4)
+    state = ours.new_state()
+    streams = ours.streams(ids[:, :-1], state)
+    logits = ours.mtp_logits(streams, ids[:, 1:], state, start=0)
+    assert logits.shape == (1, 23, V4_TINY["vocab_size"]) and torch.isfinite(logits).all()
+    assert state.drafter[0].window.shape[1] == V4_TINY["sliding_window"] - 1
+    state2 = ours.new_state()
+    again = ours.mtp_logits(ours.streams(ids[:, :-1], state2), ids[:, 1:], state2, start=0)
+    assert torch.equal(logits, again)
