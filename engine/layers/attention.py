@@ -117,11 +117,12 @@ class Attention(nn.Module):
         if self.indexer is None:       # HCA: every closed window is visible
             return entries, lambda i, j: visible_bias(positions[i:j], N, self.ratio, x.shape[0])
         keys = self.indexer.keys(x, state.index, rope)
-        return entries, lambda i, j: topk_bias(
-            self.indexer.select(x[:, i:j], qr[:, i:j], positions[i:j], keys, rope), N)
+        return entries, lambda i, j: self.indexer.select(x[:, i:j], qr[:, i:j], positions[i:j], keys, rope)
 
-    def _block(self, q, pos, rows, first_row, entries, entry_bias) -> torch.Tensor:
-        """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries."""
+    def _block(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
+        """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries.
+        `chosen` is a bias over all entries [B, Tq, N] (HCA: few entries), or the ids each query
+        selected [B, Tq, k] (-1: none), gathered so that the cost is k per query, not N."""
         lo = max(int(pos[0]) - self.window + 1 - first_row, 0)
         hi = int(pos[-1]) + 1 - first_row
         keys = rows[:, lo:hi]                                                  # [B, S, D]
@@ -130,10 +131,26 @@ class Attention(nn.Module):
         bias = torch.zeros(delta.shape, device=q.device).masked_fill((delta < 0) | (delta >= self.window),
                                                                       float("-inf"))
         bias = bias.expand(q.shape[0], -1, -1)                                # [B, Tq, S]
-        if entries is not None and entries.shape[1]:
-            bias = torch.cat([bias, entry_bias], -1)
-            keys = torch.cat([keys, entries], 1)
-        return self.attend(q, keys, bias)
+        if entries is None or not entries.shape[1]:
+            return self.attend(q, keys, bias)
+        if chosen.is_floating_point():                                          # dense bias over every entry
+            return self.attend(q, torch.cat([keys, entries], 1), torch.cat([bias, chosen], -1))
+        return self.attend_sparse(q, keys, bias, entries, chosen)
+
+    def attend_sparse(self, q, keys, bias, entries, ids) -> torch.Tensor:
+        """One softmax over the window rows and, per query, its selected entries ids [B, Tq, k]."""
+        B, Tq, k = ids.shape
+        picked = torch.gather(entries, 1, ids.clamp(min=0).reshape(B, -1, 1).expand(-1, -1, entries.shape[-1]))
+        picked = picked.view(B, Tq, k, -1)                                     # [B, Tq, k, D]
+        scale = self.head_dim ** -0.5
+        s_win = torch.einsum("bthd,bsd->bhts", q, keys) * scale + bias[:, None]
+        s_sel = torch.einsum("bthd,btkd->bhtk", q, picked) * scale
+        s_sel = s_sel.masked_fill((ids < 0)[:, None], float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(B, -1, Tq, 1)
+        probs = torch.softmax(torch.cat([s_win, s_sel, sink], -1), dim=-1)
+        S = keys.shape[1]
+        return (torch.einsum("bhts,bsd->bthd", probs[..., :S], keys)
+                + torch.einsum("bhtk,btkd->bthd", probs[..., S:S + k], picked))
 
     def _project(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b."""
@@ -150,11 +167,3 @@ def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> t
     """0 where query at `pos` may read entry n (n < (pos + 1) // ratio), -inf elsewhere: [B, Tq, N]."""
     hidden = torch.arange(n_entries, device=pos.device)[None, :] >= ((pos + 1) // ratio)[:, None]
     return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(batch, -1, -1)
-
-
-def topk_bias(top: torch.Tensor, n_entries: int) -> torch.Tensor:
-    """0 at the selected entries (top [B, Tq, k], -1 = none), -inf elsewhere: [B, Tq, N]."""
-    B, Tq, _ = top.shape
-    bias = torch.full((B, Tq, n_entries + 1), float("-inf"), device=top.device)
-    bias.scatter_(-1, torch.where(top >= 0, top, torch.full_like(top, n_entries)), 0.0)
-    return bias[..., :n_entries]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import QUERY_BLOCK, Attention, AttentionState, topk_bias
+from kvcache.engine.layers.attention import QUERY_BLOCK, Attention, AttentionState
 from kvcache.engine.layers.kv_source import IndexKeys, SourceCompressor, SourceState, emit
 from kvcache.engine.layers.rope import RotaryTables
 from kvcache.engine.layers.sparse_index import SparseIndexer, candidate_mask
@@ -61,8 +61,8 @@ class SharedAttention(Attention):
         entries, keys, ratio = shared["kv"]
         if self.is_index_source:
             shared["topk"] = self._select(x, qr, positions, keys, ratio, rope, shared)
-        topk, N = shared["topk"], entries.shape[1]
-        return entries, lambda i, j: topk_bias(topk[:, i:j], N)
+        topk = shared["topk"]
+        return entries, lambda i, j: topk[:, i:j]
 
     def _select(self, x, qr, positions, keys, ratio, rope, shared) -> torch.Tensor:
         """Top-k per query [B, T, k], computed block by block (scores are [B, Tq, N])."""
