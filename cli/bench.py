@@ -48,7 +48,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG)
     add_model_arguments(m)
     m.set_defaults(func=run_model)
+    k = sub.add_parser("codec", help="zstd and zstd-shuffle2 on the KV history the models cache",
+                       description="Compression ratio and speed of the object tier's codecs on the bf16 history "
+                                   "rows (compressed entries, index keys) of demo V4 / V4.1 models after a prefill.")
+    k.add_argument("--configs", default="v4-small,v41-small", help="model configs (configs/models/NAME.json)")
+    k.add_argument("--tokens", type=_checked(int), default=2048, help="prompt tokens (default 2048)")
+    k.add_argument("--block-tokens", type=_checked(int), default=256, help="tokens per stored block (default 256)")
+    k.add_argument("--out-dir", default="benchmarks/results", metavar="DIR")
+    k.set_defaults(func=run_codec)
     return p
+
+
+def run_codec(args) -> int:
+    from kvcache.engine.bench_kv_codec import run
+    doc = run([c.strip() for c in args.configs.split(",") if c.strip()], args.tokens, args.out_dir,
+              args.block_tokens)
+    print("codec on KV history (bf16): ratio, compress / decompress GB/s")
+    for name, r in doc["results"].items():
+        for codec in ("zstd", "zstd-shuffle2"):
+            c = r[codec]
+            print(f"  {name:<10} {codec:<14} {c['ratio']:.3f}x  {c['compress_gb_s']:.2f} / {c['decompress_gb_s']:.2f}")
+    print(f"wrote {doc['files']['json']}")
+    return 0
 
 
 MODEL_EPILOG = """examples:

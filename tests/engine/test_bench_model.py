@@ -18,3 +18,14 @@ def test_tiny_run_writes_the_report(tmp_path):
     kv = on_disk["kv_bytes_per_token"]
     assert kv["v4-flash"]["bf16"]["computed"] == 6880 and kv["v41-flash"]["v41_fp4+mxfp4_index"]["computed"] == 890
     assert "v4-tiny" in format_table(doc) and on_disk["machine"]["cpu_count"]
+
+
+def test_codec_benchmark_on_model_kv(tmp_path):
+    from kvcache.engine.bench_kv_codec import run as run_codec
+    doc = run_codec(["v4-tiny", "v41-tiny"], 96, str(tmp_path), block_tokens=32)
+    for name in ("v4-tiny", "v41-tiny"):
+        r = doc["results"][name]
+        assert r["history_rows"] > 0 and r["bytes"] > 0
+        for codec in ("zstd", "zstd-shuffle2"):
+            assert r[codec]["ratio"] > 0.5 and r[codec]["compress_gb_s"] > 0
+    assert (tmp_path / "kv_codec-latest.json").exists()
