@@ -53,12 +53,14 @@ class Block(nn.Module):
         hc_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, state: AttentionState, rope: RotaryTables,
-                token_ids: torch.Tensor) -> torch.Tensor:
-        """h [B, T, n, d] streams -> streams."""
+                token_ids: torch.Tensor, attend=None) -> torch.Tensor:
+        """h [B, T, n, d] streams -> streams. `attend` replaces the attention call (DSpark blocks)."""
         c = self.c
         pre, post, comb = hc_mix(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
-        h = expand(self.attn(self.attn_norm(collapse(h, pre)), positions, state, rope), h, post, comb)
+        out = (attend or (lambda x, p, s, r, _sh: self.attn(x, p, s, r)))(self.attn_norm(collapse(h, pre)),
+                                                                        positions, state, rope, None)
+        h = expand(out, h, post, comb)
         pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
         return expand(self.ffn(self.ffn_norm(collapse(h, pre)), token_ids), h, post, comb)
@@ -104,11 +106,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         _head_params(self, c)
-        self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_nextn_predict_layers))
+        if "dspark_block_size" in c.extra:      # V4-Flash-0731 / -DSpark: a 3-stage DSpark drafter
+            from kvcache.engine.models.dspark import make_stages
+            self.mtp = make_stages(c)
+        else:                                   # the preview's MTP-1 block
+            self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_nextn_predict_layers))
 
     def new_state(self) -> ModelState:
         return ModelState([blk.attn.new_state() for blk in self.layers], 0,
                           [m.attn.new_state() for m in self.mtp])
+
+    def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):
+        """Like `streams`, also returning the streams after the layers in `collect` (DSpark context)."""
+        taps: dict[int, torch.Tensor] = {}
+        B, T = token_ids.shape
+        positions = torch.arange(state.length, state.length + T, device=token_ids.device)
+        h = self.embed(token_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
+            h = blk(h, positions, st, self.rope, token_ids)
+            if i in collect:
+                taps[i] = h
+        state.length += T
+        return h, positions, taps
 
     def streams(self, token_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
         """Run the backbone on the next tokens [B, T]; the residual streams [B, T, n, d] (state advanced)."""

@@ -1,5 +1,8 @@
-"""DSpark drafter of V4.1 (`mtp.0`, `mtp.1`, `mtp.2`): its forward pass; drafting policy and
-verification belong to the engine's speculative decoding.
+"""DSpark drafter (`mtp.0`, `mtp.1`, `mtp.2`) of V4.1 and of V4-Flash-0731: its forward pass;
+drafting policy and verification belong to the engine's speculative decoding. V4's stages are V4
+blocks with their own pre-mixes and a learned hc head on the last stage; V4.1's use the delayed
+pre-mix. Both average each target layer's hc streams to form the context features (vLLM does so
+for V4.1; for V4 it is our reading, not confirmed by a public implementation).
 
     context:  target streams of layers dspark_target_layer_ids, averaged over the hc streams,
               concatenated ─ mtp.0.main_proj ─ mtp.0.main_norm ─> main_x [T, d]
@@ -20,16 +23,24 @@ from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.attention import AttentionState
-from kvcache.engine.layers.hyper import collapse
+from kvcache.engine.layers.hyper import collapse, hc_head
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import apply_rope
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab: int, rank: int):
+    """V4.1 names `embed` / `head`; V4-0731 calls the same two tables `markov_w1` / `markov_w2`."""
+
+    def __init__(self, vocab: int, rank: int, v41: bool):
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank)
-        self.head = nn.Linear(rank, vocab, bias=False)
+        self.names = ("embed", "head") if v41 else ("markov_w1", "markov_w2")
+        setattr(self, self.names[0], nn.Embedding(vocab, rank))
+        setattr(self, self.names[1], nn.Linear(rank, vocab, bias=False))
+
+    def bias(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the transition logits of `prev` [B, V], its rank-r embedding [B, r])."""
+        e = getattr(self, self.names[0])(prev)
+        return getattr(self, self.names[1])(e), e
 
 
 class ConfidenceHead(nn.Module):
@@ -39,18 +50,24 @@ class ConfidenceHead(nn.Module):
 
 
 def make_stages(config: ModelConfig) -> nn.ModuleList:
-    from kvcache.engine.models.deepseek_v41 import Block41
+    """The drafter's stages under their official names (`mtp.0` .. `mtp.2`): V4.1 or V4 blocks."""
     c, x = config, config.extra
-    n = c.num_nextn_predict_layers
-    stages = nn.ModuleList(Block41(c, c.num_hidden_layers + i, ratio=0, n_experts=x.get("dspark_n_routed_experts"),
-                                   top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
+    n = max(c.num_nextn_predict_layers, len(x.get("dspark_target_layer_ids", [])) or 3)
+    if c.is_v41:
+        from kvcache.engine.models.deepseek_v41 import Block41
+        stages = nn.ModuleList(Block41(c, c.num_hidden_layers + i, ratio=0, n_experts=x.get("dspark_n_routed_experts"),
+                                       top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
+    else:
+        from kvcache.engine.models.deepseek_v4 import Block, _head_params
+        stages = nn.ModuleList(Block(c, c.num_hidden_layers + i, ratio=0, hashed=False) for i in range(n))
+        _head_params(stages[-1], c)             # V4 keeps a learned hc head on the last stage
     targets = len(x.get("dspark_target_layer_ids", [])) or 3
     stages[0].main_proj = nn.Linear(targets * c.hidden_size, c.hidden_size, bias=False)
     stages[0].main_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     last = stages[-1]
     last.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
     rank = int(x.get("dspark_markov_rank", 256))
-    last.markov_head = MarkovHead(c.vocab_size, rank)
+    last.markov_head = MarkovHead(c.vocab_size, rank, c.is_v41)
     last.confidence_head = ConfidenceHead(c.hidden_size + rank)
     return stages
 
@@ -77,8 +94,15 @@ def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[Attention
     h = model.embed(ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
     pre = None
     for stage, st in zip(model.mtp, states):
-        h, pre = stage(h, pre, positions, st, model.rope, ids, {}, attend=_block_attention(stage.attn, model.rope))
-    return collapse(h, pre)
+        attend = _block_attention(stage.attn, model.rope)
+        if c.is_v41:
+            h, pre = stage(h, pre, positions, st, model.rope, ids, {}, attend=attend)
+        else:
+            h = stage(h, positions, st, model.rope, ids, attend=attend)
+    if c.is_v41:
+        return collapse(h, pre)
+    last = model.mtp[-1]
+    return hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, c.hc_eps, c.rms_norm_eps)
 
 
 def _block_attention(attn, rope):
@@ -99,8 +123,8 @@ def _block_attention(attn, rope):
 def heads(model, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, V], confidence [B]) for one block position given the previous token [B]."""
     last = model.mtp[-1]
-    e = last.markov_head.embed(prev)
-    logits = model.head(last.norm(hidden)).float() + last.markov_head.head(e).float()
+    transition, e = last.markov_head.bias(prev)
+    logits = model.head(last.norm(hidden)).float() + transition.float()
     conf = torch.sigmoid(last.confidence_head.proj(torch.cat([hidden, e], -1).float()))[..., 0]
     return logits, conf
 

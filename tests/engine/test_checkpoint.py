@@ -137,3 +137,28 @@ def test_out_of_vocabulary_ids_and_too_long_prompts_are_rejected(saved):
     small = DeepseekV4ForCausalLM(v4_config(max_position_embeddings=16))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         small(torch.randint(2, 300, (1, 17)))
+
+
+@torch.no_grad()
+def test_v4_0731_dspark_drafter_loads_and_runs(tmp_path):
+    from kvcache.engine.models.dspark import greedy_draft, write_context
+    cfg = v4_config(compress_ratios=[0, 0, 4, 16, 4, 16, 0, 0, 0], num_nextn_predict_layers=1,
+                    dspark_block_size=5, dspark_noise_token_id=300, dspark_target_layer_ids=[3, 4, 5],
+                    dspark_markov_rank=16, quantization_config=QUANT)
+    model = randomize(DeepseekV4ForCausalLM(cfg), seed=2).eval()
+    names = model.state_dict()
+    assert names["mtp.0.main_proj.weight"].shape == (64, 3 * 64)
+    assert "mtp.2.markov_head.markov_w1.weight" in names and "mtp.2.hc_head_fn" in names
+    assert not any(k.startswith("mtp.3") for k in names)
+    snap_to_formats(model, cfg)
+    save_checkpoint(model, cfg, str(tmp_path))
+    loaded, _ = load_model(str(tmp_path), progress=False)
+    ids = _ids(24)
+    results = []
+    for m in (model, loaded):
+        state = m.new_state()
+        _, positions, taps = m.streams_at(ids, state, collect=(3, 4, 5))
+        write_context(m, taps, positions, state.drafter)
+        results.append(greedy_draft(m, ids[:, -1], 24, state.drafter))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][0].shape == (1, 5) and ((results[0][1] > 0) & (results[0][1] < 1)).all()
