@@ -167,3 +167,17 @@ def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> t
     """0 where query at `pos` may read entry n (n < (pos + 1) // ratio), -inf elsewhere: [B, Tq, N]."""
     hidden = torch.arange(n_entries, device=pos.device)[None, :] >= ((pos + 1) // ratio)[:, None]
     return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(batch, -1, -1)
+
+
+def attend_segments(call, x: torch.Tensor, positions, states, rope: RotaryTables, shared=None) -> torch.Tensor:
+    """Attention over a flattened batch: `positions`/`states`/`shared` are lists (one entry per request,
+    whose tokens sit contiguously in x [1, N, d]), or a single request's values. Token-wise layers
+    run on the whole batch; only attention and its state are per request."""
+    if not isinstance(positions, list):
+        return call(x, positions, states, rope, shared)
+    outs, a = [], 0
+    for i, pos in enumerate(positions):
+        b = a + len(pos)
+        outs.append(call(x[:, a:b], pos, states[i], rope, None if shared is None else shared[i]))
+        a = b
+    return torch.cat(outs, 1)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import Attention, AttentionState
+from kvcache.engine.layers.attention import Attention, AttentionState, attend_segments
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
@@ -58,8 +58,8 @@ class Block(nn.Module):
         c = self.c
         pre, post, comb = hc_mix(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
-        out = (attend or (lambda x, p, s, r, _sh: self.attn(x, p, s, r)))(self.attn_norm(collapse(h, pre)),
-                                                                        positions, state, rope, None)
+        out = attend_segments(attend or (lambda x, p, s, r, _sh: self.attn(x, p, s, r)),
+                              self.attn_norm(collapse(h, pre)), positions, state, rope)
         h = expand(out, h, post, comb)
         pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
@@ -116,31 +116,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         return ModelState([blk.attn.new_state() for blk in self.layers], 0,
                           [m.attn.new_state() for m in self.mtp])
 
-    def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):
-        """Like `streams`, also returning the streams after the layers in `collect` (DSpark context)."""
+    def run(self, chunks: list[torch.Tensor], states: list[ModelState], collect: tuple[int, ...] = ()):
+        """One step over several requests: chunks[i] [T_i] continue states[i] (advanced). The tokens
+        run as one flattened batch [1, sum T_i]; returns (streams [1, N, n, d], positions per request,
+        {layer: streams} for the layers in `collect`)."""
+        c = self.config
+        tokens = torch.cat(chunks)[None]
+        check_ids(tokens, c.vocab_size)
+        positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
+        for pos in positions:
+            if len(pos) and int(pos[-1]) >= c.max_position_embeddings:
+                raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {c.max_position_embeddings}")
+        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
         taps: dict[int, torch.Tensor] = {}
-        B, T = token_ids.shape
-        positions = torch.arange(state.length, state.length + T, device=token_ids.device)
-        h = self.embed(token_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
-            h = blk(h, positions, st, self.rope, token_ids)
+        for i, blk in enumerate(self.layers):
+            h = blk(h, positions, [st.layers[i] for st in states], self.rope, tokens)
             if i in collect:
                 taps[i] = h
-        state.length += T
+        for st, ch in zip(states, chunks):
+            st.length += len(ch)
         return h, positions, taps
 
+    def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):
+        """One request [1, T]: (streams, positions, {layer: streams}) (DSpark context)."""
+        h, positions, taps = self.run([token_ids[0]], [state], collect)
+        return h, positions[0], taps
+
     def streams(self, token_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
-        """Run the backbone on the next tokens [B, T]; the residual streams [B, T, n, d] (state advanced)."""
-        B, T = token_ids.shape
-        positions = torch.arange(state.length, state.length + T, device=token_ids.device)
-        if int(positions[-1]) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions[-1])} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        h = self.embed(token_ids).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for blk, st in zip(self.layers, state.layers):
-            h = blk(h, positions, st, self.rope, token_ids)
-        state.length += T
-        return h
+        """Run the backbone on the next tokens [1, T]; the residual streams [1, T, n, d] (state advanced)."""
+        return self.run([token_ids[0]], [state])[0]
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -148,11 +152,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.head(self.norm(y)).float()
 
     def forward(self, token_ids: torch.Tensor, state: ModelState | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (fp32) for tokens [B, T] that continue `state` (a new one if None)."""
-        if state is None:
-            state = self.new_state()
-        check_ids(token_ids, self.config.vocab_size)
-        return self.logits(self.streams(token_ids, state))
+        """Logits [1, T, vocab] (fp32) for tokens [1, T] that continue `state` (a new one if None)."""
+        if token_ids.shape[0] != 1:
+            raise ValueError("forward() takes one request [1, T]; use run() for a batch of requests")
+        return self.logits(self.streams(token_ids, state if state is not None else self.new_state()))
+
+    def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
+        """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
+        h, positions, _ = self.run(chunks, states)
+        ends = torch.tensor([len(ch) for ch in chunks]).cumsum(0) - 1
+        return self.logits(h[:, ends])[0]
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, state: ModelState,
                    start: int) -> torch.Tensor:

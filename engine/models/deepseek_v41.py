@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import AttentionState
+from kvcache.engine.layers.attention import AttentionState, attend_segments
 from kvcache.engine.layers.attention41 import SharedAttention
 from kvcache.engine.layers.engram import DEAD, Engram, hash_geometry
 from kvcache.engine.layers.hyper import collapse, expand, hc_mix, hc_params
@@ -59,7 +59,7 @@ class Block41(nn.Module):
         """streams [B, T, n, d], the previous site's pre (None: take stream 0) -> (streams, this FFN site's pre)."""
         pre_a, post_a, comb_a = self.mix(h, "attn")
         x = h[..., 0, :] if pre_in is None else collapse(h, pre_in)
-        out = (attend or self.attn)(self.attn_norm(x), positions, state, rope, shared)
+        out = attend_segments(attend or self.attn, self.attn_norm(x), positions, state, rope, shared)
         h = expand(out, h, post_a, comb_a)
         pre_f, post_f, comb_f = self.mix(h, "ffn")
         h = expand(self.ffn(self.ffn_norm(collapse(h, pre_a)), token_ids), h, post_f, comb_f)
@@ -124,40 +124,68 @@ class DeepseekV41ForCausalLM(nn.Module):
         return torch.stack(values, -1), alive
 
     # ------------------------------------------------------------------ forward
-    def streams(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...] = ()):
-        """Run the backbone; (final collapsed hidden [B, T', d], kept positions, {layer: streams}).
-        T' < T only in prefill truncation mode."""
+    def run(self, chunks: list[torch.Tensor], states: list[ModelState], collect: tuple[int, ...] = ()):
+        """One step over several requests (chunks[i] [T_i] continues states[i]) as one flattened batch;
+        returns (final hidden [1, N', d], positions per request, {layer: streams}). N' < N only in
+        prefill truncation mode: decoder layers see each request's last `prefill_keep_tokens` tokens."""
         c = self.config
-        B, T = token_ids.shape
-        positions = torch.arange(state.length, state.length + T)
-        if int(positions[-1]) >= c.max_position_embeddings:
-            raise ValueError(f"position {int(positions[-1])} exceeds max_position_embeddings {c.max_position_embeddings}")
-        h = self.embed(token_ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
-        values, alive = self._engram_inputs(token_ids, state) if c.engram_layer_ids else (None, None)
-        pre, shared, taps = None, {}, {}
-        for i, (blk, st) in enumerate(zip(self.layers, state.layers)):
-            keep = self.prefill_keep_tokens
-            if i == self.decoder_start and keep is not None and h.shape[1] > keep:
-                h, pre, positions, token_ids = h[:, -keep:], pre[:, -keep:], positions[-keep:], token_ids[:, -keep:]
-                for key in ("topk", "candidates"):
-                    if key in shared:
-                        shared[key] = shared[key][:, -keep:]
-                alive = None if alive is None else alive[:, -keep:]
-                values = None if values is None else values[:, -keep:]
+        tokens = torch.cat(chunks)[None]
+        check_ids(tokens, c.vocab_size)
+        positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
+        for pos in positions:
+            if len(pos) and int(pos[-1]) >= c.max_position_embeddings:
+                raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {c.max_position_embeddings}")
+        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+        values = alive = None
+        if c.engram_layer_ids:
+            parts = [self._engram_inputs(ch[None], st) for ch, st in zip(chunks, states)]
+            values, alive = torch.cat([v for v, _ in parts], 1), torch.cat([a for _, a in parts], 1)
+        pre, shared, taps = None, [{} for _ in chunks], {}
+        for i, (blk) in enumerate(self.layers):
+            if i == self.decoder_start and self.prefill_keep_tokens is not None:
+                keep = self._kept_rows(positions, shared)
+                h, pre, tokens = h[:, keep], pre[:, keep], tokens[:, keep]
+                values = None if values is None else values[:, keep]
+                alive = None if alive is None else alive[:, keep]
             if hasattr(blk, "engram"):
                 g = self._engram_geometry
                 rows = blk.engram.rows(values, g[0][blk.engram.slot], g[1][blk.engram.slot], g[2][blk.engram.slot])
                 h = blk.engram(h, rows, alive)
-            h, pre = blk(h, pre, positions, st, self.rope, token_ids, shared)
+            h, pre = blk(h, pre, positions, [st.layers[i] for st in states], self.rope, tokens, shared)
             if i in collect:
                 taps[i] = h
-        state.length += T
+        for st, ch in zip(states, chunks):
+            st.length += len(ch)
         return self.norm(collapse(h, pre)), positions, taps
 
+    def _kept_rows(self, positions: list[torch.Tensor], shared: list[dict]) -> torch.Tensor:
+        """Truncate each request to its last `prefill_keep_tokens` rows (in place for positions and
+        shared); the flat row indices kept."""
+        keep, idx, start = self.prefill_keep_tokens, [], 0
+        for k, pos in enumerate(positions):
+            n = min(len(pos), keep)
+            idx.append(torch.arange(start + len(pos) - n, start + len(pos)))
+            start += len(pos)
+            positions[k] = pos[-n:]
+            for key in ("topk", "candidates"):
+                if key in shared[k]:
+                    shared[k][key] = shared[k][key][:, -n:]
+        return torch.cat(idx)
+
+    def streams(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...] = ()):
+        """One request [1, T]: (final hidden [1, T', d], positions, {layer: streams})."""
+        hidden, positions, taps = self.run([token_ids[0]], [state], collect)
+        return hidden, positions[0], taps
+
     def forward(self, token_ids: torch.Tensor, state: ModelState | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] (fp32), or for the last `prefill_keep_tokens` tokens in truncation mode."""
-        if state is None:
-            state = self.new_state()
-        check_ids(token_ids, self.config.vocab_size)
-        hidden, _, _ = self.streams(token_ids, state)
+        """Logits [1, T, vocab] (fp32), or for the last `prefill_keep_tokens` tokens in truncation mode."""
+        if token_ids.shape[0] != 1:
+            raise ValueError("forward() takes one request [1, T]; use run() for a batch of requests")
+        hidden, _, _ = self.streams(token_ids, state if state is not None else self.new_state())
         return self.head(hidden).float()
+
+    def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
+        """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
+        hidden, positions, _ = self.run(chunks, states)
+        ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
+        return self.head(hidden[0, ends]).float()

@@ -1,0 +1,202 @@
+"""The engine loop: admit requests, run a step, sample, repeat.
+
+    add_request ─ validate (ids, length, sampling) ─ Scheduler.add
+    step():  Scheduler.schedule ─> chunks of many requests
+             model.step(chunks, states) ─> last-token logits per chunk (one flattened batch)
+             sample the chunks that end at a request's last token (seeded per position)
+             Scheduler.update ─> outputs; n > 1 samples fork from their parent after its prefill
+
+A failing step fails alone: every request of the batch is reset and re-run one by one, and only
+the one that fails again is finished with an error; the others continue (they recompute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.request import FinishReason, Request, Status
+from kvcache.engine.sampling import SamplingParams, sample
+from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 128            # tokens per KV block: a multiple of every compress ratio the model uses
+    num_blocks: int = 512
+    max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
+    max_running: int = 32
+
+
+@dataclass
+class StepOutput:
+    request: Request
+    new_tokens: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        mc = model.config
+        ratios = [r for r in mc.compress_ratios if r > 0]
+        if any(config.block_size % r for r in ratios):
+            raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id)
+        self.requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "") -> Request:
+        """Validate and queue a prompt (text needs a tokenizer, or token ids); returns the request
+        (for n > 1 the parent: its children appear in `self.requests` after its prefill)."""
+        ids = self._ids(prompt)
+        mc = self.model.config
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{mc.vocab_size - 1})")
+        if len(ids) + params.max_tokens > mc.max_position_embeddings:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the model's "
+                             f"context of {mc.max_position_embeddings} tokens")
+        params.check_vocab(mc.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        req = Request(ids, params, priority, request_id)
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def _ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return self.tokenizer.encode(prompt, add_bos=True)
+        return [int(t) for t in prompt]
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.abort(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        try:
+            logits = self._run(out.chunks)
+        except Exception as e:      # isolate: re-run each request alone, fail only the culprit
+            log.warning("a batched step failed (%s); re-running its %d requests one by one", e, len(out.chunks))
+            return self._isolate(out)
+        return self._finish_step(out, logits)
+
+    def _run(self, chunks: list[Chunk]) -> torch.Tensor:
+        states = []
+        for ch in chunks:
+            if ch.request.state is None:
+                ch.request.state = self.model.new_state()
+            states.append(ch.request.state)
+        with torch.no_grad():
+            return self.model.step([torch.tensor(ch.tokens) for ch in chunks], states)
+
+    def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        sampled, now = {}, time.perf_counter()
+        for i, ch in enumerate(out.chunks):
+            req = ch.request
+            if not ch.samples or req.finished:
+                continue
+            pos = ch.start + len(ch.tokens)
+            sampled[req.request_id] = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
+            if req.metrics.first_token is None:
+                req.metrics.first_token = now
+                if req.params.n > 1 and req.parent is None:
+                    self._fork(req, logits[i], pos)
+        before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
+        finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stop_string))
+        results = []
+        for ch in out.chunks:
+            req = ch.request
+            new = req.output[before[req.request_id]:]
+            if new or id(req) in finished:
+                self._detokenize(req)
+                results.append(StepOutput(req, new, req.finished))
+        return results
+
+    def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> None:
+        """n > 1: children share the parent's prompt blocks and KV state; each samples its own
+        first token (stream i) from the same logits, then runs on its own."""
+        full = len(parent.prompt) // self.pool.block_size
+        for i in range(1, parent.params.n):
+            child = Request(list(parent.prompt), parent.params, parent.priority, f"{parent.request_id}/{i}",
+                            stream=i, parent=parent)
+            child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
+            child.metrics.first_token = parent.metrics.first_token
+            self.requests[child.request_id] = child
+            tail = len(parent.block_ids) - full
+            if tail > self.pool.num_free():            # no room to share now: it recomputes its prompt later
+                self.scheduler.waiting.append(child)
+            else:
+                shared = parent.block_ids[:full]
+                self.pool.share(shared)
+                child.block_ids = shared + self.pool.allocate(tail)
+                child.state, child.num_computed = parent.state.clone(), len(parent.prompt)
+                child.status = Status.RUNNING
+                self.scheduler.running.append(child)
+            if self.scheduler._stop_reason(child, child.output[-1], self._stop_string) is not None:
+                self.scheduler.abort(child, FinishReason.STOP)
+
+    def _isolate(self, out: SchedulerOutput) -> list[StepOutput]:
+        results = []
+        for ch in out.chunks:
+            req = ch.request
+            req.state, req.num_computed = None, 0           # the failed batch may have advanced it
+            chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
+            try:
+                logits = self._run([chunk])
+            except Exception as e:
+                log.error("request %s failed: %s", req.request_id, e)
+                self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+                results.append(StepOutput(req, [], True))
+                continue
+            results += self._finish_step(SchedulerOutput([chunk]), logits)
+        return results
+
+    def _stop_string(self, req: Request) -> bool:
+        if not req.params.stop or self.tokenizer is None:
+            return False
+        self._detokenize(req)
+        for s in req.params.stop:
+            at = req.text.find(s)
+            if at >= 0:
+                req.text = req.text[:at]
+                return True
+        return False
+
+    def _detokenize(self, req: Request) -> None:
+        if self.tokenizer is not None and not (req.finished and req.finish_reason is FinishReason.STOP
+                                               and req.params.stop):
+            req.text = self.tokenizer.decode(req.output, skip_special=True)
+
+    def check_idle(self) -> None:
+        """The pool's invariant, and nothing held when nothing runs."""
+        self.pool.check()
+        if not self.has_work() and self.pool.counts()["used"]:
+            raise AssertionError(f"idle engine still holds blocks: {self.pool.counts()}")
+
+
+def replace_params(params: SamplingParams, **changes) -> SamplingParams:
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,90 @@
+"""A request: its tokens, its sampling parameters, where it is, and what it holds."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvcache.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"              # queued (new, or preempted and to be recomputed)
+    WAITING_FOR_KV = "waiting_for_kv"  # prefix blocks loading from the store (issue 6): not schedulable
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"                    # a stop token or stop string
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Metrics:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+    prompt_tokens: int = 0
+    tokens_computed: int = 0         # prefill + decode tokens run through the model (recompute counted)
+    preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def tpot_s(self, output_tokens: int) -> float | None:
+        if self.first_token is None or self.finished is None or output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (output_tokens - 1)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    priority: int = 0                # lower runs first; ties by arrival
+    request_id: str = ""
+    stream: int = 0                  # which of the n samples this is (keys its random draws)
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    state: object = None             # the model's per-request KV state (engine.models ModelState)
+    num_computed: int = 0            # tokens whose KV the state holds
+    block_ids: list[int] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=Metrics)
+    arrival_seq: int = field(default_factory=lambda: next(_ids))
+    parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill
+    text: str = ""                   # detokenised output (when a tokenizer is attached)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            self.request_id = f"req-{self.arrival_seq}"
+        self.metrics.prompt_tokens = len(self.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)

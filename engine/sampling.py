@@ -1,0 +1,113 @@
+"""Sampling: turn one row of logits into the next token, reproducibly.
+
+    logits ─ logit_bias ─ repetition / presence / frequency penalties (over prompt + output)
+           ─ greedy?  argmax
+           ─ / temperature ─ softmax ─ top-k ─ top-p ─ min-p ─ renormalise
+           ─ inverse CDF at u = uniform(seed, absolute position, stream)
+
+The random number is a pure function of (request seed, the position the token will take,
+stream = index among the request's n samples): hashing those three integers, not a shared
+generator, so a seeded request gets the same tokens whatever else runs in the batch, and after
+a preemption that recomputes it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0             # 0: greedy
+    top_k: int = 0                       # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0      # > 1 discourages tokens already seen (prompt or output)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)     # token id -> added logit
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()           # stop strings (need a tokenizer)
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None              # None: drawn once per request from os.urandom
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"invalid sampling parameter: {what}")
+        need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}")
+        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        need(-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
+             "presence_penalty and frequency_penalty must be in [-2, 2]")
+        need(self.n >= 1, f"n must be >= 1, got {self.n}")
+        need(all(isinstance(k, int) for k in self.logit_bias), "logit_bias keys must be token ids (int)")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.seed is None:
+            object.__setattr__(self, "seed", int.from_bytes(os.urandom(8), "little") >> 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in (*self.stop_token_ids, *self.logit_bias) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"invalid sampling parameter: token id {bad[0]} is outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (seed, position, stream)."""
+    h = xxhash.xxh3_64_intdigest(seed.to_bytes(8, "little", signed=False) + position.to_bytes(8, "little")
+                                 + stream.to_bytes(4, "little"))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, seen: list[int], generated: list[int]) -> torch.Tensor:
+    logits = logits.float().clone()
+    for tok, b in p.logit_bias.items():
+        logits[tok] += b
+    if p.repetition_penalty != 1.0 and seen:
+        ids = torch.tensor(sorted(set(seen)))
+        vals = logits[ids]
+        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and generated:
+        ids, counts = torch.unique(torch.tensor(generated), return_counts=True)
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+    return logits
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, seen: list[int],
+           generated: list[int]) -> int:
+    """The next token for one sequence: logits [V] for the token that will sit at `position`."""
+    logits = apply_penalties(logits, p, seen, generated)
+    if p.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True, stable=True)
+    sorted_p = probs[order]
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if p.top_k:
+        keep[p.top_k:] = False
+    if p.top_p < 1.0:
+        before = torch.cumsum(sorted_p, 0) - sorted_p          # mass of the better tokens
+        keep &= before < p.top_p
+    if p.min_p > 0:
+        keep &= sorted_p >= p.min_p * sorted_p[0]
+    keep[0] = True
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
+    cdf = torch.cumsum(kept, 0) / kept.sum()
+    u = uniform(p.seed, position, stream)
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)[0])
+    return int(order[min(idx, len(order) - 1)])

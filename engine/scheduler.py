@@ -1,0 +1,174 @@
+"""The scheduler: which tokens of which requests run in the next step, under a token budget.
+
+    schedule():
+      1. running requests, best first (priority, then arrival): decodes take 1 token (+ lookahead
+         slots), unfinished prefills take a chunk of what the budget has left
+         └ no block for it? preempt the worst running request (free its blocks, drop its state,
+           back to the waiting queue with its arrival order: it recomputes later, never starves)
+      2. waiting requests, best first, while budget, `max_running` and blocks last: admit with
+         the first chunk of their prompt (chunked prefill)
+    update(output, tokens): append sampled tokens, stop, finish, release blocks
+
+Prefill chunks and decode tokens of many requests share one step. Hooks the next issues use
+without rewriting this loop: Status.WAITING_FOR_KV requests are skipped until their prefix has
+loaded (`num_computed` then starts past the cached tokens); `lookahead` reserves slots for
+speculative tokens; `schedule()` only reads and reserves, so step N+1 can be scheduled while
+step N runs (the caller applies N's results with `update` before N+1's run).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvcache.engine.block_pool import BlockPool, PoolExhausted
+from kvcache.engine.request import FinishReason, Request, Status
+
+
+@dataclass
+class Chunk:
+    request: Request
+    start: int                # absolute position of the first token
+    tokens: list[int]
+    samples: bool             # the chunk ends at the request's last known token: sample after it
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_tokens_per_step: int = 512, max_running: int = 64,
+                 lookahead: int = 0, reset_state=None, eos_id: int | None = None):
+        if max_tokens_per_step < 1 or max_running < 1:
+            raise ValueError("max_tokens_per_step and max_running must be >= 1")
+        self.pool, self.budget, self.max_running, self.lookahead = pool, max_tokens_per_step, max_running, lookahead
+        self.eos_id = eos_id
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._reset_state = reset_state or (lambda req: None)
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        if self.pool.blocks_for(len(req.prompt) + req.params.max_tokens + self.lookahead) > self.pool.num_blocks:
+            raise ValueError(f"request {req.request_id} needs more KV blocks than the whole pool holds "
+                             f"({len(req.prompt)} prompt + {req.params.max_tokens} new tokens); shorten it or "
+                             "grow the pool")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def abort(self, req: Request, reason: FinishReason = FinishReason.ABORT, error: str | None = None) -> None:
+        """Finish a request now and give back everything it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        req.error = error
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out, budget = SchedulerOutput(), self.budget
+        for req in sorted(self.running, key=Request.sort_key):
+            if budget <= 0 or req not in self.running:
+                continue
+            n = 1 if not req.is_prefill else min(len(req.prompt) - req.num_computed, budget)
+            if self._reserve(req, n, out):
+                out.chunks.append(self._chunk(req, n))
+                budget -= n
+        for req in sorted(self.waiting, key=Request.sort_key):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            if req.status is Status.WAITING_FOR_KV or req in out.preempted:
+                continue
+            n = min(req.num_tokens - req.num_computed, budget)
+            try:
+                req.block_ids += self.pool.allocate(self._blocks_missing(req, n))
+            except PoolExhausted:
+                break                                  # FCFS: nothing behind it jumps the queue
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        return out
+
+    def _chunk(self, req: Request, n: int) -> Chunk:
+        toks = req.tokens[req.num_computed: req.num_computed + n]
+        return Chunk(req, req.num_computed, toks, req.num_computed + n == req.num_tokens)
+
+    def _blocks_missing(self, req: Request, n: int) -> int:
+        return max(0, self.pool.blocks_for(req.num_computed + n + self.lookahead) - len(req.block_ids))
+
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for n more tokens of a running request, preempting the worst others if needed."""
+        while True:
+            need = self._blocks_missing(req, n)
+            if need <= self.pool.num_free():
+                req.block_ids += self.pool.allocate(need)
+                return True
+            victim = max((r for r in self.running if r not in (c.request for c in out.chunks)),
+                         key=Request.sort_key, default=None)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.pool.release(req.block_ids)
+        req.block_ids, req.num_computed, req.state = [], 0, None
+        self._reset_state(req)
+        req.status = Status.WAITING
+        req.metrics.preemptions += 1
+        self.waiting.append(req)
+        out.preempted.append(req)
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], stop_check=None) -> list[Request]:
+        """Advance each scheduled request; `sampled` maps request id -> new token (sampling chunks).
+        `stop_check(req) -> bool` tests stop strings. Returns the requests that finished."""
+        done = []
+        for ch in out.chunks:
+            req = ch.request
+            if req.finished:
+                continue
+            req.num_computed += len(ch.tokens)
+            req.metrics.tokens_computed += len(ch.tokens)
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            req.output.append(tok)
+            reason = self._stop_reason(req, tok, stop_check)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+                done.append(req)
+        return done
+
+    def _stop_reason(self, req: Request, tok: int, stop_check) -> FinishReason | None:
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_id):
+            return FinishReason.STOP
+        if stop_check is not None and stop_check(req):
+            return FinishReason.STOP
+        if len(req.output) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.block_ids:
+            self.pool.release(req.block_ids)
+        req.block_ids, req.state = [], None
+        req.status, req.finish_reason = Status.FINISHED, reason
+        req.metrics.finished = time.perf_counter()

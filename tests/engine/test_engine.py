@@ -1,0 +1,126 @@
+"""The engine on the tiny V4 and V4.1 models: batched == one by one, seeded sampling independent of
+the batch and of preemption, n > 1 shares prompt blocks, failures stay with their request."""
+
+import pytest
+import torch
+
+from kvcache.engine.layers.engram import compressed_token_map
+from kvcache.engine.llm import LLM
+from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
+from kvcache.engine.sampling import SamplingParams, uniform
+from kvcache.engine.tokenizer import build_demo_tokenizer
+from tests.engine.tiny import randomize, v4_config, v41_config
+
+CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=8)
+
+
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def model(request):
+    if request.param == "v4":
+        return randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=1).eval()
+    tm = compressed_token_map(build_demo_tokenizer(512))
+    m = randomize(DeepseekV41ForCausalLM(v41_config(int(tm.max()) + 1, num_nextn_predict_layers=0)), seed=1)
+    m.set_token_map(tm)
+    return m.eval()
+
+
+def prompts(k=5):
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(3, 380, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (k,), generator=g)]
+
+
+def tokens(outs):
+    return [[c.token_ids for c in group] for group in outs]
+
+
+def test_batched_generation_equals_one_by_one(model):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ps = prompts()
+    batched = tokens(LLM(model=model, config=CFG).generate(ps, greedy))
+    alone = [tokens(LLM(model=model, config=CFG).generate([p], greedy))[0] for p in ps]
+    assert batched == alone
+
+
+def test_seeded_sampling_ignores_batch_composition_and_preemption(model):
+    p = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    ps = prompts(6)
+    alone = tokens(LLM(model=model, config=CFG).generate([ps[0]], p))[0]
+    crowd = tokens(LLM(model=model, config=CFG).generate(ps, p))[0]
+    tight = EngineConfig(block_size=16, num_blocks=5, max_tokens_per_step=32, max_running=6)
+    llm = LLM(model=model, config=tight)
+    squeezed = tokens(llm.generate(ps, p))
+    assert alone == crowd == squeezed[0]
+    assert sum(r.metrics.preemptions for r in llm.engine.requests.values()) > 0   # the pool was too small
+    llm.engine.check_idle()
+
+
+def test_n_samples_fork_and_share_prompt_blocks(model):
+    llm = LLM(model=model, config=CFG)
+    p = SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    prompt = prompts(1)[0] * 2                       # 2+ full blocks
+    req = llm.engine.add_request(prompt, p)
+    while req.metrics.first_token is None:           # prefill (chunked): the parent samples, two children fork
+        llm.engine.step()
+    kids = [llm.engine.requests[f"{req.request_id}/{i}"] for i in (1, 2)]
+    full = len(prompt) // CFG.block_size
+    assert all(k.block_ids[:full] == req.block_ids[:full] for k in kids)
+    assert all(llm.engine.pool.blocks[b].ref_count == 3 for b in req.block_ids[:full])
+    while llm.engine.has_work():
+        llm.engine.step()
+    outs = [req.output] + [k.output for k in kids]
+    assert len({tuple(o) for o in outs}) > 1 and all(len(o) == 6 for o in outs)
+    llm.engine.check_idle()
+
+
+def test_bad_requests_are_refused_before_compute(model):
+    llm = LLM(model=model, config=CFG)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.generate([[1, 2, 10_000]])
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=model.config.max_position_embeddings))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm.generate(["hello"])
+
+
+def test_a_failing_request_fails_alone(model, monkeypatch):
+    llm = LLM(model=model, config=CFG)
+    poison = 377
+    real_run = model.run
+
+    def run(chunks, states, collect=()):
+        if any(poison in ch.tolist() for ch in chunks):
+            raise RuntimeError("injected fault")
+        return real_run(chunks, states, collect)
+    monkeypatch.setattr(model, "run", run)
+    ps = prompts(3)
+    ps[1] = ps[1] + [poison]
+    outs = llm.generate(ps, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert outs[1][0].finish_reason == "error" and "injected fault" in outs[1][0].error
+    assert [len(o[0].token_ids) for o in (outs[0], outs[2])] == [5, 5]
+    monkeypatch.undo()
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    assert tokens([outs[0]])[0] == tokens(LLM(model=model, config=CFG).generate([ps[0]], greedy))[0]
+    llm.engine.check_idle()
+
+
+def test_abort_frees_everything(model):
+    llm = LLM(model=model, config=CFG)
+    r = llm.engine.add_request(prompts(1)[0], SamplingParams(max_tokens=50, temperature=0))
+    llm.engine.step()
+    llm.engine.step()
+    assert r.block_ids
+    llm.engine.abort(r.request_id)
+    assert r.finish_reason.value == "abort" and not llm.engine.has_work()
+    llm.engine.check_idle()
+
+
+def test_uniform_is_a_pure_function_of_its_keys():
+    assert uniform(1, 2, 0) == uniform(1, 2, 0)
+    draws = {uniform(7, pos, s) for pos in range(200) for s in range(3)}
+    assert len(draws) == 600 and all(0 <= u < 1 for u in draws)
