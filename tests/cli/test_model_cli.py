@@ -63,3 +63,17 @@ def test_info_of_the_real_flash_config():
     assert round(per_token["fp8_ds_mla+fp8_index"]) == 3850 and round(per_token["fp8_ds_mla+mxfp4_index"]) == 3514
     text = kv("model", "info", "v4-flash").stdout
     assert "6880.0 B/token" in text and "290,942,289,362" in text
+
+
+def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
+    d = tmp_path / "m"
+    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
+    args = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "8", "--temperature", "0.8",
+            "--seed", "11", "--ignore-eos")
+    a, b = kv(*args), kv(*args)
+    assert a.stdout == b.stdout and a.stdout.strip()
+    assert "8 generated" in a.stderr and "time to first token" in a.stderr
+    r = kv("generate", "--model", str(d), "--prompt-ids", "1,2,x", check=False)
+    assert r.returncode == 2 and "comma-separated integers" in r.stderr
+    r = kv("generate", "--model", str(d), "--prompt", "hi", "--top-p", "0", check=False)
+    assert r.returncode == 2 and "top_p" in r.stderr

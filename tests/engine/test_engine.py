@@ -124,3 +124,31 @@ def test_uniform_is_a_pure_function_of_its_keys():
     assert uniform(1, 2, 0) == uniform(1, 2, 0)
     draws = {uniform(7, pos, s) for pos in range(200) for s in range(3)}
     assert len(draws) == 600 and all(0 <= u < 1 for u in draws)
+
+
+async def test_async_engine_streams_concurrently_and_aborts(model):
+    import asyncio
+    from kvcache.engine.async_engine import AsyncEngine
+    from kvcache.engine.llm_engine import LLMEngine
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ps = prompts(3)
+    want = tokens(LLM(model=model, config=CFG).generate(ps, greedy))
+    engine = LLMEngine(model, None, CFG)
+    async with AsyncEngine(engine) as aeng:
+        async def collect(p):
+            got = []
+            async for out in aeng.generate(p, greedy):
+                got += out.new_tokens
+            return got
+        results = await asyncio.gather(*(collect(p) for p in ps))
+        assert [[r] for r in results] == want
+        stream = aeng.generate(ps[0], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.new_tokens and not first.finished
+        await stream.aclose()                          # the consumer leaves: the request is aborted
+        for _ in range(50):
+            if not engine.has_work():
+                break
+            await asyncio.sleep(0.02)
+        assert not engine.has_work()
+    engine.check_idle()

@@ -1,0 +1,74 @@
+"""`kvcache generate --model DIR --prompt "..."`: stream a completion to the terminal, then timings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+EPILOG = """examples:
+  kvcache model init --config v4-tiny --out /tmp/v4-tiny
+  kvcache generate --model /tmp/v4-tiny --prompt "A prefix cache" --max-tokens 32
+  kvcache generate --model /tmp/v4-tiny --prompt-ids 0,17,42 --temperature 0.8 --top-p 0.9 --seed 1
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate from a checkpoint, streaming tokens to the terminal",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (kvcache model init writes one)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenised with the checkpoint's tokenizer, BOS added)")
+    src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids instead of text")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="seeded sampling: same seed, same tokens")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, progress=sys.stderr.isatty())
+    load_s = time.perf_counter() - t0
+    prompt = args.prompt if args.prompt is not None else _ids(args.prompt_ids)
+    engine = llm.engine
+    req = engine.add_request(prompt, params)
+    shown = ""
+    while engine.has_work():
+        for out in engine.step():
+            if out.request is req and engine.tokenizer is not None:
+                sys.stdout.write(req.text[len(shown):])
+                sys.stdout.flush()
+                shown = req.text
+            elif out.request is req:
+                sys.stdout.write("".join(f" {t}" for t in out.new_tokens))
+                sys.stdout.flush()
+    m = req.metrics
+    tpot = m.tpot_s(len(req.output))
+    print(f"\n\n[{len(req.prompt)} prompt tokens, {len(req.output)} generated, finish: "
+          f"{req.finish_reason.value if req.finish_reason else '?'}; load {load_s:.2f} s, "
+          f"time to first token {m.ttft_s * 1e3:.0f} ms"
+          + (f", {tpot * 1e3:.1f} ms/token ({1 / tpot:.1f} tokens/s)" if tpot else "") + "]", file=sys.stderr)
+    if req.error:
+        print(f"kvcache generate: error: {req.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
