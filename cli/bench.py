@@ -56,7 +56,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--block-tokens", type=_checked(int), default=256, help="tokens per stored block (default 256)")
     k.add_argument("--out-dir", default="benchmarks/results", metavar="DIR")
     k.set_defaults(func=run_codec)
+    e = sub.add_parser("engine", help="offline generation throughput and latency against transformers' generate",
+                       description="Prompt and decode tokens/s, TTFT and TPOT of the engine at several batch sizes, "
+                                   "against transformers' DeepseekV4ForCausalLM.generate on the same weights.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ENGINE_EPILOG)
+    add_engine_arguments(e)
+    e.set_defaults(func=run_engine)
     return p
+
+
+ENGINE_EPILOG = """targets (reported): decode_tokens_per_s_vs_hf_b1 >= 3, decode_tokens_per_s_vs_hf_b8 >= 10 (v4-small)
+examples:
+  kvcache bench engine
+  kvcache bench engine --configs v4-tiny --batches 1,8 --prompt-tokens 64 --output-tokens 8
+"""
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
+    p.add_argument("--configs", default="v4-tiny,v4-small")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-tokens", type=_checked(int), default=128)
+    p.add_argument("--output-tokens", type=_checked(int), default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_engine(args) -> int:
+    from kvcache.engine.bench_engine import format_table, run
+    doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
+              [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
+              args.output_tokens, args.seed, progress=not args.no_progress)
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}")
+    return 0
 
 
 def run_codec(args) -> int:

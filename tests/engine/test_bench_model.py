@@ -29,3 +29,12 @@ def test_codec_benchmark_on_model_kv(tmp_path):
         for codec in ("zstd", "zstd-shuffle2"):
             assert r[codec]["ratio"] > 0.5 and r[codec]["compress_gb_s"] > 0
     assert (tmp_path / "kv_codec-latest.json").exists()
+
+
+def test_engine_benchmark_tiny(tmp_path):
+    from kvcache.engine.bench_engine import format_table, run as run_engine
+    doc = run_engine(["v4-tiny"], [1, 2], str(tmp_path), prompt_tokens=16, out_tokens=3, progress=False)
+    row = doc["results"]["v4-tiny"]["b2"]
+    assert row["ours"]["decode_tokens_per_s"] > 0 and row["transformers"]["decode_tokens_per_s"] > 0
+    assert doc["decode_tokens_per_s_vs_hf_b1"] > 0 and "PASS" in format_table(doc) or "MISS" in format_table(doc)
+    assert (tmp_path / "engine_throughput-latest.json").exists()

@@ -1,0 +1,117 @@
+"""`kvcache bench engine` / benchmarks/engine_throughput.py: offline throughput and latency of the
+engine against transformers' `generate` on the same V4 weights, in the same run.
+
+    per config (v4-tiny, v4-small) and batch (1, 8, 32): `batch` prompts of `prompt_tokens` random
+    ids, greedy, `output_tokens` new tokens each (EOS ignored)
+        prefill  = the run with max_tokens 1        (ours: LLM.generate; transformers: generate)
+        decode   = full run - prefill               decode tokens/s = batch x (output - 1) / decode
+        TTFT, TPOT from the engine's request metrics
+    ratios: decode_tokens_per_s_vs_hf_b{batch} (ours / transformers), per config
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import statistics
+import time
+
+import torch
+
+from kvcache.engine.bench_model import CONFIG_DIR, hf_twin
+from kvcache.engine.checkpoint.init import random_weights
+from kvcache.engine.config import ModelConfig
+from kvcache.engine.llm import LLM
+from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.models import build_model
+from kvcache.engine.sampling import SamplingParams
+
+
+def _ours(model, prompts: list[list[int]], out_tokens: int, block: int) -> dict:
+    cfg = EngineConfig(block_size=block, num_blocks=max(64, len(prompts) * (len(prompts[0]) + out_tokens) // block + 8),
+                       max_tokens_per_step=max(512, len(prompts[0])), max_running=len(prompts))
+
+    def run(n):
+        llm = LLM(model=model, config=cfg)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return time.perf_counter() - t, outs
+    prefill_s, _ = run(1)
+    total_s, outs = run(out_tokens)
+    ttft = statistics.median(o[0].metrics.ttft_s for o in outs)
+    tpot = statistics.median(o[0].metrics.tpot_s(out_tokens) or 0 for o in outs)
+    return {"prefill_s": prefill_s, "total_s": total_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+
+
+def _theirs(hf, prompts: list[list[int]], out_tokens: int) -> dict:
+    ids = torch.tensor(prompts)
+
+    def run(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
+                        pad_token_id=0)
+        return time.perf_counter() - t
+    return {"prefill_s": run(1), "total_s": run(out_tokens)}
+
+
+def _rates(r: dict, batch: int, prompt: int, out_tokens: int) -> dict:
+    decode_s = max(r["total_s"] - r["prefill_s"], 1e-9)
+    return {**r, "prompt_tokens_per_s": batch * prompt / r["prefill_s"],
+            "decode_tokens_per_s": batch * (out_tokens - 1) / decode_s}
+
+
+def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: int, seed: int, bar=None) -> dict:
+    config = ModelConfig.load(os.path.join(CONFIG_DIR, f"{name}.json"))
+    model = random_weights(build_model(config), seed).eval()
+    hf = hf_twin(model, config)
+    block = max(r for r in config.compress_ratios if r > 0)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for b in batches:
+        prompts = torch.randint(3, config.vocab_size, (b, prompt_tokens), generator=g).tolist()
+        ours = _rates(_ours(model, prompts, out_tokens, block), b, prompt_tokens, out_tokens)
+        theirs = _rates(_theirs(hf, prompts, out_tokens), b, prompt_tokens, out_tokens)
+        out[f"b{b}"] = {"ours": ours, "transformers": theirs,
+                        "decode_ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+                        "prompt_ratio": ours["prompt_tokens_per_s"] / theirs["prompt_tokens_per_s"]}
+        if bar is not None:
+            bar.update(1)
+    return out
+
+
+def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int = 128, out_tokens: int = 32,
+        seed: int = 0, progress: bool = True) -> dict:
+    from tqdm import tqdm
+    from kvcache.tiering.bench_tiers import machine_info, write_results
+    os.makedirs(out_dir, exist_ok=True)
+    started = time.perf_counter()
+    with tqdm(total=len(configs) * len(batches), desc="engine benchmark", unit="run", disable=not progress) as bar:
+        results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar) for n in configs}
+    doc = {"benchmark": "engine_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+           "elapsed_s": time.perf_counter() - started,
+           "machine": {**machine_info(out_dir), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+           "config": {"configs": configs, "batches": batches, "prompt_tokens": prompt_tokens,
+                      "output_tokens": out_tokens, "seed": seed, "dtype": "float32 (CPU)", "sampling": "greedy",
+                      "baseline": "transformers DeepseekV4ForCausalLM.generate, same weights, eager attention"},
+           "results": results, "targets": {"decode_tokens_per_s_vs_hf_b1": 3.0, "decode_tokens_per_s_vs_hf_b8": 10.0}}
+    ref = "v4-small" if "v4-small" in results else configs[-1]
+    for b in (1, 8):
+        if f"b{b}" in results[ref]:
+            doc[f"decode_tokens_per_s_vs_hf_b{b}"] = results[ref][f"b{b}"]["decode_ratio"]
+    write_results(doc, out_dir, "engine_throughput")
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    lines = ["decode tokens/s (ours | transformers | ratio), prompt tokens/s ratio, TTFT / TPOT (ours):"]
+    for name, r in doc["results"].items():
+        for b, row in r.items():
+            o, t = row["ours"], row["transformers"]
+            lines.append(f"  {name:<9} {b:>4}  {o['decode_tokens_per_s']:8.1f} | {t['decode_tokens_per_s']:8.1f} | "
+                         f"{row['decode_ratio']:5.2f}x   prompt {row['prompt_ratio']:5.2f}x   "
+                         f"TTFT {o['ttft_ms']:7.0f} ms  TPOT {o['tpot_ms']:6.1f} ms")
+    for k, target in doc["targets"].items():
+        if k in doc:
+            lines.append(f"  {k} = {doc[k]:.2f} (target >= {target}: {'PASS' if doc[k] >= target else 'MISS'})")
+    return "\n".join(lines)
