@@ -71,19 +71,47 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
                 rope: RotaryTables, shared: dict | None = None) -> torch.Tensor:
-        """x [B, T, dim] at absolute positions [T] (contiguous after what `state` holds).
+        """x [1, T, dim] at absolute positions [T] (contiguous after what `state` holds).
         `shared` carries what V4.1 layers read from their source layers (unused by V4)."""
-        B, T, _ = x.shape
-        qr, q, kv = self.qkv(x, positions, rope)
+        return self.forward_batch(x, [positions], [state], rope, [shared])
+
+    def forward_batch(self, x: torch.Tensor, positions: list[torch.Tensor], states: list[AttentionState],
+                      rope: RotaryTables, shared: list) -> torch.Tensor:
+        """Several requests' tokens, contiguous in x [1, N, dim]: every projection runs once over
+        all N tokens; only the state-dependent work (windows, compressor pooling, index scoring,
+        the softmax over keys) runs per request."""
+        pos_all = torch.cat(positions)
+        qr, q, kv = self.qkv(x, pos_all, rope)
+        pre = self.project_history(x, qr, pos_all, rope)
+        outs, a = [], 0
+        for i, pos in enumerate(positions):
+            sl = slice(a, a + len(pos))
+            part = {k: v[:, sl] for k, v in pre.items()}
+            outs.append(self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part))
+            a = sl.stop
+        return self.output(torch.cat(outs, 1), pos_all, rope, x.dtype)
+
+    def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
+        B, T = q.shape[:2]
         prev = state.window if state.window is not None else kv.new_zeros((B, 0, self.head_dim))
         rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
         first_row = int(positions[0]) - prev.shape[1]
-        entries, entry_bias = self.history(x, qr, positions, state, rope, shared)
+        entries, entry_bias = self.history(pre, positions, state, rope, shared)
         out = torch.cat([self._block(q[:, i:i + QUERY_BLOCK], positions[i:i + QUERY_BLOCK], rows, first_row,
                                      entries, None if entries is None else entry_bias(i, i + QUERY_BLOCK))
                          for i in range(0, T, QUERY_BLOCK)], 1)              # [B, T, H, D]
         state.window = rows[:, -(self.window - 1):] if self.window > 1 else rows[:, :0]
-        return self.output(out, positions, rope, x.dtype)
+        return out
+
+    def project_history(self, x, qr, positions, rope: RotaryTables) -> dict:
+        """The token-wise inputs of this layer's history (compressor rows, index queries)."""
+        pre = {}
+        if self.compressor is not None:
+            pre["kv"], pre["gate"] = self.compressor.project(x)
+        if self.indexer is not None:
+            pre["ikv"], pre["igate"] = self.indexer.compressor.project(x)
+            pre["iq"], pre["iw"] = self.indexer.query(x, qr, positions, rope)
+        return pre
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTables):
         """(qr [B, T, q_lora], q [B, T, H, D], kv [B, T, D]): q and the K = V row, RoPE'd at `positions`."""
@@ -108,16 +136,18 @@ class Attention(nn.Module):
         cos, sin = rope.cos_sin(positions, self.table)
         return self._project(apply_rope(out, cos[:, None], sin[:, None], inverse=True).to(dtype))
 
-    def history(self, x, qr, positions, state: AttentionState, rope: RotaryTables, shared):
-        """(compressed entries [B, N, D] or None, bias(i, j) -> [B, j-i, N] for query rows i..j)."""
+    def history(self, pre: dict, positions, state: AttentionState, rope: RotaryTables, shared):
+        """(compressed entries [B, N, D] or None, chosen(i, j) for query rows i..j: a bias over
+        every entry [B, j-i, N], or the selected entry ids [B, j-i, k])."""
         if self.compressor is None:
             return None, None
-        entries = self.compressor(x, state.compressor, rope)
+        entries = self.compressor.absorb(pre["kv"], pre["gate"], state.compressor, rope)
         N = entries.shape[1]
         if self.indexer is None:       # HCA: every closed window is visible
-            return entries, lambda i, j: visible_bias(positions[i:j], N, self.ratio, x.shape[0])
-        keys = self.indexer.keys(x, state.index, rope)
-        return entries, lambda i, j: self.indexer.select(x[:, i:j], qr[:, i:j], positions[i:j], keys, rope)
+            return entries, lambda i, j: visible_bias(positions[i:j], N, self.ratio, entries.shape[0])
+        keys = self.indexer.compressor.absorb(pre["ikv"], pre["igate"], state.index, rope)
+        return entries, lambda i, j: self.indexer.select_from(pre["iq"][:, i:j], pre["iw"][:, i:j], positions[i:j],
+                                                              keys)
 
     def _block(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
         """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries.
@@ -175,6 +205,8 @@ def attend_segments(call, x: torch.Tensor, positions, states, rope: RotaryTables
     run on the whole batch; only attention and its state are per request."""
     if not isinstance(positions, list):
         return call(x, positions, states, rope, shared)
+    if isinstance(call, Attention):
+        return call.forward_batch(x, positions, states, rope, shared or [None] * len(positions))
     outs, a = [], 0
     for i, pos in enumerate(positions):
         b = a + len(pos)

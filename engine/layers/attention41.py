@@ -47,12 +47,20 @@ class SharedAttention(Attention):
     def new_state(self) -> AttentionState:
         return AttentionState(compressor=SourceState() if self.is_kv_source else None)
 
-    def history(self, x, qr, positions, state: AttentionState, rope: RotaryTables, shared):
+    def project_history(self, x, qr, positions, rope: RotaryTables) -> dict:
+        pre = {}
+        if self.kind != "swa" and self.is_kv_source:
+            pre["rows"] = self.compressor.project(x)
+        if self.kind != "swa" and self.is_index_source:
+            pre["iq"], pre["iw"] = self.indexer.query(x, qr, positions, rope)
+        return pre
+
+    def history(self, pre: dict, positions, state: AttentionState, rope: RotaryTables, shared):
         if self.kind == "swa":
             return None, None
         if self.is_kv_source:
             src: SourceState = state.compressor
-            latents = self.compressor.latents(x, src)
+            latents = self.compressor.latents_from(pre["rows"], src)
             keys = self.indexer.k_norm(self.indexer.wk(latents)) if self.is_index_source else None
             emit(src, latents, keys, self.ratio, rope)
             shared["kv"] = (src.entries, src.index_keys, self.ratio)
@@ -60,16 +68,16 @@ class SharedAttention(Attention):
             raise RuntimeError("a V4.1 layer reads shared history before any kv-source layer wrote it")
         entries, keys, ratio = shared["kv"]
         if self.is_index_source:
-            shared["topk"] = self._select(x, qr, positions, keys, ratio, rope, shared)
+            shared["topk"] = self._select(pre, positions, keys, ratio, shared)
         topk = shared["topk"]
         return entries, lambda i, j: topk[:, i:j]
 
-    def _select(self, x, qr, positions, keys, ratio, rope, shared) -> torch.Tensor:
+    def _select(self, pre, positions, keys, ratio, shared) -> torch.Tensor:
         """Top-k per query [B, T, k], computed block by block (scores are [B, Tq, N])."""
         tops, cands = [], []
-        for i in range(0, x.shape[1], QUERY_BLOCK):
+        for i in range(0, len(positions), QUERY_BLOCK):
             j = i + QUERY_BLOCK
-            s = self.indexer.scores(x[:, i:j], qr[:, i:j], positions[i:j], keys, ratio, rope)
+            s = self.indexer.scores_from(pre["iq"][:, i:j], pre["iw"][:, i:j], positions[i:j], keys, ratio)
             if self.is_candidate:
                 cands.append(candidate_mask(s, positions[i:j], ratio, self.block, self.top_blocks))
             elif self.is_reindex:

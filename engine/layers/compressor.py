@@ -53,13 +53,20 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, state: CompressorState, rope: RotaryTables) -> torch.Tensor:
         """Feed tokens x [B, T, dim]; returns every entry so far [B, N, d] (state updated)."""
+        return self.absorb(*self.project(x), state, rope)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token-wise part (runs once over a whole batch): raw kv rows and gate logits."""
+        return self.wkv(x).float(), self.wgate(x).float()
+
+    def absorb(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState, rope: RotaryTables) -> torch.Tensor:
+        """One request's projected rows [B, T, c*d] into its state; every entry so far [B, N, d]."""
         m, d = self.ratio, self.head_dim
-        kv, gate = self.wkv(x).float(), self.wgate(x).float()
         if state.buf_kv is not None:
             kv, gate = torch.cat([state.buf_kv, kv], 1), torch.cat([state.buf_gate, gate], 1)
         usable = kv.shape[1] // m * m
         state.buf_kv, state.buf_gate = kv[:, usable:], gate[:, usable:]
-        B = x.shape[0]
+        B = kv.shape[0]
         if usable:
             n_w = usable // m
             kv = kv[:, :usable].view(B, n_w, m, -1)
@@ -67,13 +74,13 @@ class Compressor(nn.Module):
             if self.overlap:
                 kv, gate = self._overlap(kv, gate, state)
             pooled = (kv * torch.softmax(gate, dim=2)).sum(2)                    # [B, n_w, d]
-            pos = torch.arange(n_w, device=x.device) * m + state.count * m
+            pos = torch.arange(n_w, device=kv.device) * m + state.count * m
             cos, sin = rope.cos_sin(pos, "compress")
             new = apply_rope(self.norm(pooled), cos, sin)
             state.entries = new if state.entries is None else torch.cat([state.entries, new], 1)
             state.count += n_w
         if state.entries is None:
-            state.entries = x.new_zeros((B, 0, d), dtype=torch.float32)
+            state.entries = kv.new_zeros((B, 0, d), dtype=torch.float32)
         return state.entries
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
@@ -107,20 +114,26 @@ class Indexer(nn.Module):
     def select(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                rope: RotaryTables) -> torch.Tensor:
         """x [B, T, dim], qr [B, T, q_lora], positions [T], keys [B, N, dI] -> top-k ids [B, T, k], -1 = none."""
+        return self.select_from(*self.query(x, qr, positions, rope), positions, keys)
+
+    def query(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RotaryTables):
+        """Token-wise: (index queries [B, T, H, dI] RoPE'd, head weights [B, T, H])."""
         B, T, _ = x.shape
-        N = keys.shape[1]
         q = self.wq_b(qr).float().view(B, T, self.n_heads, self.head_dim)
         cos, sin = rope.cos_sin(positions, "compress")
-        q = apply_rope(q, cos[:, None], sin[:, None])
+        return apply_rope(q, cos[:, None], sin[:, None]), self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def select_from(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        B, T = q.shape[:2]
+        N = keys.shape[1]
         scores = torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
         index = (scores * w[..., None]).sum(2)                                     # [B, T, N]
         visible = (positions + 1) // self.ratio                                   # [T]
-        future = torch.arange(N, device=x.device)[None, :] >= visible[:, None]    # [T, N]
+        future = torch.arange(N, device=q.device)[None, :] >= visible[:, None]    # [T, N]
         index = index.masked_fill(future, float("-inf"))
         k = min(self.topk, N)
         if k == 0:
-            return torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
+            return torch.full((B, T, 0), -1, dtype=torch.long, device=q.device)
         top = index.topk(k, dim=-1).indices
         return torch.where(top >= visible[None, :, None], torch.full_like(top, -1), top)
 

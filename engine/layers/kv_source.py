@@ -48,10 +48,16 @@ class SourceCompressor(nn.Module):
 
     def latents(self, x: torch.Tensor, state: SourceState) -> torch.Tensor:
         """Feed tokens [B, T, dim]; the latents of the groups they close [B, n, D] (un-rotated)."""
+        return self.latents_from(self.project(x), state)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Token-wise: wkv rows, and for ratio 2 the gate logits beside them [B, T, (1|2) D]."""
         rows = self.wkv(x).float()
+        return rows if self.ratio == 1 else torch.cat([rows, self.wgate(x).float()], -1)
+
+    def latents_from(self, rows: torch.Tensor, state: SourceState) -> torch.Tensor:
         if self.ratio == 1:
             return self.norm(rows)
-        rows = torch.cat([rows, self.wgate(x).float()], -1)                   # [B, T, 2D]
         if state.pending is not None:
             rows = torch.cat([state.pending, rows], 1)
         usable = rows.shape[1] // 2 * 2

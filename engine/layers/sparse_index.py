@@ -31,11 +31,18 @@ class SparseIndexer(nn.Module):
     def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                ratio: int, rope: RotaryTables) -> torch.Tensor:
         """[B, T, N] index scores, -inf where an entry is not visible yet."""
+        return self.scores_from(*self.query(x, qr, positions, rope), positions, keys, ratio)
+
+    def query(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RotaryTables):
+        """Token-wise: (queries [B, T, H, dI] RoPE'd, head weights [B, T, H] with both scales)."""
         B, T, _ = x.shape
         q = self.wq_b(qr).float().view(B, T, self.n_heads, self.head_dim)
         cos, sin = rope.cos_sin(positions, "compress")
-        q = apply_rope(q, cos[:, None], sin[:, None])
         w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return apply_rope(q, cos[:, None], sin[:, None]), w
+
+    def scores_from(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                    ratio: int) -> torch.Tensor:
         s = (torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * w[..., None]).sum(2)
         hidden = torch.arange(keys.shape[1])[None, :] >= ((positions + 1) // ratio)[:, None]
         return s.masked_fill(hidden, float("-inf"))

@@ -58,8 +58,7 @@ class Block(nn.Module):
         c = self.c
         pre, post, comb = hc_mix(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
-        out = attend_segments(attend or (lambda x, p, s, r, _sh: self.attn(x, p, s, r)),
-                              self.attn_norm(collapse(h, pre)), positions, state, rope)
+        out = attend_segments(attend or self.attn, self.attn_norm(collapse(h, pre)), positions, state, rope)
         h = expand(out, h, post, comb)
         pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
