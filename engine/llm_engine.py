@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool
+from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
@@ -50,6 +51,7 @@ class LLMEngine:
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.namespace = engine_namespace(mc, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id)
         self.requests: dict[str, Request] = {}
 
@@ -126,6 +128,8 @@ class LLMEngine:
                 if req.params.n > 1 and req.parent is None:
                     self._fork(req, logits[i], pos)
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
+        for ch in out.chunks:                        # key the blocks this step completes (before any release)
+            self._key_blocks(ch.request, ch.start + len(ch.tokens))
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stop_string))
         results = []
         for ch in out.chunks:
@@ -135,6 +139,19 @@ class LLMEngine:
                 self._detokenize(req)
                 results.append(StepOutput(req, new, req.finished))
         return results
+
+    def _key_blocks(self, req: Request, computed: int) -> None:
+        """Content keys (kvstore.hashing chain) for every block whose tokens are all computed: they
+        stay findable in the pool after the request ends, until the block is reallocated."""
+        full = min(computed, req.num_tokens) // self.pool.block_size
+        if full <= len(req.block_keys) or req.finished:
+            return
+        bs = self.pool.block_size
+        parent = req.block_keys[-1] if req.block_keys else None
+        new = hash_blocks(self.namespace, req.tokens[len(req.block_keys) * bs: full * bs], parent=parent)
+        for i, key in enumerate(new, start=len(req.block_keys)):
+            self.pool.set_key(req.block_ids[i], key)
+        req.block_keys += new
 
     def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> None:
         """n > 1: children share the parent's prompt blocks and KV state; each samples its own
@@ -196,6 +213,15 @@ class LLMEngine:
         self.pool.check()
         if not self.has_work() and self.pool.counts()["used"]:
             raise AssertionError(f"idle engine still holds blocks: {self.pool.counts()}")
+
+
+def engine_namespace(config, block_size: int) -> Namespace:
+    """Block keys depend on the model (its config's fingerprint), the cache layout and block size."""
+    import hashlib
+    import json
+    fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
+    return Namespace(f"{config.model_type}:{fingerprint}", f"engine-pool/{config.model_type}/v1", block_size,
+                     name=config.model_type)
 
 
 def replace_params(params: SamplingParams, **changes) -> SamplingParams:

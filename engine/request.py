@@ -60,6 +60,7 @@ class Request:
     state: object = None             # the model's per-request KV state (engine.models ModelState)
     num_computed: int = 0            # tokens whose KV the state holds
     block_ids: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)   # content keys of its full, computed blocks
     metrics: Metrics = field(default_factory=Metrics)
     arrival_seq: int = field(default_factory=lambda: next(_ids))
     parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill

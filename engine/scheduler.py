@@ -127,7 +127,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.pool.release(req.block_ids)
-        req.block_ids, req.num_computed, req.state = [], 0, None
+        req.block_ids, req.block_keys, req.num_computed, req.state = [], [], 0, None
         self._reset_state(req)
         req.status = Status.WAITING
         req.metrics.preemptions += 1

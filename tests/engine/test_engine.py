@@ -152,3 +152,17 @@ async def test_async_engine_streams_concurrently_and_aborts(model):
             await asyncio.sleep(0.02)
         assert not engine.has_work()
     engine.check_idle()
+
+
+def test_completed_blocks_get_content_keys_that_outlive_the_request(model):
+    from kvcache.kvstore.hashing import hash_blocks
+    llm = LLM(model=model, config=CFG)
+    prompt = (prompts(1)[0] * 3)[:40]                  # 2 full blocks of 16, then 8 tokens
+    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    while llm.engine.has_work():
+        llm.engine.step()
+    keys = hash_blocks(llm.engine.namespace, req.tokens[:48])           # 40 + 10 tokens: 3 blocks computed
+    assert req.block_keys == keys[: len(req.block_keys)] and len(req.block_keys) == 3
+    assert all(llm.engine.pool.lookup(k) is not None for k in keys)     # cached: released, not yet reused
+    assert llm.engine.pool.counts()["cached"] == 3
+    llm.engine.check_idle()
