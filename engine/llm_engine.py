@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.kv_pool import KVPool
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.engine.sampling import SamplingParams, sample
@@ -51,6 +52,7 @@ class LLMEngine:
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.kv = KVPool(model, config.num_blocks, config.block_size)     # the blocks' history rows
         self.namespace = engine_namespace(mc, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id)
         self.requests: dict[str, Request] = {}
@@ -110,7 +112,7 @@ class LLMEngine:
         states = []
         for ch in chunks:
             if ch.request.state is None:
-                ch.request.state = self.model.new_state()
+                ch.request.state = self.model.new_state(self.kv.view(ch.request.block_ids))
             states.append(ch.request.state)
         with torch.no_grad():
             return self.model.step([torch.tensor(ch.tokens) for ch in chunks], states)
@@ -169,8 +171,10 @@ class LLMEngine:
             else:
                 shared = parent.block_ids[:full]
                 self.pool.share(shared)
-                child.block_ids = shared + self.pool.allocate(tail)
-                child.state, child.num_computed = parent.state.clone(), len(parent.prompt)
+                own = self.pool.allocate(tail)
+                self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
+                child.block_ids = shared + own
+                child.state, child.num_computed = parent.state.clone(child.block_ids), len(parent.prompt)
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
             if self.scheduler._stop_reason(child, child.output[-1], self._stop_string) is not None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
+from kvcache.engine.layers.history import make_rows
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -33,10 +34,11 @@ class AttentionState:
     compressor: CompressorState | None = None
     index: CompressorState | None = None          # CSA: the indexer's key compressor
 
-    def clone(self) -> "AttentionState":
+    def clone(self, table=None) -> "AttentionState":
+        """A copy; `table` rebinds paged history rows to another block table (a forked request)."""
         return AttentionState(None if self.window is None else self.window.clone(),
-                              None if self.compressor is None else self.compressor.clone(),
-                              None if self.index is None else self.index.clone())
+                              None if self.compressor is None else self.compressor.clone(table),
+                              None if self.index is None else self.index.clone(table))
 
 
 class Attention(nn.Module):
@@ -65,9 +67,11 @@ class Attention(nn.Module):
                                 ratio, c.rms_norm_eps) if self.kind == "csa" else None)
         self.ratio = ratio
 
-    def new_state(self) -> AttentionState:
-        return AttentionState(compressor=CompressorState() if self.compressor else None,
-                              index=CompressorState() if self.indexer else None)
+    def new_state(self, lanes=None) -> AttentionState:
+        """`lanes(kind)` gives pool-backed rows ("entries", "index") for this layer; None: dense."""
+        return AttentionState(
+            compressor=CompressorState(rows=make_rows(self.head_dim, lanes, "entries")) if self.compressor else None,
+            index=CompressorState(rows=make_rows(self.indexer.head_dim, lanes, "index")) if self.indexer else None)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
                 rope: RotaryTables, shared: dict | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.attention import QUERY_BLOCK, Attention, AttentionState
+from kvcache.engine.layers.history import make_rows
 from kvcache.engine.layers.kv_source import IndexKeys, SourceCompressor, SourceState, emit
 from kvcache.engine.layers.rope import RotaryTables
 from kvcache.engine.layers.sparse_index import SparseIndexer, candidate_mask
@@ -44,8 +45,11 @@ class SharedAttention(Attention):
                 keys = IndexKeys(c.head_dim, c.index_head_dim, c.rms_norm_eps)
                 self.indexer.wk, self.indexer.k_norm = keys.wk, keys.k_norm
 
-    def new_state(self) -> AttentionState:
-        return AttentionState(compressor=SourceState() if self.is_kv_source else None)
+    def new_state(self, lanes=None) -> AttentionState:
+        if not self.is_kv_source:
+            return AttentionState()
+        keys = make_rows(self.indexer.wk.out_features, lanes, "index") if self.is_index_source else None
+        return AttentionState(compressor=SourceState(rows=make_rows(self.head_dim, lanes, "entries"), keys=keys))
 
     def project_history(self, x, qr, positions, rope: RotaryTables) -> dict:
         pre = {}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvcache.engine.layers.history import DenseRows
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -28,17 +29,21 @@ from kvcache.engine.layers.rope import RotaryTables, apply_rope
 @dataclass
 class CompressorState:
     """Per-request state of one compressor (the part of the KV a prefix cache must keep)."""
-    entries: torch.Tensor | None = None      # [B, N, d] emitted entries (normed, RoPE'd)
+    rows: object = None                      # emitted entries (normed, RoPE'd): DenseRows or PagedRows
     buf_kv: torch.Tensor | None = None       # [B, p < m, c*d] raw rows of the unfinished window
     buf_gate: torch.Tensor | None = None     # [B, p, c*d] their gate logits (+ ape)
     overlap_kv: torch.Tensor | None = None   # CSA: Ca rows of the last closed window [B, m, d]
     overlap_gate: torch.Tensor | None = None
     count: int = 0                           # entries emitted
 
-    def clone(self) -> "CompressorState":
+    @property
+    def entries(self) -> torch.Tensor | None:
+        return None if self.rows is None else self.rows.view()
+
+    def clone(self, table=None) -> "CompressorState":
         c = lambda t: None if t is None else t.clone()  # noqa: E731
-        return CompressorState(c(self.entries), c(self.buf_kv), c(self.buf_gate), c(self.overlap_kv),
-                               c(self.overlap_gate), self.count)
+        return CompressorState(None if self.rows is None else self.rows.clone(table), c(self.buf_kv),
+                               c(self.buf_gate), c(self.overlap_kv), c(self.overlap_gate), self.count)
 
 
 class Compressor(nn.Module):
@@ -77,11 +82,13 @@ class Compressor(nn.Module):
             pos = torch.arange(n_w, device=kv.device) * m + state.count * m
             cos, sin = rope.cos_sin(pos, "compress")
             new = apply_rope(self.norm(pooled), cos, sin)
-            state.entries = new if state.entries is None else torch.cat([state.entries, new], 1)
+            if state.rows is None:
+                state.rows = DenseRows(d)
+            state.rows.append(new)
             state.count += n_w
-        if state.entries is None:
-            state.entries = kv.new_zeros((B, 0, d), dtype=torch.float32)
-        return state.entries
+        if state.rows is None:
+            state.rows = DenseRows(d)
+        return state.rows.view()
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
         """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""
@@ -134,7 +141,9 @@ class Indexer(nn.Module):
         k = min(self.topk, N)
         if k == 0:
             return torch.full((B, T, 0), -1, dtype=torch.long, device=q.device)
-        top = index.topk(k, dim=-1).indices
+        # a stable sort, not topk: relu scores tie (often at exactly 0), and a query must pick the
+        # same entries whether its prompt arrives in one piece or in chunks
+        top = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :k]
         return torch.where(top >= visible[None, :, None], torch.full_like(top, -1), top)
 
 

@@ -17,20 +17,30 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvcache.engine.layers.history import DenseRows
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 
 @dataclass
 class SourceState:
-    entries: torch.Tensor | None = None       # [B, N, D] main rows (RoPE'd)
-    index_keys: torch.Tensor | None = None    # [B, N, dI] index keys (RoPE'd)
+    rows: object = None                       # main rows (RoPE'd): DenseRows or PagedRows
+    keys: object = None                       # index keys (RoPE'd)
     pending: torch.Tensor | None = None       # ratio 2: [B, p < 2, 2D] raw (kv | gate) rows of an open pair
     count: int = 0
 
-    def clone(self) -> "SourceState":
-        c = lambda t: None if t is None else t.clone()  # noqa: E731
-        return SourceState(c(self.entries), c(self.index_keys), c(self.pending), self.count)
+    @property
+    def entries(self) -> torch.Tensor | None:
+        return None if self.rows is None else self.rows.view()
+
+    @property
+    def index_keys(self) -> torch.Tensor | None:
+        return None if self.keys is None else self.keys.view()
+
+    def clone(self, table=None) -> "SourceState":
+        return SourceState(None if self.rows is None else self.rows.clone(table),
+                           None if self.keys is None else self.keys.clone(table),
+                           None if self.pending is None else self.pending.clone(), self.count)
 
 
 class SourceCompressor(nn.Module):
@@ -83,13 +93,15 @@ def emit(state: SourceState, latents: torch.Tensor, keys: torch.Tensor | None, r
          rope: RotaryTables) -> None:
     """Rotate new latents and index keys at their group's first position and append them."""
     n = latents.shape[1]
-    if n == 0 and state.entries is not None:
+    if state.rows is None:
+        state.rows = DenseRows(latents.shape[-1])
+    if keys is not None and state.keys is None:
+        state.keys = DenseRows(keys.shape[-1])
+    if n == 0:
         return
     pos = (torch.arange(n) + state.count) * ratio
     cos, sin = rope.cos_sin(pos, "compress")
-    rot = apply_rope(latents, cos, sin)
-    state.entries = rot if state.entries is None else torch.cat([state.entries, rot], 1)
+    state.rows.append(apply_rope(latents, cos, sin))
     if keys is not None:
-        krot = apply_rope(keys, cos, sin)
-        state.index_keys = krot if state.index_keys is None else torch.cat([state.index_keys, krot], 1)
+        state.keys.append(apply_rope(keys, cos, sin))
     state.count += n

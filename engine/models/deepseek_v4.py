@@ -35,8 +35,9 @@ class ModelState:
     drafter: list[AttentionState] = field(default_factory=list)
     extra: dict = field(default_factory=dict)      # e.g. V4.1 Engram's last token ids
 
-    def clone(self) -> "ModelState":
-        return ModelState([s.clone() for s in self.layers], self.length, [s.clone() for s in self.drafter],
+    def clone(self, table=None) -> "ModelState":
+        """A copy; `table` rebinds pool-backed history rows to another request's block table."""
+        return ModelState([s.clone(table) for s in self.layers], self.length, [s.clone() for s in self.drafter],
                           {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()})
 
 
@@ -111,9 +112,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:                                   # the preview's MTP-1 block
             self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_nextn_predict_layers))
 
-    def new_state(self) -> ModelState:
-        return ModelState([blk.attn.new_state() for blk in self.layers], 0,
-                          [m.attn.new_state() for m in self.mtp])
+    def new_state(self, pool_view=None) -> ModelState:
+        """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
+        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.lanes(i))
+                           for i, blk in enumerate(self.layers)], 0, [m.attn.new_state() for m in self.mtp])
 
     def run(self, chunks: list[torch.Tensor], states: list[ModelState], collect: tuple[int, ...] = ()):
         """One step over several requests: chunks[i] [T_i] continue states[i] (advanced). The tokens

@@ -97,8 +97,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         full[: len(token_map)] = token_map
         self.token_map = full
 
-    def new_state(self) -> ModelState:
-        return ModelState([blk.attn.new_state() for blk in self.layers], 0,
+    def new_state(self, pool_view=None) -> ModelState:
+        """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
+        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.lanes(i))
+                           for i, blk in enumerate(self.layers)], 0,
                           [stage.attn.new_state() for stage in getattr(self, "mtp", [])])
 
     # ------------------------------------------------------------------ Engram inputs

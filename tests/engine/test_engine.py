@@ -166,3 +166,27 @@ def test_completed_blocks_get_content_keys_that_outlive_the_request(model):
     assert all(llm.engine.pool.lookup(k) is not None for k in keys)     # cached: released, not yet reused
     assert llm.engine.pool.counts()["cached"] == 3
     llm.engine.check_idle()
+
+
+@torch.no_grad()
+def test_history_rows_live_in_the_pool_blocks(model):
+    from kvcache.engine.layers.history import PagedRows
+    llm = LLM(model=model, config=CFG)
+    prompt = (prompts(1)[0] * 4)[:50]
+    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    while req.num_computed < 60:
+        llm.engine.step()
+    dense = model.new_state()
+    model(torch.tensor([req.tokens[: req.num_computed]]), dense)
+    owners = [i for i, st in enumerate(req.state.layers) if st.compressor is not None]
+    assert owners and llm.engine.kv.nbytes > 0
+    for i in owners:
+        paged = req.state.layers[i].compressor.rows
+        assert isinstance(paged, PagedRows) and paged.table is req.block_ids
+        want = dense.layers[i].compressor.entries
+        assert torch.allclose(paged.view(), want, atol=1e-5) and paged.count == want.shape[1] > 0
+        lane = paged.lane                               # block 0 of the request holds rows 0 .. per_block-1
+        n0 = min(paged.per_block, paged.count)
+        assert torch.allclose(lane[req.block_ids[0], :n0], want[0, :n0], atol=1e-5)
+    llm.engine.abort(req.request_id)
+    llm.engine.check_idle()

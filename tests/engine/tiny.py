@@ -11,7 +11,7 @@ V4_TINY = dict(
     compress_ratios=[0, 0, 4, 16, 4, 16, 0],          # last entry: the MTP block
     n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
     num_hash_layers=2, scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
-    swiglu_limit=10.0, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=4, hc_sinkhorn_iters=20,
+    swiglu_limit=10.0, index_n_heads=8, index_head_dim=16, index_topk=4, hc_mult=4, hc_sinkhorn_iters=20,
     hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
     rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 32, "beta_fast": 32,
                   "beta_slow": 1},

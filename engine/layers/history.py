@@ -1,0 +1,69 @@
+"""Where a request's history rows live (compressed entries, index keys): a growing tensor, or
+pages of the engine's KV pool.
+
+    DenseRows   one tensor per request, grown by concatenation (a model used on its own)
+    PagedRows   rows in a pool lane [num_blocks, rows_per_block, dim], addressed through the
+                request's block table (the engine): row r sits in block table[r // rows_per_block],
+                slot r % rows_per_block, so a block of `block_size` tokens holds exactly the rows its
+                tokens produced: what the store saves and loads per block
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DenseRows:
+    def __init__(self, dim: int, rows: torch.Tensor | None = None):
+        self.dim = dim
+        self._rows = rows if rows is not None else torch.zeros((1, 0, dim))
+
+    @property
+    def count(self) -> int:
+        return self._rows.shape[1]
+
+    def append(self, rows: torch.Tensor) -> None:
+        self._rows = torch.cat([self._rows, rows.float()], 1)
+
+    def view(self) -> torch.Tensor:
+        return self._rows
+
+    def clone(self, table=None) -> "DenseRows":
+        return DenseRows(self.dim, self._rows.clone())
+
+
+class PagedRows:
+    def __init__(self, lane: torch.Tensor, table: list[int], count: int = 0):
+        self.lane, self.table, self._count = lane, table, count     # `table` is the request's list (it grows)
+        self.per_block, self.dim = lane.shape[1], lane.shape[2]
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def append(self, rows: torch.Tensor) -> None:
+        n = rows.shape[1]
+        if n == 0:
+            return
+        idx = torch.arange(self._count, self._count + n)
+        blocks = idx // self.per_block
+        if int(blocks[-1]) >= len(self.table):
+            raise RuntimeError(f"history row {int(idx[-1])} needs block {int(blocks[-1])} but the request holds "
+                               f"{len(self.table)}: the scheduler reserves blocks before the step runs")
+        table = torch.tensor(self.table, dtype=torch.long)
+        self.lane[table[blocks], idx % self.per_block] = rows[0].to(self.lane.dtype)
+        self._count += n
+
+    def view(self) -> torch.Tensor:
+        nb = -(-self._count // self.per_block)
+        pages = self.lane[torch.tensor(self.table[:nb], dtype=torch.long)]
+        return pages.reshape(-1, self.dim)[: self._count][None].float()
+
+    def clone(self, table: list[int] | None = None) -> "PagedRows":
+        """The same rows seen through another table (a forked request whose blocks hold a copy)."""
+        return PagedRows(self.lane, self.table if table is None else table, self._count)
+
+
+def make_rows(dim: int, lanes, kind: str):
+    """PagedRows from the pool view `lanes(kind)` when given, else DenseRows."""
+    return DenseRows(dim) if lanes is None else lanes(kind)
