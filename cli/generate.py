@@ -30,18 +30,42 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
+    p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
-    from kvcache.engine.llm import LLM
     from kvcache.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if args.tp < 1:
+        raise ValueError("--tp must be >= 1")
+    if args.tp == 1:
+        return _generate(0, 1, args, params, None)
+    import tempfile
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:      # every rank samples with the same (now fixed) seed
+        mp.spawn(_generate, args=(args.tp, args, params, d + "/rendezvous"), nprocs=args.tp, join=True)
+    return 0
+
+
+def _generate(rank: int, world: int, args, params, rendezvous) -> int:
+    from kvcache.engine.llm import LLM
+    if world > 1:
+        import torch.distributed as dist
+        from kvcache.engine.parallel import shard
+        backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, progress=sys.stderr.isatty())
+    llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty())
+    if world > 1:
+        shard(llm.engine.model, rank, world, tp=True, ep=args.ep)
     load_s = time.perf_counter() - t0
+    if rank > 0:                                  # the other ranks compute in step, silently
+        sys.stdout = open("/dev/null", "w")
+        sys.stderr = open("/dev/null", "w")
     prompt = args.prompt if args.prompt is not None else _ids(args.prompt_ids)
     engine = llm.engine
     req = engine.add_request(prompt, params)
@@ -64,6 +88,8 @@ def cmd_generate(args) -> int:
     if req.error:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
         return 1
+    if world > 1:
+        dist.destroy_process_group()
     return 0
 
 

@@ -61,6 +61,7 @@ class Attention(nn.Module):
                               bias=False)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads))
+        self.reduce = None                       # tensor parallelism: sums the ranks' partial outputs
         self.compressor = (Compressor(c.hidden_size, c.head_dim, ratio, overlap=self.kind == "csa",
                                       eps=c.rms_norm_eps) if self.kind in ("csa", "hca") else None)
         self.indexer = (Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
@@ -187,12 +188,15 @@ class Attention(nn.Module):
                 + torch.einsum("bhtk,btkd->bthd", probs[..., S:S + k], picked))
 
     def _project(self, o: torch.Tensor) -> torch.Tensor:
-        """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b."""
+        """Grouped output projection: [B, T, H, D] -> o_groups groups -> wo_a per group -> wo_b.
+        Under tensor parallelism this rank holds some heads' groups: its wo_b output is a partial
+        sum that `reduce` (engine/parallel.py) adds up across ranks."""
         B, T = o.shape[:2]
         g = o.reshape(B, T, self.o_groups, -1)
         w = self.wo_a.weight.view(self.o_groups, -1, g.shape[-1])             # [G, o_lora, H*D/G]
         z = torch.einsum("btgi,goi->btgo", g, w).reshape(B, T, -1)
-        return self.wo_b(z)
+        out = self.wo_b(z)
+        return out if self.reduce is None else self.reduce(out)
 
 
 

@@ -85,6 +85,9 @@ class MoE(nn.Module):
         self.gate = Gate(config, hashed, n, top_k or config.num_experts_per_tok)
         self.experts = nn.ModuleList(Expert(dim, inter, limit) for _ in range(n))
         self.shared_experts = Expert(dim, inter * config.n_shared_experts, limit)
+        self.local_experts: set[int] | None = None   # expert parallelism: the experts on this rank
+        self.shared_on_this_rank = True
+        self.reduce = None                           # sums the ranks' partial outputs (engine/parallel.py)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -93,7 +96,13 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat)
         # group tokens by expert: one matmul per active expert, not per (token, expert)
         for e in torch.unique(ids).tolist():
+            if self.local_experts is not None and e not in self.local_experts:
+                continue
             tok, slot = torch.where(ids == e)
             y = self.experts[e](flat[tok]) * weights[tok, slot, None].to(flat.dtype)
             out.index_add_(0, tok, y)
-        return (out + self.shared_experts(flat)).reshape(shape)
+        if self.shared_on_this_rank:
+            out = out + self.shared_experts(flat)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        return out.reshape(shape)

@@ -77,3 +77,13 @@ def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = kv("generate", "--model", str(d), "--prompt", "hi", "--top-p", "0", check=False)
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_generate_with_two_tensor_parallel_ranks_matches_one(tmp_path):
+    d = tmp_path / "m"
+    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
+    base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "6", "--temperature",
+            "0.7", "--seed", "5", "--ignore-eos")
+    one = kv(*base)
+    two = kv(*base, "--tp", "2", "--ep")
+    assert one.stdout == two.stdout and "6 generated" in two.stderr
