@@ -1,25 +1,36 @@
-"""The KV pool's storage: the history lanes of the model's KV layout, paged in the block pool's blocks.
+"""The KV pool's storage: every lane of the model's KV layout, preallocated once.
 
-    lane (layer, "entries")  [num_blocks, block_size // ratio, head_dim]        compressed rows
-    lane (layer, "index")    [num_blocks, block_size // ratio, index_head_dim]  index keys
-    block b of a request covers its tokens [b * block_size, (b + 1) * block_size) in every lane
+    block lanes (history, paged by token blocks; BlockPool ids address them)
+      (layer, "entries")   [num_blocks, block_size // ratio, head_dim]        compressed rows
+      (layer, "index")     [num_blocks, block_size // ratio, index_head_dim]  index keys
+      block b of a request covers its tokens [b * block_size, (b + 1) * block_size) in every lane
+    slot lanes (bounded per-request state; one slot per running request)
+      (layer, "window")    [slots, window - 1, head_dim]                      sliding-window rows
+      (layer, "buf_kv" | "buf_gate")   [slots, ratio - 1, c * d]             an unfinished window's rows
+      (layer, "overlap_kv" | "overlap_gate")  [slots, ratio, d]              CSA: last window's Ca half
+      (layer, "i_...")     the same for a V4 indexer's own compressor
+      (layer, "pending")   [slots, 1, 2 * head_dim]                           V4.1 ratio-2 open pair
 
-A request's block table (BlockPool ids, in order) addresses all lanes at once, so one block id is
-one content-addressed unit: what the store will save and load (issue 6). Sliding windows and the
-compressor carry are bounded per request and stay in the request's state.
+A request's block table addresses all block lanes at once, so one block id is one content-addressed
+unit: what the store saves and loads (issue 6). Windows and carry are not content-addressed: they
+live in the request's slot and are rebuilt (bounded replay) or snapshotted, never shared.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcache.engine.layers.history import PagedRows
+from kvcache.engine.layers.history import PagedRows, SlotRows
 
 
 class KVPool:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, num_blocks: int, block_size: int, slots: int = 64, dtype: torch.dtype = torch.float32):
         self.block_size = block_size
         self.lanes: dict[tuple[int, str], torch.Tensor] = {}
+        self.slot_lanes: dict[tuple[int, str], torch.Tensor] = {}
+        self._free_slots = list(range(slots - 1, -1, -1))
+        for i, blk in enumerate(model.layers):
+            self._slot_lanes_for(i, blk.attn, slots, dtype)
         for i, blk in enumerate(model.layers):
             a = blk.attn
             ratio = getattr(a, "ratio", 0)
@@ -34,8 +45,38 @@ class KVPool:
             if index_dim:
                 self.lanes[(i, "index")] = torch.zeros((num_blocks, rows, index_dim), dtype=dtype)
 
-    def view(self, table: list[int]) -> "PoolView":
-        return PoolView(self, table)
+    def _slot_lanes_for(self, i: int, a, slots: int, dtype) -> None:
+        def lane(name, rows, width):
+            self.slot_lanes[(i, name)] = torch.zeros((slots, max(rows, 1), width), dtype=dtype)
+        lane("window", a.window - 1, a.head_dim)
+        comp = a.compressor
+        if comp is None:
+            return
+        if hasattr(comp, "overlap"):                       # V4 compressor (+ the CSA indexer's own)
+            for prefix, c in (("", comp), ("i_", getattr(getattr(a, "indexer", None), "compressor", None))):
+                if c is None:
+                    continue
+                width = (2 if c.overlap else 1) * c.head_dim
+                lane(prefix + "buf_kv", c.ratio - 1, width)
+                lane(prefix + "buf_gate", c.ratio - 1, width)
+                if c.overlap:
+                    lane(prefix + "overlap_kv", c.ratio, c.head_dim)
+                    lane(prefix + "overlap_gate", c.ratio, c.head_dim)
+        elif getattr(comp, "ratio", 1) == 2:              # V4.1 ratio-2 source
+            lane("pending", 1, 2 * comp.head_dim)
+
+    def acquire_slot(self) -> int | None:
+        return self._free_slots.pop() if self._free_slots else None
+
+    def release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def view(self, table: list[int], slot: int) -> "PoolView":
+        return PoolView(self, table, slot)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy block contents in every lane (a forked request's own copy of a partial block)."""
@@ -46,7 +87,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.lanes.values())
+        return sum(t.numel() * t.element_size() for t in (*self.lanes.values(), *self.slot_lanes.values()))
 
 
 def _index_dim(attn) -> int:
@@ -60,12 +101,24 @@ def _index_dim(attn) -> int:
 
 
 class PoolView:
-    """One request's window onto the pool: `lanes(layer)(kind)` -> PagedRows over its block table."""
+    """One request's window onto the pool: its block table and its slot."""
 
-    def __init__(self, pool: KVPool, table: list[int]):
-        self.pool, self.table = pool, table
+    def __init__(self, pool: KVPool, table: list[int], slot: int, layer: int | None = None):
+        self.pool, self.table, self.slot, self.layer_id = pool, table, slot, layer
 
-    def lanes(self, layer: int):
-        def rows(kind: str) -> PagedRows:
-            return PagedRows(self.pool.lanes[(layer, kind)], self.table)
-        return rows
+    def layer(self, i: int) -> "PoolView":
+        return PoolView(self.pool, self.table, self.slot, i)
+
+    def rows(self, kind: str) -> PagedRows:
+        return PagedRows(self.pool.lanes[(self.layer_id, kind)], self.table)
+
+    def attach(self, obj, name: str, lane_name: str | None = None) -> None:
+        setattr(obj, name, SlotRows(self.pool.slot_lanes[(self.layer_id, lane_name or name)], self.slot))
+
+    def attach_carry(self, state, prefix: str) -> None:
+        for name in ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"):
+            if (self.layer_id, prefix + name) in self.pool.slot_lanes:
+                self.attach(state, name, prefix + name)
+
+    def slot_for(self, lane: torch.Tensor) -> int:
+        return self.slot

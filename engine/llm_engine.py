@@ -52,9 +52,10 @@ class LLMEngine:
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.kv = KVPool(model, config.num_blocks, config.block_size)     # the blocks' history rows
+        self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id)
+        self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
+                                   reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests
@@ -112,10 +113,24 @@ class LLMEngine:
         states = []
         for ch in chunks:
             if ch.request.state is None:
-                ch.request.state = self.model.new_state(self.kv.view(ch.request.block_ids))
+                ch.request.state = self.model.new_state(self._view(ch.request))
             states.append(ch.request.state)
         with torch.no_grad():
             return self.model.step([torch.tensor(ch.tokens) for ch in chunks], states)
+
+    def _view(self, req: Request):
+        """The request's pool view, taking it a slot for its windows and carry."""
+        if req.slot is None:
+            req.slot = self.kv.acquire_slot()
+            if req.slot is None:
+                raise RuntimeError("no free state slot (more running requests than slots)")
+        return self.kv.view(req.block_ids, req.slot)
+
+    def _drop_state(self, req: Request) -> None:
+        """The scheduler finished or preempted `req`: its slot goes back to the pool."""
+        if req.slot is not None:
+            self.kv.release_slot(req.slot)
+            req.slot = None
 
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         sampled, now = {}, time.perf_counter()
@@ -166,7 +181,7 @@ class LLMEngine:
             child.metrics.first_token = parent.metrics.first_token
             self.requests[child.request_id] = child
             tail = len(parent.block_ids) - full
-            if tail > self.pool.num_free():            # no room to share now: it recomputes its prompt later
+            if tail > self.pool.num_free() or not self.kv.free_slots:  # no room now: it recomputes its prompt later
                 self.scheduler.waiting.append(child)
             else:
                 shared = parent.block_ids[:full]
@@ -174,7 +189,7 @@ class LLMEngine:
                 own = self.pool.allocate(tail)
                 self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
                 child.block_ids = shared + own
-                child.state, child.num_computed = parent.state.clone(child.block_ids), len(parent.prompt)
+                child.state, child.num_computed = parent.state.clone(self._view(child)), len(parent.prompt)
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
             if self.scheduler._stop_reason(child, child.output[-1], self._stop_string) is not None:
@@ -185,6 +200,7 @@ class LLMEngine:
         for ch in out.chunks:
             req = ch.request
             req.state, req.num_computed = None, 0           # the failed batch may have advanced it
+            self._drop_state(req)
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
             try:
                 logits = self._run([chunk])
@@ -217,6 +233,8 @@ class LLMEngine:
         self.pool.check()
         if not self.has_work() and self.pool.counts()["used"]:
             raise AssertionError(f"idle engine still holds blocks: {self.pool.counts()}")
+        if not self.has_work() and self.kv.free_slots != 2 * self.config.max_running:
+            raise AssertionError(f"idle engine still holds state slots ({self.kv.free_slots} free)")
 
 
 def engine_namespace(config, block_size: int) -> Namespace:

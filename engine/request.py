@@ -61,6 +61,7 @@ class Request:
     num_computed: int = 0            # tokens whose KV the state holds
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)   # content keys of its full, computed blocks
+    slot: int | None = None          # its KV pool slot (windows, compressor carry) while it has a state
     metrics: Metrics = field(default_factory=Metrics)
     arrival_seq: int = field(default_factory=lambda: next(_ids))
     parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill

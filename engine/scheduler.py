@@ -170,5 +170,6 @@ class Scheduler:
         if req.block_ids:
             self.pool.release(req.block_ids)
         req.block_ids, req.state = [], None
+        self._reset_state(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finished = time.perf_counter()

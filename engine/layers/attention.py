@@ -13,32 +13,33 @@ it can see, so memory stays O(block x (window + block + entries)), never O(T^2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import make_rows
+from kvcache.engine.layers.history import SlotField, clone_field, make_rows
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 QUERY_BLOCK = 256
 
 
-@dataclass
 class AttentionState:
-    """Per-request state of one attention layer."""
-    window: torch.Tensor | None = None           # [B, <= W-1, D] the last rows (RoPE'd), fp32
-    compressor: CompressorState | None = None
-    index: CompressorState | None = None          # CSA: the indexer's key compressor
+    """Per-request state of one attention layer: its window rows (in a pool slot when the engine
+    runs it), and its compressors' states."""
+    window = SlotField()                         # [B, <= W-1, D] the last rows (RoPE'd), fp32
 
-    def clone(self, table=None) -> "AttentionState":
-        """A copy; `table` rebinds paged history rows to another block table (a forked request)."""
-        return AttentionState(None if self.window is None else self.window.clone(),
-                              None if self.compressor is None else self.compressor.clone(table),
-                              None if self.index is None else self.index.clone(table))
+    def __init__(self, window=None, compressor=None, index=None):
+        self.window, self.compressor, self.index = window, compressor, index
+
+    def clone(self, view=None) -> "AttentionState":
+        """A copy; `view` (engine/kv_pool.PoolView) rebinds pool-backed rows and slots to another
+        request (a fork); without it the copy is dense."""
+        st = AttentionState(None, None if self.compressor is None else self.compressor.clone(view),
+                            None if self.index is None else self.index.clone(view))
+        st.window = clone_field(self, "window", None if view is None else view.slot_for)
+        return st
 
 
 class Attention(nn.Module):
@@ -68,11 +69,20 @@ class Attention(nn.Module):
                                 ratio, c.rms_norm_eps) if self.kind == "csa" else None)
         self.ratio = ratio
 
-    def new_state(self, lanes=None) -> AttentionState:
-        """`lanes(kind)` gives pool-backed rows ("entries", "index") for this layer; None: dense."""
-        return AttentionState(
+    def new_state(self, view=None) -> AttentionState:
+        """`view` (engine/kv_pool.PoolView, for this layer) puts history rows in the pool's blocks and
+        the window and compressor carry in the request's pool slot; None: dense tensors."""
+        lanes = None if view is None else view.rows
+        st = AttentionState(
             compressor=CompressorState(rows=make_rows(self.head_dim, lanes, "entries")) if self.compressor else None,
             index=CompressorState(rows=make_rows(self.indexer.head_dim, lanes, "index")) if self.indexer else None)
+        if view is not None:
+            view.attach(st, "window")
+            if st.compressor is not None:
+                view.attach_carry(st.compressor, "")
+            if st.index is not None:
+                view.attach_carry(st.index, "i_")
+        return st
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
                 rope: RotaryTables, shared: dict | None = None) -> torch.Tensor:

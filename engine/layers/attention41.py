@@ -45,11 +45,17 @@ class SharedAttention(Attention):
                 keys = IndexKeys(c.head_dim, c.index_head_dim, c.rms_norm_eps)
                 self.indexer.wk, self.indexer.k_norm = keys.wk, keys.k_norm
 
-    def new_state(self, lanes=None) -> AttentionState:
-        if not self.is_kv_source:
-            return AttentionState()
-        keys = make_rows(self.indexer.wk.out_features, lanes, "index") if self.is_index_source else None
-        return AttentionState(compressor=SourceState(rows=make_rows(self.head_dim, lanes, "entries"), keys=keys))
+    def new_state(self, view=None) -> AttentionState:
+        lanes = None if view is None else view.rows
+        st = AttentionState()
+        if self.is_kv_source:
+            keys = make_rows(self.indexer.wk.out_features, lanes, "index") if self.is_index_source else None
+            st.compressor = SourceState(rows=make_rows(self.head_dim, lanes, "entries"), keys=keys)
+        if view is not None:
+            view.attach(st, "window")
+            if self.is_kv_source and self.ratio == 2:
+                view.attach(st.compressor, "pending")
+        return st
 
     def project_history(self, x, qr, positions, rope: RotaryTables) -> dict:
         pre = {}

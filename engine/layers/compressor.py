@@ -16,34 +16,37 @@ compressor at index_head_dim and scores entries per query to keep the top `index
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows
+from kvcache.engine.layers.history import DenseRows, SlotField, clone_field
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 
-@dataclass
 class CompressorState:
-    """Per-request state of one compressor (the part of the KV a prefix cache must keep)."""
-    rows: object = None                      # emitted entries (normed, RoPE'd): DenseRows or PagedRows
-    buf_kv: torch.Tensor | None = None       # [B, p < m, c*d] raw rows of the unfinished window
-    buf_gate: torch.Tensor | None = None     # [B, p, c*d] their gate logits (+ ape)
-    overlap_kv: torch.Tensor | None = None   # CSA: Ca rows of the last closed window [B, m, d]
-    overlap_gate: torch.Tensor | None = None
-    count: int = 0                           # entries emitted
+    """Per-request state of one compressor (the part of the KV a prefix cache must keep): emitted
+    entries (pool blocks or a dense tensor) and the carry of the unfinished window (a pool slot or
+    tensors)."""
+    buf_kv = SlotField()          # [B, p < m, c*d] raw rows of the unfinished window
+    buf_gate = SlotField()        # [B, p, c*d] their gate logits (+ ape)
+    overlap_kv = SlotField()      # CSA: Ca rows of the last closed window [B, m, d]
+    overlap_gate = SlotField()
+
+    def __init__(self, rows=None, buf_kv=None, buf_gate=None, overlap_kv=None, overlap_gate=None, count=0):
+        self.rows, self.count = rows, count
+        self.buf_kv, self.buf_gate, self.overlap_kv, self.overlap_gate = buf_kv, buf_gate, overlap_kv, overlap_gate
 
     @property
     def entries(self) -> torch.Tensor | None:
         return None if self.rows is None else self.rows.view()
 
-    def clone(self, table=None) -> "CompressorState":
-        c = lambda t: None if t is None else t.clone()  # noqa: E731
-        return CompressorState(None if self.rows is None else self.rows.clone(table), c(self.buf_kv),
-                               c(self.buf_gate), c(self.overlap_kv), c(self.overlap_gate), self.count)
+    def clone(self, view=None) -> "CompressorState":
+        st = CompressorState(None if self.rows is None else self.rows.clone(None if view is None else view.table),
+                             count=self.count)
+        for name in ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"):
+            setattr(st, name, clone_field(self, name, None if view is None else view.slot_for))
+        return st
 
 
 class Compressor(nn.Module):

@@ -67,3 +67,59 @@ class PagedRows:
 def make_rows(dim: int, lanes, kind: str):
     """PagedRows from the pool view `lanes(kind)` when given, else DenseRows."""
     return DenseRows(dim) if lanes is None else lanes(kind)
+
+
+class SlotRows:
+    """A bounded per-request tensor (a window, a compressor's pending rows) kept in a pool slot:
+    rows [0, n) of lane[slot], where lane is [slots, max_rows, width]. Writes copy in; reads are views."""
+
+    def __init__(self, lane: torch.Tensor, slot: int):
+        self.lane, self.slot, self.n = lane, slot, 0
+
+    def get(self) -> torch.Tensor:
+        return self.lane[self.slot, : self.n][None]
+
+    def set(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self.n = 0
+            return
+        n = value.shape[1]
+        if n > self.lane.shape[1]:
+            raise ValueError(f"{n} rows do not fit a slot of {self.lane.shape[1]}")
+        self.lane[self.slot, :n] = value[0].to(self.lane.dtype)
+        self.n = n
+
+    def copy_to(self, slot: int) -> "SlotRows":
+        other = SlotRows(self.lane, slot)
+        other.set(self.get())
+        return other
+
+
+class SlotField:
+    """A state attribute that is a plain tensor, or lives in a SlotRows once one is attached."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        v = obj.__dict__.get(self.key)
+        if isinstance(v, SlotRows):
+            return v.get() if v.n else None
+        return v
+
+    def __set__(self, obj, value) -> None:
+        cur = obj.__dict__.get(self.key)
+        if isinstance(cur, SlotRows) and not isinstance(value, SlotRows):
+            cur.set(value)
+        else:
+            obj.__dict__[self.key] = value
+
+
+def clone_field(obj, name: str, slot_for):
+    """A field's value for a clone: a copy of a tensor, or the slot contents copied to `slot_for(lane)`."""
+    v = obj.__dict__.get("_" + name)
+    if isinstance(v, SlotRows):
+        return v.copy_to(slot_for(v.lane)) if slot_for is not None else v.get().clone() if v.n else None
+    return None if v is None else v.clone()

@@ -12,22 +12,21 @@ A ratio-2 pair split across two forward calls waits in the state's one-row buffe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows
+from kvcache.engine.layers.history import DenseRows, SlotField, clone_field
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 
-@dataclass
 class SourceState:
-    rows: object = None                       # main rows (RoPE'd): DenseRows or PagedRows
-    keys: object = None                       # index keys (RoPE'd)
-    pending: torch.Tensor | None = None       # ratio 2: [B, p < 2, 2D] raw (kv | gate) rows of an open pair
-    count: int = 0
+    """A kv source's entries and index keys (pool blocks or dense), and a ratio-2 open pair's
+    raw rows (a pool slot or a tensor)."""
+    pending = SlotField()          # ratio 2: [B, p < 2, 2D] raw (kv | gate) rows of an open pair
+
+    def __init__(self, rows=None, keys=None, pending=None, count=0):
+        self.rows, self.keys, self.pending, self.count = rows, keys, pending, count
 
     @property
     def entries(self) -> torch.Tensor | None:
@@ -37,10 +36,12 @@ class SourceState:
     def index_keys(self) -> torch.Tensor | None:
         return None if self.keys is None else self.keys.view()
 
-    def clone(self, table=None) -> "SourceState":
-        return SourceState(None if self.rows is None else self.rows.clone(table),
-                           None if self.keys is None else self.keys.clone(table),
-                           None if self.pending is None else self.pending.clone(), self.count)
+    def clone(self, view=None) -> "SourceState":
+        table = None if view is None else view.table
+        st = SourceState(None if self.rows is None else self.rows.clone(table),
+                         None if self.keys is None else self.keys.clone(table), count=self.count)
+        st.pending = clone_field(self, "pending", None if view is None else view.slot_for)
+        return st
 
 
 class SourceCompressor(nn.Module):

@@ -35,9 +35,10 @@ class ModelState:
     drafter: list[AttentionState] = field(default_factory=list)
     extra: dict = field(default_factory=dict)      # e.g. V4.1 Engram's last token ids
 
-    def clone(self, table=None) -> "ModelState":
-        """A copy; `table` rebinds pool-backed history rows to another request's block table."""
-        return ModelState([s.clone(table) for s in self.layers], self.length, [s.clone() for s in self.drafter],
+    def clone(self, view=None) -> "ModelState":
+        """A copy; `view` (a PoolView of another request) rebinds its pool-backed rows and slots."""
+        return ModelState([s.clone(None if view is None else view.layer(i)) for i, s in enumerate(self.layers)],
+                          self.length, [s.clone() for s in self.drafter],
                           {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()})
 
 
@@ -114,7 +115,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def new_state(self, pool_view=None) -> ModelState:
         """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
-        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.lanes(i))
+        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.layer(i))
                            for i, blk in enumerate(self.layers)], 0, [m.attn.new_state() for m in self.mtp])
 
     def run(self, chunks: list[torch.Tensor], states: list[ModelState], collect: tuple[int, ...] = ()):

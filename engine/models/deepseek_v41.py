@@ -99,7 +99,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def new_state(self, pool_view=None) -> ModelState:
         """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
-        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.lanes(i))
+        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.layer(i))
                            for i, blk in enumerate(self.layers)], 0,
                           [stage.attn.new_state() for stage in getattr(self, "mtp", [])])
 

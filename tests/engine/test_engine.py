@@ -188,5 +188,11 @@ def test_history_rows_live_in_the_pool_blocks(model):
         lane = paged.lane                               # block 0 of the request holds rows 0 .. per_block-1
         n0 = min(paged.per_block, paged.count)
         assert torch.allclose(lane[req.block_ids[0], :n0], want[0, :n0], atol=1e-5)
+    from kvcache.engine.layers.history import SlotRows
+    for i, st in enumerate(req.state.layers):           # windows (and carry) sit in the request's pool slot
+        cell = st.__dict__["_window"]
+        assert isinstance(cell, SlotRows) and cell.lane is llm.engine.kv.slot_lanes[(i, "window")]
+        assert cell.slot == req.slot and torch.equal(st.window, dense.layers[i].window) or \
+            torch.allclose(st.window, dense.layers[i].window, atol=1e-5)
     llm.engine.abort(req.request_id)
     llm.engine.check_idle()
