@@ -98,6 +98,9 @@ class Attention(nn.Module):
         pos_all = torch.cat(positions)
         qr, q, kv = self.qkv(x, pos_all, rope)
         pre = self.project_history(x, qr, pos_all, rope)
+        if len(positions) > 1 and len(pos_all) == len(positions):     # a pure decode step
+            return self.output(self._decode_batch(q, kv, positions, states, rope, shared, pre), pos_all, rope,
+                               x.dtype)
         outs, a = [], 0
         for i, pos in enumerate(positions):
             sl = slice(a, a + len(pos))
@@ -105,6 +108,35 @@ class Attention(nn.Module):
             outs.append(self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part))
             a = sl.stop
         return self.output(torch.cat(outs, 1), pos_all, rope, x.dtype)
+
+    def _decode_batch(self, q, kv, positions, states, rope, shared, pre) -> torch.Tensor:
+        """One new token per request: histories and windows update per request (cheap), then one
+        padded softmax for the whole batch: keys [B, window + chosen entries, D]."""
+        B = len(positions)
+        rows, picks, biases = [], [], []
+        for i, (pos, st) in enumerate(zip(positions, states)):
+            part = {k: v[:, i:i + 1] for k, v in pre.items()}
+            prev = st.window if st.window is not None else kv.new_zeros((1, 0, self.head_dim))
+            mine = torch.cat([prev, kv[:, i:i + 1]], 1)[:, -self.window:]        # the rows this token sees
+            st.window = mine[:, -(self.window - 1):] if self.window > 1 else mine[:, :0]
+            entries, chosen = self.history(part, pos, st, rope, shared[i])
+            keys, bias = mine[0], torch.zeros(mine.shape[1])
+            if entries is not None and entries.shape[1]:
+                c = chosen(0, 1)[0, 0]
+                if c.is_floating_point():                                          # a bias over all entries
+                    keys, bias = torch.cat([keys, entries[0]]), torch.cat([bias, c])
+                else:                                                              # selected ids, -1 = none
+                    keys = torch.cat([keys, entries[0][c.clamp(min=0)]])
+                    bias = torch.cat([bias, torch.where(c >= 0, 0.0, float("-inf"))])
+            rows.append(keys)
+            biases.append(bias)
+        S = max(r.shape[0] for r in rows)
+        K = torch.zeros((B, S, self.head_dim))
+        M = torch.full((B, S), float("-inf"))
+        for i, (r, b) in enumerate(zip(rows, biases)):
+            K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
+        out = self.attend(q[0][:, None], K, M[:, None, :])                          # [B, 1, H, D]
+        return out[:, 0][None]                                                     # [1, B, H, D]
 
     def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
         B, T = q.shape[:2]
