@@ -7,6 +7,7 @@
     kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
     kvcache model init|logits|info      demo checkpoints, logits, parameter counts and KV bytes
     kvcache generate --model DIR ...    generate from a checkpoint, streaming to the terminal
+    kvcache replay TRACE.jsonl          prefix hit rates of the store on a request trace, vs LRU
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
     kvcache bench daemon [...]          the daemon against redis-server and memcpy
 """
@@ -42,13 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="structured JSON log lines for log shippers (default: text)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from kvcache.cli import bench, generate, model, report, serve, store_commands
+    from kvcache.cli import bench, generate, model, replay, report, serve, store_commands
     serve.add_parser(sub)
     store_commands.add_parsers(sub)
     report.add_parser(sub)
     bench.add_parser(sub)
     model.add_parser(sub)
     generate.add_parser(sub)
+    replay.add_parser(sub)
     return p
 
 

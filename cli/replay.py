@@ -1,0 +1,73 @@
+"""`kvcache replay TRACE.jsonl`: prefix hit rates of the real store on a request trace, at several
+DRAM capacities, next to the unlimited-capacity rate and a plain LRU of the same capacity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """examples:
+  kvcache replay ../shared/traces/mooncake_conversation_trace.jsonl
+  kvcache replay trace.jsonl --model v41-flash --dram-tokens 1M,3M,10M --nvme-tokens 30M --json out.json
+  kvcache replay trace.jsonl --kv-bytes-per-token 3850 --limit 2000
+
+Block sizes come from the model's KV layout (history bytes per token x 512 tokens per trace block),
+divided by --scale so the replay fits a laptop; capacities are scaled the same way.
+"""
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1_000, "M": 1_000_000, "G": 1_000_000_000}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace against the store (hit rates per tier)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("trace", help="JSONL trace: timestamp (ms), input_length, hash_ids (one per 512 tokens)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="v41-flash", help="model config whose KV bytes per token size the blocks")
+    src.add_argument("--kv-bytes-per-token", type=float, help="bytes of KV history per token (instead of --model)")
+    p.add_argument("--format", default=None, help="KV row format for --model (default: the model's compact one)")
+    p.add_argument("--dram-tokens", default="1M,3M,10M", help="DRAM capacities to try, in tokens")
+    p.add_argument("--nvme-tokens", default="30M", help="NVMe capacity in tokens")
+    p.add_argument("--retention-hours", type=float, default=72.0)
+    p.add_argument("--scale", type=int, default=64, help="divide block bytes and capacities by this (default 64)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", metavar="FILE", help="write the full results here")
+    p.set_defaults(func=cmd_replay)
+
+
+def _bytes_per_token(args) -> tuple[float, str]:
+    if args.kv_bytes_per_token:
+        return args.kv_bytes_per_token, "given"
+    from kvcache.cli.model import resolve_config
+    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.kv_layout import kv_layout
+    config = ModelConfig.load(resolve_config(args.model))
+    fmt = args.format or ("v41_fp4+mxfp4_index" if config.is_v41 else "fp8_ds_mla+fp8_index")
+    return kv_layout(config).bytes_per_token(fmt), f"{args.model} ({fmt})"
+
+
+def cmd_replay(args) -> int:
+    from kvcache.kvstore.trace_replay import run
+    bpt, source = _bytes_per_token(args)
+    import sys
+    doc = run(args.trace, bpt, [_tokens(t) for t in args.dram_tokens.split(",")], _tokens(args.nvme_tokens),
+              args.scale, args.limit, args.retention_hours, progress=sys.stderr.isatty())
+    doc["kv_bytes_source"] = source
+    print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
+          f"({source}): a 512-token block is {doc['block_bytes_real'] / 1024:.0f} KiB (replayed at 1/{args.scale})")
+    print(f"unlimited capacity, no expiry: {doc['unlimited_hit_rate']:.1%} of prompt tokens hit")
+    print(f"{'DRAM':>8} {'NVMe':>8}   {'store':>6} {'(DRAM':>6} {'NVMe)':>6}   {'LRU DRAM':>8} {'LRU total':>9}")
+    for c in doc["capacities"]:
+        pol = c["policy"]
+        print(f"{c['dram_tokens'] / 1e6:>7.1f}M {c['nvme_tokens'] / 1e6:>7.1f}M   {pol['token_hit_rate']:>6.1%} "
+              f"{pol['dram_hit_rate']:>6.1%} {pol['nvme_hit_rate']:>6.1%}   {c['lru_dram_only_hit_rate']:>8.1%} "
+              f"{c['lru_same_total_hit_rate']:>9.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,188 @@
+"""Replay a Mooncake-format request trace against the real store and its tiering policy.
+
+    trace line: {"timestamp": ms, "input_length": tokens, "output_length": ..., "hash_ids": [...]}
+                one hash id per 512-token block of the prompt; equal ids at equal positions = a
+                shared prefix (../shared/traces/README.md)
+
+    per request, in arrival order, on a simulated clock (BlockStore with a fake clock):
+        lookup(keys)            the cached prefix and the tier of each block: hits per tier
+        get_many_into(hits)     what the engine would load (promotes NVMe hits into DRAM)
+        put_many(missed blocks) what the engine would save after prefill
+    blocks are `block_bytes` long: a model's KV bytes per token x 512, divided by `scale` so the
+    replay fits a dev machine (capacities are divided by the same factor, so ratios hold)
+
+Baselines computed on the same trace: the unlimited-capacity hit rate (no eviction, no expiry)
+and a plain LRU cache of the same capacity. Rates are token-weighted prefix hit rates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    time_s: float
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_tokens(self) -> list[int]:
+        """Tokens of each prompt block (the last one may be partial)."""
+        n = len(self.hash_ids)
+        last = self.input_length - (n - 1) * TRACE_BLOCK_TOKENS
+        return [TRACE_BLOCK_TOKENS] * (n - 1) + [max(1, min(TRACE_BLOCK_TOKENS, last))] if n else []
+
+
+def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit is not None and i >= limit:
+                break
+            r = json.loads(line)
+            out.append(TraceRequest(r["timestamp"] / 1000.0, int(r["input_length"]), tuple(r["hash_ids"])))
+    return out
+
+
+def _prefix_hits(req: TraceRequest, present) -> int:
+    n = 0
+    for h in req.hash_ids:
+        if not present(h):
+            break
+        n += 1
+    return n
+
+
+def unlimited_hit_rate(trace: list[TraceRequest]) -> dict:
+    seen: set[int] = set()
+    hit_tok = total_tok = hit_blocks = 0
+    for req in trace:
+        toks = req.block_tokens()
+        n = _prefix_hits(req, seen.__contains__)
+        hit_blocks += n
+        hit_tok += sum(toks[:n])
+        total_tok += sum(toks)
+        seen.update(req.hash_ids)
+    return {"token_hit_rate": hit_tok / total_tok, "block_hits": hit_blocks,
+            "blocks": sum(len(r.hash_ids) for r in trace), "distinct_blocks": len(seen), "tokens": total_tok}
+
+
+def lru_hit_rate(trace: list[TraceRequest], capacity_blocks: int) -> float:
+    """A plain LRU cache of `capacity_blocks` blocks: prefix hits refresh, misses are inserted."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit_tok = total_tok = 0
+    for req in trace:
+        toks = req.block_tokens()
+        n = _prefix_hits(req, cache.__contains__)
+        hit_tok += sum(toks[:n])
+        total_tok += sum(toks)
+        for h in req.hash_ids:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hit_tok / total_tok
+
+
+def _key(hash_id: int) -> bytes:
+    return hash_id.to_bytes(8, "little") + b"mooncake"
+
+
+def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, nvme_bytes: int,
+                 retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None) -> dict:
+    """Hit rates per tier (token-weighted) of the real store over the trace, and over time."""
+    from kvcache.gc.retention import RetentionPolicy, RetentionRule
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.hashing import Namespace
+    from kvcache.kvstore.store import BlockStore, PutItem
+    from kvcache.kvstore.types import Tier
+    from kvcache.tiering.dram import DramConfig
+    from kvcache.tiering.nvme import NvmeConfig
+
+    class Clock:
+        t = 1_700_000_000.0
+
+        def __call__(self) -> float:
+            return self.t
+    clock = Clock()
+    root = tempfile.mkdtemp(prefix="kvcache-replay-")
+    page = max(1 << 20, 1 << (block_bytes - 1).bit_length())
+    cfg = StoreConfig(root, dram=DramConfig(capacity_bytes=max(dram_bytes, 2 * page), page_bytes=page, prefault=False,
+                                            pin_memory="off"),
+                      nvme=NvmeConfig(capacity_bytes=nvme_bytes, segment_bytes=max(16 << 20, 8 * block_bytes),
+                                      fsync="never"),
+                      retention=RetentionPolicy(RetentionRule(ttl_s=retention_hours * 3600)), event_log=False)
+    ns = Namespace("trace-replay", f"synthetic/{block_bytes}", TRACE_BLOCK_TOKENS, name="replay")
+    payload = memoryview(np.random.default_rng(0).integers(0, 256, block_bytes, dtype=np.uint8).tobytes())
+    buf = bytearray(block_bytes)
+    hits = {"dram": 0, "nvme": 0}
+    total_tok = 0
+    buckets: dict[int, dict] = {}
+    started = time.perf_counter()
+    try:
+        with BlockStore(cfg, clock=clock) as store:
+            store.register_namespace(ns)
+            t0 = trace[0].time_s if trace else 0.0
+            for req in trace:
+                clock.t = 1_700_000_000.0 + req.time_s
+                keys = [_key(h) for h in req.hash_ids]
+                toks = req.block_tokens()
+                look = store.lookup(keys)
+                b = buckets.setdefault(int((req.time_s - t0) // bucket_s), {"tokens": 0, "dram": 0, "nvme": 0})
+                for tok, tier in zip(toks, look.tiers):
+                    name = "dram" if tier == Tier.DRAM else "nvme"
+                    hits[name] += tok
+                    b[name] += tok
+                if look.num_hits:
+                    store.get_many_into(keys[: look.num_hits], [buf] * look.num_hits)
+                missing = keys[look.num_hits:]
+                if missing:
+                    store.put_many([PutItem(k, payload, ns.id) for k in missing])
+                total_tok += sum(toks)
+                b["tokens"] += sum(toks)
+                if progress is not None:
+                    progress.update(1)
+            usage = {t.tier: {"blocks": t.blocks, "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+                     for t in store.stats().tiers}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    over_time = [{"start_s": k * bucket_s, "tokens": v["tokens"],
+                  "hit_rate": (v["dram"] + v["nvme"]) / v["tokens"] if v["tokens"] else None,
+                  "dram_hit_rate": v["dram"] / v["tokens"] if v["tokens"] else None}
+                 for k, v in sorted(buckets.items())]
+    return {"token_hit_rate": (hits["dram"] + hits["nvme"]) / total_tok, "dram_hit_rate": hits["dram"] / total_tok,
+            "nvme_hit_rate": hits["nvme"] / total_tok, "over_time": over_time, "tier_usage_at_end": usage,
+            "replay_s": time.perf_counter() - started}
+
+
+def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
+        limit: int | None = None, retention_hours: float = 72.0, progress: bool = True) -> dict:
+    """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines."""
+    from tqdm import tqdm
+    trace = load_trace(trace_path, limit)
+    block_real = kv_bytes_per_token * TRACE_BLOCK_TOKENS
+    block_bytes = max(64, int(round(block_real / scale)))
+    per_block = block_bytes / TRACE_BLOCK_TOKENS                # scaled bytes per token
+    unlimited = unlimited_hit_rate(trace)
+    results = []
+    with tqdm(total=len(trace) * len(dram_tokens), desc="replaying", unit="req", disable=not progress) as bar:
+        for dram in dram_tokens:
+            ours = store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
+                                retention_hours, progress=bar)
+            results.append({"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": ours,
+                            "lru_dram_only_hit_rate": lru_hit_rate(trace, max(1, dram // TRACE_BLOCK_TOKENS)),
+                            "lru_same_total_hit_rate": lru_hit_rate(trace, max(1, max(dram, nvme_tokens)
+                                                                                // TRACE_BLOCK_TOKENS))})
+    return {"trace": os.path.abspath(trace_path), "requests": len(trace), "kv_bytes_per_token": kv_bytes_per_token,
+            "block_bytes_real": block_real, "scale": scale, "block_bytes_replayed": block_bytes,
+            "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results}

@@ -1,0 +1,56 @@
+"""Trace replay: the unlimited and LRU baselines by hand on a small trace, the store's replay within
+them, and the real Mooncake trace's published facts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcache.kvstore.trace_replay import TraceRequest, load_trace, lru_hit_rate, store_replay, unlimited_hit_rate
+
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+
+
+def req(t, ids, n_tokens=None):
+    return TraceRequest(t, n_tokens or 512 * len(ids), tuple(ids))
+
+
+def test_baselines_by_hand():
+    trace = [req(0, [1, 2, 3]), req(1, [1, 2, 9]), req(2, [1, 5]), req(3, [7, 2, 3]), req(4, [1, 2, 3], 1200)]
+    u = unlimited_hit_rate(trace)
+    # hits: -, [1,2], [1], -, [1,2,3] (last block of 176 tokens)
+    assert u["block_hits"] == 2 + 1 + 3 and u["distinct_blocks"] == 6
+    total = 512 * 11 + 1200
+    assert u["token_hit_rate"] == pytest.approx((1024 + 512 + 1200) / total)
+    # an LRU of 3 blocks: after request 3 it holds {7, 2, 3}, so request 4's first block (1) misses
+    assert lru_hit_rate(trace, 3) == pytest.approx((1024 + 512) / total)
+    assert lru_hit_rate(trace, 100) == pytest.approx(u["token_hit_rate"])
+
+
+def test_store_replay_stays_within_the_baselines():
+    trace = [req(i * 10.0, [0] + [1000 * (i % 30) + j for j in range(1, 6)]) for i in range(90)]
+    u = unlimited_hit_rate(trace)["token_hit_rate"]
+    big = store_replay(trace, 4096, dram_bytes=8 << 20, nvme_bytes=64 << 20)
+    assert big["token_hit_rate"] == pytest.approx(u)                       # everything fits: every prefix hits
+    small = store_replay(trace, 4096, dram_bytes=2 << 20, nvme_bytes=96 * 4096)
+    assert 0 < small["token_hit_rate"] < u and small["dram_hit_rate"] + small["nvme_hit_rate"] == pytest.approx(
+        small["token_hit_rate"])
+    assert sum(b["tokens"] for b in small["over_time"]) == sum(sum(r.block_tokens()) for r in trace)
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not in ../shared/traces")
+def test_mooncake_trace_facts_and_cli(tmp_path):
+    trace = load_trace(TRACE)
+    u = unlimited_hit_rate(trace)
+    assert (len(trace), u["blocks"], u["block_hits"], u["distinct_blocks"]) == (12031, 288500, 105710, 182790)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "replay", TRACE, "--limit", "400",
+                        "--dram-tokens", "200K,1M", "--nvme-tokens", "3M", "--json", str(out)],
+                       capture_output=True, text=True, check=True)
+    doc = json.loads(out.read_text())
+    assert len(doc["capacities"]) == 2 and "unlimited capacity" in r.stdout and doc["unlimited_hit_rate"] > 0
+    for c in doc["capacities"]:
+        assert 0 <= c["policy"]["token_hit_rate"] <= doc["unlimited_hit_rate"] + 1e-9
+        assert c["lru_dram_only_hit_rate"] <= c["lru_same_total_hit_rate"] + 1e-9
