@@ -60,12 +60,13 @@ def cmd_replay(args) -> int:
     print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
           f"({source}): a 512-token block is {doc['block_bytes_real'] / 1024:.0f} KiB (replayed at 1/{args.scale})")
     print(f"unlimited capacity, no expiry: {doc['unlimited_hit_rate']:.1%} of prompt tokens hit")
-    print(f"{'DRAM':>8} {'NVMe':>8}   {'store':>6} {'(DRAM':>6} {'NVMe)':>6}   {'LRU DRAM':>8} {'LRU total':>9}")
+    print(f"{'DRAM':>8} {'NVMe':>8}  {'admission':<10}  {'store':>6} {'(DRAM':>6} {'NVMe)':>6}   "
+          f"{'LRU DRAM':>8} {'LRU total':>9}")
     for c in doc["capacities"]:
-        pol = c["policy"]
-        print(f"{c['dram_tokens'] / 1e6:>7.1f}M {c['nvme_tokens'] / 1e6:>7.1f}M   {pol['token_hit_rate']:>6.1%} "
-              f"{pol['dram_hit_rate']:>6.1%} {pol['nvme_hit_rate']:>6.1%}   {c['lru_dram_only_hit_rate']:>8.1%} "
-              f"{c['lru_same_total_hit_rate']:>9.1%}")
+        for name, pol in c["policies"].items():
+            print(f"{c['dram_tokens'] / 1e6:>7.1f}M {c['nvme_tokens'] / 1e6:>7.1f}M  {name:<10}  "
+                  f"{pol['token_hit_rate']:>6.1%} {pol['dram_hit_rate']:>6.1%} {pol['nvme_hit_rate']:>6.1%}   "
+                  f"{c['lru_dram_only_hit_rate']:>8.1%} {c['lru_same_total_hit_rate']:>9.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -62,6 +62,7 @@ class BlockStore(StoreWrites, StoreLeases):
         self._lockfile = lock_data_dir(config.data_dir)
         self.stats_counters: collections.Counter[str] = collections.Counter()
         self._dram_meta: dict[bytes, BlockMeta] = {}
+        self._dram_ghost: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.index = self.nvme = self.dram = self.object = None
         try:
             self.nvme = (NvmeTier(config.nvme_dir, config.nvme, self._quarantine, clock)

@@ -99,7 +99,8 @@ def _key(hash_id: int) -> bytes:
 
 
 def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, nvme_bytes: int,
-                 retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None) -> dict:
+                 retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None,
+                 admission: str = "always") -> dict:
     """Hit rates per tier (token-weighted) of the real store over the trace, and over time."""
     from kvcache.gc.retention import RetentionPolicy, RetentionRule
     from kvcache.kvstore.config import StoreConfig
@@ -118,7 +119,7 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     root = tempfile.mkdtemp(prefix="kvcache-replay-")
     page = max(1 << 20, 1 << (block_bytes - 1).bit_length())
     cfg = StoreConfig(root, dram=DramConfig(capacity_bytes=max(dram_bytes, 2 * page), page_bytes=page, prefault=False,
-                                            pin_memory="off"),
+                                            pin_memory="off", admission=admission),
                       nvme=NvmeConfig(capacity_bytes=nvme_bytes, segment_bytes=max(16 << 20, 8 * block_bytes),
                                       fsync="never"),
                       retention=RetentionPolicy(RetentionRule(ttl_s=retention_hours * 3600)), event_log=False)
@@ -166,7 +167,8 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
 
 
 def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
-        limit: int | None = None, retention_hours: float = 72.0, progress: bool = True) -> dict:
+        limit: int | None = None, retention_hours: float = 72.0, progress: bool = True,
+        admissions: tuple[str, ...] = ("always", "second-hit")) -> dict:
     """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines."""
     from tqdm import tqdm
     trace = load_trace(trace_path, limit)
@@ -175,11 +177,13 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     per_block = block_bytes / TRACE_BLOCK_TOKENS                # scaled bytes per token
     unlimited = unlimited_hit_rate(trace)
     results = []
-    with tqdm(total=len(trace) * len(dram_tokens), desc="replaying", unit="req", disable=not progress) as bar:
+    with tqdm(total=len(trace) * len(dram_tokens) * len(admissions), desc="replaying", unit="req",
+              disable=not progress) as bar:
         for dram in dram_tokens:
-            ours = store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
-                                retention_hours, progress=bar)
-            results.append({"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": ours,
+            runs = {a: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
+                                    retention_hours, progress=bar, admission=a) for a in admissions}
+            results.append({"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]],
+                            "policies": runs,
                             "lru_dram_only_hit_rate": lru_hit_rate(trace, max(1, dram // TRACE_BLOCK_TOKENS)),
                             "lru_same_total_hit_rate": lru_hit_rate(trace, max(1, max(dram, nvme_tokens)
                                                                                 // TRACE_BLOCK_TOKENS))})

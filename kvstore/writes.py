@@ -91,11 +91,28 @@ class StoreWrites:
             self._make_room()
         placements = self.nvme.put(writes)
         self._commit_nvme(writes, metas, placements)
-        if self.dram is not None:
+        cached = self._admitted(writes)
+        if self.dram is not None and cached:
             try:
-                self.dram.put(writes)
+                self.dram.put(cached)
             except (TierFullError, ValueError) as e:
                 log.debug("write-through blocks not cached in DRAM: %s", e)
+
+    def _admitted(self, writes: list[BlockWrite]) -> list[BlockWrite]:
+        """DRAM admission of write-through puts: all, or ("second-hit") only keys refused before;
+        the refused are remembered in a bounded set (a block read later is promoted regardless)."""
+        if self.dram is None or self.config.dram.admission == "always":
+            return writes
+        ghost, cap, out = self._dram_ghost, self.config.dram.admission_memory, []
+        for w in writes:
+            if ghost.pop(w.key, None) is not None:
+                out.append(w)
+            else:
+                ghost[w.key] = None
+                if len(ghost) > cap:
+                    ghost.popitem(last=False)
+        self.stats_counters["dram_admission_refused"] += len(writes) - len(out)
+        return out
 
     def _commit_nvme(self, writes, metas, placements: list[Placement]) -> None:
         puts, new_segments = {}, set()

@@ -43,6 +43,10 @@ class DramConfig:
     pin_memory: str = "auto"       # "auto" | "on" | "off"
     prefault: bool = True          # touch the arena at start-up, not on the first puts
     shared_memory: bool | None = None  # local clients map the arena (None: on in `kvcache serve`)
+    admission: str = "always"      # write-through puts: "always" cache in DRAM, or "second-hit": only a
+                                   # block seen before (reads always admit); one-off blocks then never
+                                   # evict reused ones from a small DRAM (see benchmarks/README, replay)
+    admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -51,6 +55,9 @@ class DramConfig:
             raise ValueError(f"dram.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
         if self.pin_memory not in ("auto", "on", "off"):
             raise ValueError(f"dram.pin_memory must be auto, on or off, got {self.pin_memory!r}")
+        if self.admission not in ("always", "second-hit") or self.admission_memory < 1:
+            raise ValueError(f"dram.admission must be always or second-hit (with admission_memory >= 1), "
+                             f"got {self.admission!r}")
 
 
 @dataclass(slots=True)

@@ -199,3 +199,23 @@ def test_batched_gets(make_store):
         s.get_many_into(keys, outs[:2])
     with pytest.raises(ValueError, match="output buffer holds"):
         s.get_many_into(keys[:1], [bytearray(10)])
+
+
+def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.tiering.dram import DramConfig
+    from kvcache.tiering.nvme import NvmeConfig
+    cfg = StoreConfig(str(tmp_path / "s"), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False,
+                                                          admission="second-hit"),
+                      nvme=NvmeConfig(segment_bytes=1 << 20))
+    with BlockStore(cfg, clock=clock) as store:
+        store.register_namespace(NS)
+        keys = make_keys(3)
+        put_blocks(store, keys)
+        assert not any(store.dram.contains(k) for k in keys)           # first sight: NVMe only
+        assert store.stats().counters["dram_admission_refused"] == 3
+        assert store.get(keys[1]) == payload_for(keys[1])              # a read is the second sight
+        assert store.dram.contains(keys[1]) and not store.dram.contains(keys[0])
+    with pytest.raises(ValueError, match="admission"):
+        DramConfig(admission="sometimes")
