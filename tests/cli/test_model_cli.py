@@ -82,8 +82,10 @@ def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
 def test_generate_with_two_tensor_parallel_ranks_matches_one(tmp_path):
     d = tmp_path / "m"
     kv("model", "init", "--config", "v4-tiny", "--out", str(d))
-    base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "6", "--temperature",
-            "0.7", "--seed", "5", "--ignore-eos")
+    # greedy: sampled tokens could flip on a draw that lands within float rounding of a CDF step, and
+    # the ranks' partial sums are not bit-identical to one process (the logits agree to 1e-5:
+    # tests/engine/test_parallel.py)
+    base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "6", "--ignore-eos")
     one = kv(*base)
     two = kv(*base, "--tp", "2", "--ep")
     assert one.stdout == two.stdout and "6 generated" in two.stderr
