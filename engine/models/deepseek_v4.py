@@ -122,14 +122,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """One step over several requests: chunks[i] [T_i] continue states[i] (advanced). The tokens
         run as one flattened batch [1, sum T_i]; returns (streams [1, N, n, d], positions per request,
         {layer: streams} for the layers in `collect`)."""
-        c = self.config
-        tokens = torch.cat(chunks)[None]
-        check_ids(tokens, c.vocab_size)
-        positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
-        for pos in positions:
-            if len(pos) and int(pos[-1]) >= c.max_position_embeddings:
-                raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {c.max_position_embeddings}")
-        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+        tokens, positions, h = batch_inputs(self.embed, self.config, chunks, states)
         taps: dict[int, torch.Tensor] = {}
         for i, blk in enumerate(self.layers):
             h = blk(h, positions, [st.layers[i] for st in states], self.rope, tokens)
@@ -171,6 +164,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)
         h = self.mtp[0].draft(streams, self.embed(next_ids), positions, state.drafter[0], self.rope, next_ids)
         return self.head(h).float()
+
+
+def batch_inputs(embed: nn.Embedding, config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState]):
+    """(tokens [1, N], positions per request, hc streams [1, N, n, d]) of a flattened batch, checked."""
+    tokens = torch.cat(chunks)[None]
+    check_ids(tokens, config.vocab_size)
+    positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
+    for pos in positions:
+        if len(pos) and int(pos[-1]) >= config.max_position_embeddings:
+            raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {config.max_position_embeddings}")
+    return tokens, positions, embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
 
 
 def check_ids(token_ids: torch.Tensor, vocab_size: int) -> None:

@@ -33,7 +33,7 @@ from kvcache.engine.layers.hyper import collapse, expand, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables
-from kvcache.engine.models.deepseek_v4 import ModelState, check_ids
+from kvcache.engine.models.deepseek_v4 import ModelState, batch_inputs
 
 
 class Block41(nn.Module):
@@ -131,13 +131,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         returns (final hidden [1, N', d], positions per request, {layer: streams}). N' < N only in
         prefill truncation mode: decoder layers see each request's last `prefill_keep_tokens` tokens."""
         c = self.config
-        tokens = torch.cat(chunks)[None]
-        check_ids(tokens, c.vocab_size)
-        positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
-        for pos in positions:
-            if len(pos) and int(pos[-1]) >= c.max_position_embeddings:
-                raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {c.max_position_embeddings}")
-        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+        tokens, positions, h = batch_inputs(self.embed, c, chunks, states)
         values = alive = None
         if c.engram_layer_ids:
             parts = [self._engram_inputs(ch[None], st) for ch, st in zip(chunks, states)]
