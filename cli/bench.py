@@ -30,8 +30,9 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmark this machine's tiers",
-                              description="Benchmarks of the store on this machine.")
+    p = subparsers.add_parser("bench", help="benchmarks: tiers, daemon, model, engine, KV codecs",
+                              description="Benchmarks on this machine, each against a baseline measured in the "
+                                          "same run; JSON results go to benchmarks/results/.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     t = sub.add_parser("tiers", help="DRAM/NVMe throughput against memcpy and raw disk",
                        description="Throughput of the DRAM and NVMe tiers against memcpy and raw disk I/O, "

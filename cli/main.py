@@ -10,6 +10,7 @@
     kvcache replay TRACE.jsonl          prefix hit rates of the store on a request trace, vs LRU
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
     kvcache bench daemon [...]          the daemon against redis-server and memcpy
+    kvcache bench model|engine|codec    the engine against transformers; codecs on model KV
 """
 
 from __future__ import annotations
