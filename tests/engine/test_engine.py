@@ -196,3 +196,33 @@ def test_history_rows_live_in_the_pool_blocks(model):
             torch.allclose(st.window, dense.layers[i].window, atol=1e-5)
     llm.engine.abort(req.request_id)
     llm.engine.check_idle()
+
+
+@torch.no_grad()
+def test_pool_blocks_round_trip_through_the_block_store(model, tmp_path):
+    """A block's history rows, encoded with the pool's layout, stored, read back into another block."""
+    from kvcache.engine.kv_blocks import block_layout, decode_block, encode_block, layout_id
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.hashing import Namespace
+    from kvcache.kvstore.store import BlockStore, PutItem
+    llm = LLM(model=model, config=CFG)
+    eng = llm.engine
+    req = eng.add_request((prompts(1)[0] * 4)[:48], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while req.num_computed < 48:
+        eng.step()
+    ns = Namespace(eng.namespace.model_fingerprint, layout_id(eng.kv), CFG.block_size, name="test")
+    with BlockStore(StoreConfig(str(tmp_path / "store"))) as store:
+        store.register_namespace(ns)
+        layout = block_layout(eng.kv)
+        payloads = [encode_block(eng.kv, b) for b in req.block_ids[:3]]
+        store.put_many([PutItem(k, p, ns.id, layout) for k, p in zip(req.block_keys, payloads)])
+        spare = eng.pool.allocate(3)
+        for b, k in zip(spare, req.block_keys):
+            decode_block(eng.kv, b, store.get(k))
+        for (src, dst) in zip(req.block_ids[:3], spare):
+            assert all(torch.equal(t[src], t[dst]) for t in eng.kv.lanes.values())
+        eng.pool.release(spare)
+        with pytest.raises(ValueError, match="does not fit"):
+            decode_block(eng.kv, spare[0], b"short")
+    eng.abort(req.request_id)
+    eng.check_idle()

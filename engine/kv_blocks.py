@@ -1,0 +1,52 @@
+"""What one KV block stores in the block store: the history rows its tokens produced, in every
+history lane of the pool, as one payload with a named-tensor layout.
+
+    payload of block b = concat over lanes (sorted by layer, then "entries" before "index") of
+                         lane[b] : [block_size / ratio, dim]  float32 (the pool's dtype), row-major
+    layout             = (TensorSpec("L{layer}.{kind}", "float32", (rows, dim)), ...)
+
+Windows and compressor carry are not in blocks: they are per-request and rebuilt on a hit (bounded
+replay) or saved whole as a tail snapshot (exact mode, issue 6). The layout id that goes into the
+store namespace names this structure, so a change of lanes or dtype never reads old blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kvcache.engine.kv_pool import KVPool
+from kvcache.kvstore.types import TensorSpec
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def block_layout(pool: KVPool) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(f"L{layer}.{kind}", _DTYPE_NAMES[t.dtype], (t.shape[1], t.shape[2]))
+                 for (layer, kind), t in sorted(pool.lanes.items()))
+
+
+def layout_id(pool: KVPool) -> str:
+    """A short, stable id of the block layout (goes into the store namespace's kv_layout)."""
+    text = ";".join(f"{s.name}:{s.dtype}:{'x'.join(map(str, s.shape))}" for s in block_layout(pool))
+    return f"kvpool-v1-{pool.block_size}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def encode_block(pool: KVPool, block_id: int) -> bytes:
+    """The payload of one pool block (every history lane's rows for it)."""
+    parts = [t[block_id].contiguous().view(torch.uint8).reshape(-1) for _, t in sorted(pool.lanes.items())]
+    return torch.cat(parts).numpy().tobytes() if parts else b""
+
+
+def decode_block(pool: KVPool, block_id: int, payload) -> None:
+    """Write a stored payload into pool block `block_id` (raises if its size does not fit the layout)."""
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    want = sum(t[0].numel() * t.element_size() for t in pool.lanes.values())
+    if raw.numel() != want:
+        raise ValueError(f"a stored block of {raw.numel()} bytes does not fit this pool's layout ({want} bytes)")
+    pos = 0
+    for _, t in sorted(pool.lanes.items()):
+        n = t[0].numel() * t.element_size()
+        t[block_id] = raw[pos: pos + n].view(t.dtype).view(t.shape[1:])
+        pos += n
