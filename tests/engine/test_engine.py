@@ -226,3 +226,36 @@ def test_pool_blocks_round_trip_through_the_block_store(model, tmp_path):
             decode_block(eng.kv, spare[0], b"short")
     eng.abort(req.request_id)
     eng.check_idle()
+
+
+@torch.no_grad()
+def test_exact_warm_start_from_stored_blocks_and_a_tail_snapshot(model, tmp_path):
+    """Cold run of P + Q vs: run P, store its blocks and tail snapshot, then a new engine loads them
+    into fresh pool blocks and continues with Q: the same greedy tokens (exact mode)."""
+    from kvcache.engine.kv_blocks import decode_block, encode_block
+    from kvcache.engine.snapshot import capture, restore
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(21)
+    P = torch.randint(3, 380, (2 * CFG.block_size,), generator=g).tolist()
+    Q = torch.randint(3, 380, (11,), generator=g).tolist()
+    cold = tokens(LLM(model=model, config=CFG).generate([P + Q], greedy))[0][0]
+
+    first = LLM(model=model, config=CFG).engine
+    a = first.add_request(P, greedy)
+    while a.num_computed < len(P):
+        first.step()
+    stored = {k: encode_block(first.kv, b) for k, b in zip(a.block_keys, a.block_ids)}
+    snap = capture(a.state)
+    first.abort(a.request_id)
+
+    warm = LLM(model=model, config=CFG).engine
+    b = warm.add_request(P + Q, greedy)
+    b.block_ids += warm.pool.allocate(len(stored))          # the prefix's blocks, loaded from the store
+    for bid, key in zip(b.block_ids, a.block_keys):
+        decode_block(warm.kv, bid, stored[key])
+    b.state = restore(model, warm._view(b), snap)
+    b.num_computed = len(P)
+    while warm.has_work():
+        warm.step()
+    assert b.output == cold and b.metrics.tokens_computed == len(Q) + 7      # P was never recomputed
+    warm.check_idle()
