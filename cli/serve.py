@@ -76,7 +76,6 @@ def describe(store_cfg, server_cfg) -> str:
 
 
 def cmd_serve(args) -> int:
-    from aiohttp import web
     from kvcache.cli.server import build_app
     from kvcache.kvstore.store import BlockStore
     store_cfg, server_cfg = load_configs(args)
@@ -98,8 +97,8 @@ def cmd_serve(args) -> int:
             events.close()
     app.on_cleanup.append(close_store)
     print(describe(store_cfg, server_cfg), flush=True)
-    web.run_app(app, host=server_cfg.host, port=server_cfg.port, path=server_cfg.unix_socket or None, print=None,
-                shutdown_timeout=server_cfg.shutdown_timeout_s, access_log=None)
+    from kvcache.cli.http_front import run
+    run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s)
     print("kvcache: stopped cleanly", flush=True)
     return 0
 

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -46,6 +47,17 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": code, "message": message}, status=status)
 
 
+def error_for(exc: BaseException) -> tuple[int, str, str] | None:
+    """(status, code, message) for the errors a request can cause; None for a bug (500)."""
+    if isinstance(exc, web.HTTPException):
+        return exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason
+    for kind, status, code in _ERRORS:
+        if isinstance(exc, kind):
+            return status, code, str(exc) if code != "truncated_body" else \
+                "the request body ended in the middle of a frame"
+    return None
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
@@ -53,43 +65,55 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
-    except UnknownNamespaceError as e:
-        return _error(422, "unknown_namespace", str(e))
-    except wire.FrameLimitError as e:
-        return _error(413, "request_entity_too_large", str(e))
-    except (BlockFormatError, ValueError, KeyError, TypeError) as e:
-        return _error(400, "bad_request", str(e))
-    except asyncio.IncompleteReadError:
-        return _error(400, "truncated_body", "the request body ended in the middle of a frame")
-    except TierFullError as e:
-        return _error(507, "insufficient_storage", str(e))
-    except QuotaExceeded as e:
-        return _error(507, "quota_exceeded", str(e))
-    except StoreError as e:
-        return _error(503, "store_unavailable", str(e))
-    except Exception:
+        return _error(*error_for(e))
+    except Exception as e:
+        known = error_for(e)
+        if known is not None:
+            return _error(*known)
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(500, "internal", "internal error; see the daemon log")
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    cfg = request.app[CONFIG]
-    if request.path == "/healthz" or not cfg.auth_required:
-        request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = "", True, None, True
-        return await handler(request)
-    header = request.headers.get("Authorization", "")
-    presented = header[7:] if header.startswith("Bearer ") else ""
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request acts as, from its bearer token."""
+    tenant: str = ""
+    admin: bool = True
+    quota: int | None = None
+    shm: bool = True       # may map the shared DRAM arena (it holds every tenant's bytes)
+
+
+OPEN = Principal()     # no tokens configured (loopback only): everything allowed, one tenant
+
+
+def authenticate(cfg: ServerConfig, authorization: str, path: str) -> Principal | None:
+    """The principal of an Authorization header value; None when the token is missing or unknown."""
+    if path == "/healthz" or not cfg.auth_required:
+        return OPEN
+    presented = authorization[7:] if authorization.startswith("Bearer ") else ""
     match = None
     for t in cfg.tokens:  # compare with every token, in constant time
         if hmac.compare_digest(t.token.encode(), presented.encode()):
             match = t
     if match is None:
-        return _error(401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
-    request[TENANT], request[ADMIN], request[QUOTA] = match.tenant, match.admin, match.quota_bytes
-    request[SHM] = match.admin or match.shared_memory
+        return None
+    return Principal(match.tenant, match.admin, match.quota_bytes, match.admin or match.shared_memory)
+
+
+UNAUTHORIZED = (401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    who = authenticate(request.app[CONFIG], request.headers.get("Authorization", ""), request.path)
+    if who is None:
+        return _error(*UNAUTHORIZED)
+    request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = who.tenant, who.admin, who.quota, who.shm
     return await handler(request)
+
+
+def principal(request: web.Request) -> Principal:
+    return Principal(request[TENANT], request[ADMIN], request[QUOTA], request[SHM])
 
 
 @web.middleware
@@ -108,18 +132,29 @@ async def _call(request: web.Request, fn, *args, **kw):
 
 
 async def _check_quota(request: web.Request, incoming: int) -> None:
+    await check_quota(request.app, principal(request), incoming)
+
+
+async def check_quota(app: web.Application, who: Principal, incoming: int) -> None:
     """Refuse a put that would take the tenant past its quota (counted on payload bytes)."""
-    quota = request[QUOTA]
-    if quota is None:
+    if who.quota is None:
         return
-    used, _ = await _call(request, request.app[STORE].tenant_usage, request[TENANT])
-    if used + incoming > quota:
-        raise QuotaExceeded(f"tenant {request[TENANT]!r} holds {used} of its {quota} bytes; this put needs "
+    loop = asyncio.get_running_loop()
+    used, _ = await loop.run_in_executor(app[POOL], app[STORE].tenant_usage, who.tenant)
+    if used + incoming > who.quota:
+        raise QuotaExceeded(f"tenant {who.tenant!r} holds {used} of its {who.quota} bytes; this put needs "
                             f"{incoming} more. Delete or unpin blocks, wait for retention, or raise the quota")
 
 
 class QuotaExceeded(Exception):
     pass
+
+
+_ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitError, 413, "request_entity_too_large"),
+           (BlockFormatError, 400, "bad_request"), (ValueError, 400, "bad_request"), (KeyError, 400, "bad_request"),
+           (TypeError, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
+           (TierFullError, 507, "insufficient_storage"), (QuotaExceeded, 507, "quota_exceeded"),
+           (StoreError, 503, "store_unavailable"))
 
 
 def _require_admin(request: web.Request) -> None:
@@ -202,9 +237,7 @@ async def head_block(request: web.Request) -> web.Response:
 
 
 async def batch_put(request: web.Request) -> web.Response:
-    cfg, store = request.app[CONFIG], request.app[STORE]
-    read, content = request.content.readexactly, request.content
-    count = await wire.read_stream_header(read, cfg.max_batch_blocks)
+    content = request.content
 
     async def read_payload(n: int) -> bytearray:   # one copy out of the socket's chunks, no join
         buf, pos = bytearray(n), 0
@@ -216,21 +249,55 @@ async def batch_put(request: web.Request) -> web.Response:
             mv[pos: pos + len(chunk)] = chunk
             pos += len(chunk)
         return buf
+    read = content.readexactly
+    return web.json_response(await ingest_puts(request.app, principal(request), read,
+                                               lambda limit: wire.read_put_frame(read, limit, read_payload)))
+
+
+async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
+                      chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
+    """Store one KVB1 put stream: the stream header is read with `read(n)`, each frame with
+    `next_frame(max payload bytes)`, and blocks are stored a chunk at a time, quota checked per chunk. Receiving and storing overlap:
+
+        receive chunk k+1 ──────────────┐       (event loop; recv_into releases the GIL)
+        store chunk k (put_many) ───────┤       (worker thread; copies into the tiers)
+        wait for chunk k, start k+1 ────┘       at most one chunk in flight
+
+    `next_chunk()` is called when a chunk has been handed to the store: payload buffers of the
+    chunk before it may be reused from then on. Shared by the aiohttp handler and the native
+    bulk path (cli/bulk_put.py)."""
+    cfg, store = app[CONFIG], app[STORE]
+    count = await wire.read_stream_header(read, cfg.max_batch_blocks)
     totals, chunk, chunk_bytes = [0, 0, True], [], 0
-    for _ in range(count):
-        f = await wire.read_put_frame(read, cfg.max_block_bytes, read_payload)
-        chunk.append(PutItem(tenant_key(request[TENANT], f.key), f.payload, f.namespace_id, f.layout,
-                             request[TENANT], f.ttl_s))
-        chunk_bytes += len(f.payload)
-        if chunk_bytes >= PUT_CHUNK_BYTES:
-            await _check_quota(request, chunk_bytes)
-            _add(totals, await _call(request, store.put_many, chunk))
-            chunk, chunk_bytes = [], 0
-    if chunk:
-        await _check_quota(request, chunk_bytes)
-        _add(totals, await _call(request, store.put_many, chunk))
-    request.app[METRICS].count_puts(totals[0], totals[1])
-    return web.json_response({"stored": totals[0], "already_present": totals[1], "durable": totals[2]})
+    loop = asyncio.get_running_loop()
+    pending, pending_bytes = None, 0
+
+    async def flush(items: list, nbytes: int) -> None:
+        nonlocal pending, pending_bytes
+        if pending is not None:
+            _add(totals, await pending)
+            pending, pending_bytes = None, 0
+        if items:
+            await check_quota(app, who, nbytes)
+            pending, pending_bytes = loop.run_in_executor(app[POOL], store.put_many, items), nbytes
+            if next_chunk is not None:
+                next_chunk()
+    try:
+        for _ in range(count):
+            f = await next_frame(cfg.max_block_bytes)
+            chunk.append(PutItem(tenant_key(who.tenant, f.key), f.payload, f.namespace_id, f.layout, who.tenant,
+                                 f.ttl_s))
+            chunk_bytes += len(f.payload)
+            if chunk_bytes >= chunk_limit:
+                await flush(chunk, chunk_bytes)
+                chunk, chunk_bytes = [], 0
+        await flush(chunk, chunk_bytes)
+        await flush([], 0)
+    finally:
+        if pending is not None:     # an error while a chunk is being stored: let it finish first
+            await asyncio.wait([pending])
+    app[METRICS].count_puts(totals[0], totals[1])
+    return {"stored": totals[0], "already_present": totals[1], "durable": totals[2]}
 
 
 def _add(totals: list, r) -> None:
@@ -338,6 +405,8 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
+    from kvcache.cli.bulk_put import STAGING, StagingPool
+    app[STAGING] = StagingPool()
     app.router.add_get("/healthz", healthz)
     app.router.add_post("/v1/namespaces", register_namespace)
     app.router.add_put("/v1/blocks/{key}", put_block)

@@ -196,19 +196,28 @@ class AsyncKVClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._stream_timeout = aiohttp.ClientTimeout(sock_connect=connect_timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._bulk_session: aiohttp.ClientSession | None = None
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    def _get_session(self, bulk: bool = False) -> aiohttp.ClientSession:
+        """Bulk uploads get connections of their own: the daemon serves a connection natively
+        (payloads straight into its staging memory) only until it carries another request."""
+        s = self._bulk_session if bulk else self._session
+        if s is None or s.closed:
             conn = (aiohttp.UnixConnector(path=self.unix_socket, limit=self.pool_size) if self.unix_socket
                     else aiohttp.TCPConnector(limit=self.pool_size))
-            self._session = aiohttp.ClientSession(connector=conn, headers=self._headers)
-        return self._session
+            s = aiohttp.ClientSession(connector=conn, headers=self._headers)
+            if bulk:
+                self._bulk_session = s
+            else:
+                self._session = s
+        return s
 
     async def close(self) -> None:
         await self._drop_arena()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for s in (self._session, self._bulk_session):
+            if s is not None:
+                await s.close()
+        self._session = self._bulk_session = None
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self
@@ -221,13 +230,14 @@ class AsyncKVClient:
 
     async def _call(self, method: str, path: str, handle: Callable[[aiohttp.ClientResponse], Awaitable[Any]], *,
                     retry: bool = True, json_body: Any = None, body: Callable[[], Any] | None = None,
-                    headers: dict | None = None, miss_ok: bool = False, stream: bool = False) -> Any:
+                    headers: dict | None = None, miss_ok: bool = False, stream: bool = False,
+                    bulk: bool = False) -> Any:
         """One request with retries: `handle(resp)` runs on 2xx (and on 404 when `miss_ok`)."""
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             last = attempt == attempts - 1
             try:
-                async with self._get_session().request(
+                async with self._get_session(bulk).request(
                         method, self.base_url + path, json=json_body, data=body() if body else None,
                         headers=headers, timeout=self._stream_timeout if stream else self._timeout) as resp:
                     if resp.status < 300 or (miss_ok and resp.status == 404):
@@ -445,7 +455,7 @@ class AsyncKVClient:
             length, body = _put_body(chunk)
             headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
             r = await self._call("POST", "/v1/blocks/batch_put", lambda resp: resp.json(content_type=None),
-                                 body=body, headers=headers, stream=True)
+                                 body=body, headers=headers, stream=True, bulk=True)
             stored, present = stored + r["stored"], present + r["already_present"]
             rejected, durable = rejected + r.get("rejected", 0), durable and r["durable"]
         return PutResult(stored, present, durable if items else False, rejected)

@@ -90,18 +90,53 @@ async def read_put_frame(read: ReadExactly, max_payload: int, read_payload: Read
     """One put frame; `read_payload(n)` reads the payload when given (e.g. chunk by chunk into one
     buffer, sparing the join that readexactly does), else `read`."""
     (klen,) = _U8.unpack(await read(1))
+    _check_key_len(klen)
+    rest = await read(klen + 20)
+    (mlen,) = _U32.unpack_from(rest, klen + 16)
+    _check_meta_len(mlen)
+    tail = await read(mlen + 8)
+    plen = _check_payload_len(_U64.unpack_from(tail, mlen)[0], max_payload)
+    meta = _parse_meta(tail[:mlen]) if mlen else {}
+    return PutFrame(rest[:klen], rest[klen: klen + 16], await (read_payload or read)(plen),
+                    meta.get("layout"), meta.get("ttl_s"))
+
+
+def parse_put_head(buf, max_payload: int) -> tuple[PutFrame, int, int] | None:
+    """A put frame up to its payload, parsed from bytes already at hand: (the frame with an
+    empty payload, payload length, header bytes), or None when `buf` ends inside the header. The synchronous twin of
+    read_put_frame, for readers that hold a buffer (cli/bulk_put.py): no await per field."""
+    n = len(buf)
+    if n < 1:
+        return None
+    klen = _check_key_len(buf[0])
+    if n < 1 + klen + 20:
+        return None
+    (mlen,) = _U32.unpack_from(buf, 1 + klen + 16)
+    _check_meta_len(mlen)
+    end = 1 + klen + 20 + mlen + 8
+    if n < end:
+        return None
+    plen = _check_payload_len(_U64.unpack_from(buf, end - 8)[0], max_payload)
+    meta = _parse_meta(bytes(buf[end - 8 - mlen: end - 8])) if mlen else {}
+    key, ns = bytes(buf[1: 1 + klen]), bytes(buf[1 + klen: 17 + klen])
+    return PutFrame(key, ns, b"", meta.get("layout"), meta.get("ttl_s")), plen, end
+
+
+def _check_key_len(klen: int) -> int:
     if not 1 <= klen <= 64:
         raise BlockFormatError(f"frame key length {klen} is outside 1-64")
-    key = await read(klen)
-    ns = await read(16)
-    (mlen,) = _U32.unpack(await read(4))
+    return klen
+
+
+def _check_meta_len(mlen: int) -> None:
     if mlen > MAX_META:
         raise BlockFormatError(f"frame metadata of {mlen} bytes exceeds {MAX_META}")
-    meta = _parse_meta(await read(mlen)) if mlen else {}
-    (plen,) = _U64.unpack(await read(8))
+
+
+def _check_payload_len(plen: int, max_payload: int) -> int:
     if plen > max_payload:
         raise FrameLimitError(f"block of {plen} bytes exceeds the {max_payload}-byte limit")
-    return PutFrame(key, ns, await (read_payload or read)(plen), meta.get("layout"), meta.get("ttl_s"))
+    return plen
 
 
 async def read_get_frame(read: ReadExactly) -> GetFrame:
