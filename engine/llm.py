@@ -32,7 +32,7 @@ def completion(req: Request) -> Completion:
 
 class LLM:
     def __init__(self, model_dir: str | None = None, *, model=None, tokenizer=None, device: str = "cpu",
-                 config: EngineConfig = EngineConfig(), progress: bool = False):
+                 config: EngineConfig = EngineConfig(), progress: bool = False, store=None):
         if model is None:
             from kvcache.engine.checkpoint.loader import load_model
             from kvcache.engine.tokenizer import load_tokenizer
@@ -40,7 +40,16 @@ class LLM:
                 raise ValueError("give a checkpoint directory or a model")
             model, _ = load_model(model_dir, device=device, progress=progress)
             tokenizer = tokenizer or load_tokenizer(model_dir)
-        self.engine = LLMEngine(model, tokenizer, config)
+        self.engine = LLMEngine(model, tokenizer, config, store=store)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(),
                  priorities: list[int] | None = None) -> list[list[Completion]]:

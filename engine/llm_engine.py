@@ -20,7 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.kv_blocks import block_layout, layout_id
+from kvcache.engine.kv_connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
+from kvcache.engine.prefix_cache import CacheUsage, PrefixCache
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.engine.sampling import SamplingParams, sample
@@ -35,6 +38,7 @@ class EngineConfig:
     num_blocks: int = 512
     max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
     max_running: int = 32
+    cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
 
 
 @dataclass
@@ -45,7 +49,9 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, tokenizer=None, config: EngineConfig = EngineConfig(), store=None):
+        """`store`: an open block store (BlockStore or KVClient) to use instead of opening
+        `config.cache.store`; the engine does not close a store it was given."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         ratios = [r for r in mc.compress_ratios if r > 0]
@@ -53,10 +59,29 @@ class LLMEngine:
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
-        self.namespace = engine_namespace(mc, config.block_size)
+        self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}
+        self.cache = self._open_cache(config.cache, store)
+
+    def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
+        if cfg is None:
+            return None
+        self._own_store = store is None and bool(cfg.store)
+        if self._own_store:
+            from kvcache.kvstore.open_store import open_store
+            store = open_store(cfg.store, **({"token": cfg.token} if cfg.token else {}))
+        conn = KVConnector(store, self.namespace, block_layout(self.kv), cfg) if store is not None else None
+        return PrefixCache(self, conn, cfg)
+
+    def close(self) -> None:
+        """Wait for the cache's pending saves and close a store the engine opened."""
+        conn = self.cache.connector if self.cache is not None else None
+        if conn is not None:
+            conn.close()
+            if self._own_store:
+                conn.store.close()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "") -> Request:
@@ -76,6 +101,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         req = Request(ids, params, priority, request_id)
+        if self.cache is not None:
+            req.usage = CacheUsage(prompt_tokens=len(ids))
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add(req)
@@ -99,22 +126,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[StepOutput]:
+        if self.cache is not None:
+            self.cache.poll()          # start lookups and loads; requests whose blocks arrived become runnable
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        t0 = time.perf_counter()
         try:
             logits = self._run(out.chunks)
         except Exception as e:      # isolate: re-run each request alone, fail only the culprit
             log.warning("a batched step failed (%s); re-running its %d requests one by one", e, len(out.chunks))
             return self._isolate(out)
-        return self._finish_step(out, logits)
+        results = self._finish_step(out, logits)
+        if self.cache is not None:
+            self.cache.after_step(out.chunks, time.perf_counter() - t0)
+        return results
 
     def _run(self, chunks: list[Chunk]) -> torch.Tensor:
         states = []
         for ch in chunks:
-            if ch.request.state is None:
-                ch.request.state = self.model.new_state(self._view(ch.request))
-            states.append(ch.request.state)
+            req = ch.request
+            if req.state is None:
+                view = self._view(req)
+                req.state = self.cache.state_for(req, view) if req.resume is not None else self.model.new_state(view)
+            states.append(req.state)
         with torch.no_grad():
             return self.model.step([torch.tensor(ch.tokens) for ch in chunks], states)
 
@@ -131,6 +166,8 @@ class LLMEngine:
         if req.slot is not None:
             self.kv.release_slot(req.slot)
             req.slot = None
+        if self.cache is not None:
+            self.cache.forget(req)
 
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         sampled, now = {}, time.perf_counter()
@@ -201,6 +238,10 @@ class LLMEngine:
             req = ch.request
             req.state, req.num_computed = None, 0           # the failed batch may have advanced it
             self._drop_state(req)
+            if req.block_ids and self.pool.blocks[req.block_ids[0]].ref_count > 1:
+                n = len(req.block_ids)                           # shared hit blocks: never rewrite them
+                self.pool.release(req.block_ids)
+                req.block_ids, req.block_keys = self.pool.allocate(n), []
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
             try:
                 logits = self._run([chunk])
@@ -237,13 +278,13 @@ class LLMEngine:
             raise AssertionError(f"idle engine still holds state slots ({self.kv.free_slots} free)")
 
 
-def engine_namespace(config, block_size: int) -> Namespace:
-    """Block keys depend on the model (its config's fingerprint), the cache layout and block size."""
+def engine_namespace(config, block_size: int, layout: str) -> Namespace:
+    """Block keys depend on the model (its config's fingerprint), the pool's block layout id
+    (engine/kv_blocks.py) and the block size."""
     import hashlib
     import json
     fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
-    return Namespace(f"{config.model_type}:{fingerprint}", f"engine-pool/{config.model_type}/v1", block_size,
-                     name=config.model_type)
+    return Namespace(f"{config.model_type}:{fingerprint}", layout, block_size, name=config.model_type)
 
 
 def replace_params(params: SamplingParams, **changes) -> SamplingParams:

@@ -66,6 +66,10 @@ class Request:
     arrival_seq: int = field(default_factory=lambda: next(_ids))
     parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill
     text: str = ""                   # detokenised output (when a tokenizer is attached)
+    usage: object = None             # engine.prefix_cache.CacheUsage when a cache is configured
+    resume: object = None            # after a prefix hit: how its first state is built (prefix_cache.Resume)
+    cache_planned: bool = False      # the prefix cache has looked this request up
+    saved_blocks: int = 0            # leading full blocks already saved to (or loaded from) the cache
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -63,3 +63,70 @@ def restore(model, view, snap: dict):
         _restore_part(st.compressor, part["compressor"])
         _restore_part(st.index, part["index"])
     return state
+
+
+def at_boundary(model, view, start: int, loaded: int, block_size: int, tokens: list[int]):
+    """Where bounded replay starts: a state at `start` with empty windows and carry whose history
+    lanes already hold the rows of tokens [0, loaded) (loaded blocks; start <= loaded, both block
+    boundaries). Replaying tokens [start, loaded) rebuilds windows and carry; the rows it produces
+    below `loaded` are dropped (the write floor), so loaded rows stay exactly as stored. A lane
+    holds length / ratio rows (ratio = block_size / the lane's rows per block)."""
+    state = model.new_state(view)
+    state.length = start
+    for st in state.layers:
+        for comp in (st.compressor, st.index):
+            if comp is None:
+                continue
+            for rows in (comp.rows, getattr(comp, "keys", None)):
+                if rows is not None:
+                    rows._count = loaded * rows.per_block // block_size
+                    comp.count, comp.floor = start * rows.per_block // block_size, rows._count
+    n = getattr(model.config, "engram_max_ngram_size", 0) or 0
+    if n > 1 and getattr(model.config, "engram_layer_ids", None):
+        state.extra["engram_ids"] = torch.tensor([tokens[max(0, start - (n - 1)): start]], dtype=torch.long)
+    return state
+
+
+# ---------------------------------------------------------------- bytes for the block store
+def encode(snap: dict) -> bytes:
+    """A snapshot as safetensors bytes (tensors) with its structure as JSON metadata: no pickle,
+    so a snapshot read from a shared store can never run code."""
+    from safetensors.torch import save
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x, path: str):
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x.contiguous()
+            return {"$t": path}
+        if isinstance(x, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
+        return x
+    import json
+    structure = walk(snap, "s")
+    return save(tensors, metadata={"kvcache_snapshot": "1", "structure": json.dumps(structure)})
+
+
+def decode(data: bytes) -> dict:
+    import json
+    from safetensors.torch import load
+    tensors = load(bytes(data))
+    meta = _metadata(data)
+    if meta.get("kvcache_snapshot") != "1":
+        raise ValueError("not a kvcache tail snapshot")
+
+    def build(x):
+        if isinstance(x, dict):
+            return tensors[x["$t"]] if set(x) == {"$t"} else {k: build(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [build(v) for v in x]
+        return x
+    return build(json.loads(meta["structure"]))
+
+
+def _metadata(data: bytes) -> dict:
+    import json
+    import struct
+    (n,) = struct.unpack_from("<Q", data, 0)
+    return json.loads(bytes(data[8: 8 + n])).get("__metadata__", {})

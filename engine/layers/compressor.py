@@ -35,6 +35,7 @@ class CompressorState:
 
     def __init__(self, rows=None, buf_kv=None, buf_gate=None, overlap_kv=None, overlap_gate=None, count=0):
         self.rows, self.count = rows, count
+        self.floor = 0            # entries below this index are already stored (bounded replay: not rewritten)
         self.buf_kv, self.buf_gate, self.overlap_kv, self.overlap_gate = buf_kv, buf_gate, overlap_kv, overlap_gate
 
     @property
@@ -44,6 +45,7 @@ class CompressorState:
     def clone(self, view=None) -> "CompressorState":
         st = CompressorState(None if self.rows is None else self.rows.clone(None if view is None else view.table),
                              count=self.count)
+        st.floor = self.floor
         for name in ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"):
             setattr(st, name, clone_field(self, name, None if view is None else view.slot_for))
         return st
@@ -87,7 +89,9 @@ class Compressor(nn.Module):
             new = apply_rope(self.norm(pooled), cos, sin)
             if state.rows is None:
                 state.rows = DenseRows(d)
-            state.rows.append(new)
+            skip = min(n_w, max(0, state.floor - state.count))     # loaded from the cache: keep those
+            if skip < n_w:
+                state.rows.append(new[:, skip:])
             state.count += n_w
         if state.rows is None:
             state.rows = DenseRows(d)

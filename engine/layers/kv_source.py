@@ -27,6 +27,7 @@ class SourceState:
 
     def __init__(self, rows=None, keys=None, pending=None, count=0):
         self.rows, self.keys, self.pending, self.count = rows, keys, pending, count
+        self.floor = 0            # entries below this index are already stored (bounded replay: not rewritten)
 
     @property
     def entries(self) -> torch.Tensor | None:
@@ -40,6 +41,7 @@ class SourceState:
         table = None if view is None else view.table
         st = SourceState(None if self.rows is None else self.rows.clone(table),
                          None if self.keys is None else self.keys.clone(table), count=self.count)
+        st.floor = self.floor
         st.pending = clone_field(self, "pending", None if view is None else view.slot_for)
         return st
 
@@ -102,7 +104,9 @@ def emit(state: SourceState, latents: torch.Tensor, keys: torch.Tensor | None, r
         return
     pos = (torch.arange(n) + state.count) * ratio
     cos, sin = rope.cos_sin(pos, "compress")
-    state.rows.append(apply_rope(latents, cos, sin))
-    if keys is not None:
-        state.keys.append(apply_rope(keys, cos, sin))
+    skip = min(n, max(0, state.floor - state.count))       # loaded from the cache: keep those
+    if skip < n:
+        state.rows.append(apply_rope(latents, cos, sin)[:, skip:])
+        if keys is not None:
+            state.keys.append(apply_rope(keys, cos, sin)[:, skip:])
     state.count += n

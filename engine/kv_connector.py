@@ -1,0 +1,185 @@
+"""The one seam between the engine and the cache: what the engine asks of a block store.
+
+    scheduler side (reads only)              worker side (threads; results applied by the engine)
+    ─────────────────────────────            ───────────────────────────────────────────────────
+    lookup(keys)    tiers of the longest     fetch(keys) ─ loader thread: pin (TTL) ─> get_many
+                    stored prefix                          ─> unpin (always) ─> payloads | None
+    snapshots(keys) which block boundaries   save(blocks) ─ saver thread: put_many; only blocks
+                    have a tail snapshot                    whose tokens are all committed
+    costs           measured bandwidth per   save_snapshot(key, bytes) ─ saver thread (exact mode)
+                    tier vs recompute time
+
+The store is anything with the BlockStore interface (`kvstore.open_store`: an in-process store on
+a directory or TOML config, or `kvcache serve` over http:// or unix://). A store that fails
+degrades to misses: a failed lookup finds nothing, a failed fetch returns None for its blocks
+(those tokens are recomputed), a failed save is counted and dropped. Saves are best effort and
+bounded: beyond `max_pending_save_bytes` new saves are dropped (counted), never queued without limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import TensorSpec, Tier
+
+log = logging.getLogger(__name__)
+TIERS = ("hbm", "dram", "nvme", "object")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The engine's `[cache]` section (configs/engine-cache.toml documents each field)."""
+    store: str = ""                  # open_store spec: a directory, a store TOML, http://host:port, unix:///sock
+    token: str | None = None         # bearer token for a daemon (else $KVCACHE_TOKEN)
+    mode: str = "replay"             # replay: rebuild windows/carry by recomputing the last blocks of a hit
+    replay_blocks: int = 0           #   (approximate; 0 = 4 sliding windows); exact: resume from a tail snapshot
+    save: bool = True                # save newly computed blocks (and snapshots in exact mode)
+    cost_model: bool = True          # skip a tier's blocks when loading them is slower than recomputing
+    pin_ttl_s: float = 60.0          # pins taken while a fetch is in flight (released after it)
+    max_pending_save_bytes: int = 512 << 20
+    snapshot_memory_bytes: int = 256 << 20   # recent snapshots kept in the engine (the HBM tier of exact mode)
+    # first guesses of each tier's load bandwidth (bytes/s), replaced by measurements as loads happen
+    bandwidth: dict = field(default_factory=lambda: {"dram": 2e9, "nvme": 5e8, "object": 1e8})
+
+    def __post_init__(self):
+        if self.mode not in ("replay", "exact"):
+            raise ValueError(f"cache mode must be 'replay' or 'exact', got {self.mode!r}")
+        if self.replay_blocks < 0:
+            raise ValueError("replay_blocks must be >= 0 (0: enough blocks for 4 sliding windows)")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheConfig":
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"unknown [cache] settings {bad}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def tier_label(t: Tier) -> str:
+    return t.fastest().name.lower() if t else "none"
+
+
+def snapshot_key(block_key: bytes) -> bytes:
+    """Where the tail snapshot taken right after block `block_key` lives (same length as block keys)."""
+    return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()
+
+
+class KVConnector:
+    def __init__(self, store, namespace: Namespace, layout: tuple[TensorSpec, ...], config: CacheConfig):
+        self.store, self.namespace, self.layout, self.config = store, namespace, layout, config
+        self.namespace_id = store.register_namespace(namespace)
+        self.block_bytes = sum(s.nbytes for s in layout)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcache-save")
+        self._lock = threading.Lock()
+        self._pending_save = 0
+        self.bandwidth = dict(config.bandwidth)       # bytes/s per tier label, measured as loads happen
+        self.stats = {"lookups": 0, "lookup_errors": 0, "fetched_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
+                      "saved_snapshots": 0, "save_errors": 0, "save_dropped": 0}
+
+    # ------------------------------------------------------------ scheduler side
+    def lookup(self, keys: list[bytes]) -> list[str]:
+        """Tier label of each block of the longest stored prefix of `keys` ([] on any error)."""
+        if not keys:
+            return []
+        self.stats["lookups"] += 1
+        try:
+            r = self.store.lookup(keys, namespace_id=self.namespace_id)
+        except Exception as e:                       # a failing store is a miss
+            self.stats["lookup_errors"] += 1
+            log.warning("cache lookup failed (%s): treated as a miss", e)
+            return []
+        return [tier_label(t) for t in r.tiers[: r.num_hits]]
+
+    def snapshots_present(self, keys: list[bytes]) -> list[bool]:
+        """Whether the tail snapshot after each block key is stored."""
+        if not keys:
+            return []
+        try:
+            return list(self.store.exists_many([snapshot_key(k) for k in keys]))
+        except Exception as e:
+            log.warning("cache snapshot lookup failed (%s): treated as a miss", e)
+            return [False] * len(keys)
+
+    def load_seconds(self, tiers: list[str]) -> float:
+        return sum(self.block_bytes / self.bandwidth.get(t, 1e8) for t in tiers if t != "hbm")
+
+    # ------------------------------------------------------------ worker side
+    def fetch(self, keys: list[bytes], tiers: list[str], snapshot: bytes | None = None) -> Future:
+        """Start loading blocks (and a snapshot); the future gives (payloads with None for a block
+        that failed, snapshot bytes or None)."""
+        return self._loader.submit(self._fetch, list(keys), list(tiers), snapshot)
+
+    def _fetch(self, keys: list[bytes], tiers: list[str], snap_key: bytes | None):
+        want = keys + ([snap_key] if snap_key else [])
+        t0 = time.perf_counter()
+        pinned = False
+        try:
+            self.store.pin(want, ttl_s=self.config.pin_ttl_s)
+            pinned = True
+            got = self.store.get_many(want)
+        except Exception as e:
+            log.warning("cache fetch of %d blocks failed (%s): they are recomputed", len(want), e)
+            got = [None] * len(want)
+        finally:
+            if pinned:
+                try:
+                    self.store.unpin(want)
+                except Exception as e:
+                    log.warning("releasing cache pins failed (%s); their TTL releases them", e)
+        dt = time.perf_counter() - t0
+        loaded = sum(memoryview(p).nbytes for p in got if p is not None)
+        slow = [t for t in tiers if t != "hbm"]
+        if loaded and slow and dt > 0:                # the slowest tier of the fetch gets the measurement
+            tier = max(slow, key=TIERS.index)
+            self.bandwidth[tier] = 0.7 * self.bandwidth.get(tier, loaded / dt) + 0.3 * (loaded / dt)
+        blocks = got[: len(keys)]
+        self.stats["fetched_blocks"] += sum(p is not None for p in blocks)
+        self.stats["failed_blocks"] += sum(p is None for p in blocks)
+        return blocks, (got[-1] if snap_key else None), loaded, dt
+
+    def save(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """Store (key, payload) blocks in the background: best effort, bounded."""
+        self._submit([PutItem(k, p, self.namespace_id, self.layout) for k, p in blocks], "saved_blocks")
+
+    def save_snapshot(self, block_key: bytes, data: bytes) -> None:
+        self._submit([PutItem(snapshot_key(block_key), data, self.namespace_id)], "saved_snapshots")
+
+    def _submit(self, items: list[PutItem], counter: str) -> None:
+        if not items:
+            return
+        n = sum(len(i.payload) for i in items)
+        with self._lock:
+            if self._pending_save + n > self.config.max_pending_save_bytes:
+                self.stats["save_dropped"] += len(items)
+                return
+            self._pending_save += n
+        self._saver.submit(self._put, items, n, counter)
+
+    def _put(self, items: list[PutItem], n: int, counter: str) -> None:
+        try:
+            self.store.put_many(items)
+            self.stats[counter] += len(items)
+        except Exception as e:
+            self.stats["save_errors"] += len(items)
+            log.warning("saving %d cache entries failed (%s); they stay uncached", len(items), e)
+        finally:
+            with self._lock:
+                self._pending_save -= n
+
+    def flush(self) -> None:
+        """Wait until every save submitted so far has landed (or failed)."""
+        self._saver.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.flush()
+        self._loader.shutdown(wait=True)
+        self._saver.shutdown(wait=True)

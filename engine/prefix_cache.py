@@ -1,0 +1,239 @@
+"""Prefix hits, engine side: the pool's own blocks first (the HBM tier), then the block store
+through the connector. A request waits (WAITING_FOR_KV) while its blocks load; others keep running.
+
+    a waiting request, first seen ─ plan():
+        keys of its prompt's full blocks (at least one prompt token is always left to compute)
+        hbm   = the longest run of those keys still held by the BlockPool
+        store = tiers of the rest (connector.lookup), cut where loading costs more than recomputing
+        exact : end at the longest block boundary with a tail snapshot (engine memory, then store)
+        replay: load the whole hit, then recompute its last `replay_blocks` blocks from an empty
+                window and carry, keeping their stored history rows (a write floor): bounded
+                replay; only windows and carry are approximate
+      ─ share the hbm blocks at once; fetch the rest in the loader thread ─ WAITING_FOR_KV
+    each step, before scheduling ─ poll(): decode fetched payloads into fresh pool blocks (a failed
+        block ends the hit there and its tokens are recomputed), note how to build the state
+        (snapshot or boundary), set num_computed; the scheduler then admits it like any other
+    after each step ─ saved(): new full blocks (encoded now, stored in the background) and, in exact
+        mode, a tail snapshot whenever a prefill chunk ended on a block boundary
+
+Requests whose prefix another request is loading wait for that load and then hit the pool, so a
+prefix shared by concurrent requests is fetched once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvcache.engine import snapshot
+from kvcache.engine.kv_blocks import decode_block, encode_block
+from kvcache.engine.kv_connector import CacheConfig, KVConnector, snapshot_key
+from kvcache.engine.request import Request, Status
+from kvcache.kvstore.hashing import hash_blocks
+
+
+@dataclass
+class CacheUsage:
+    """What the cache did for one request (feeds reports and the API's usage fields)."""
+    prompt_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens whose KV came from it
+    replayed_tokens: int = 0      # recomputed to rebuild windows and carry (replay mode)
+    bytes_loaded: int = 0
+    load_s: float = 0.0
+    failed_blocks: int = 0        # planned hits that failed to load (recomputed)
+
+    @property
+    def total_cached(self) -> int:
+        return sum(self.cached_tokens.values())
+
+
+@dataclass
+class Resume:
+    """How to build a request's state when it first runs after a hit."""
+    length: int                   # where computing resumes
+    loaded: int = 0               # replay: history rows present up to here (the write floor)
+    snapshot: dict | None = None  # exact mode; None: bounded replay from `length`
+
+
+@dataclass
+class _Plan:
+    req: Request
+    keys: list[bytes]             # every block key of the hit (hbm + store)
+    tiers: list[str]
+    hbm: int                      # leading blocks shared from the pool
+    hit: int                      # blocks found (hbm + store) before the cost model and the boundary
+    use: int                      # blocks the request will hold when loaded
+    snap_mem: bytes | None = None
+    future: object = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class PrefixCache:
+    def __init__(self, engine, connector: KVConnector | None, config: CacheConfig):
+        self.engine, self.connector, self.config = engine, connector, config
+        self.bs = engine.pool.block_size
+        window = max(1, getattr(engine.model.config, "sliding_window", 0) or 1)
+        self.replay_blocks = config.replay_blocks or max(1, -(-4 * window // self.bs))
+        self.plans: dict[str, _Plan] = {}
+        self.inflight: set[bytes] = set()
+        self.snapshots: OrderedDict[bytes, bytes] = OrderedDict()
+        self._snap_bytes = 0
+        self.prefill_s_per_token: float | None = None
+
+    # ------------------------------------------------------------ before scheduling
+    def poll(self) -> None:
+        for plan in [p for p in self.plans.values() if p.future is None or p.future.done()]:
+            self._apply(plan)
+        for req in list(self.engine.scheduler.waiting):
+            if not req.cache_planned and req.num_computed == 0 and not req.block_ids and req.parent is None:
+                self._plan(req)
+        sched = self.engine.scheduler
+        if self.plans and not sched.running and all(r.status is Status.WAITING_FOR_KV for r in sched.waiting):
+            first = next(iter(self.plans.values()))      # nothing else to run: wait for a load
+            if first.future is not None:
+                first.future.result()
+                self._apply(first)
+
+    def _plan(self, req: Request) -> None:
+        pool, n_full = self.engine.pool, (len(req.prompt) - 1) // self.bs
+        req.usage.prompt_tokens = len(req.prompt)
+        keys = hash_blocks(self.engine.namespace, req.prompt[: n_full * self.bs]) if n_full else []
+        hbm = 0
+        while hbm < len(keys) and pool.lookup(keys[hbm]) is not None:
+            hbm += 1
+        if hbm < len(keys) and keys[hbm] in self.inflight:
+            req.status = Status.WAITING_FOR_KV           # another request is loading it: hit the pool after
+            return
+        req.cache_planned = True
+        tiers = ["hbm"] * hbm + (self.connector.lookup(keys[hbm:]) if self.connector and hbm < len(keys) else [])
+        k = self._worth_loading(tiers)
+        use, snap_mem, snap_store = self._boundary(keys, tiers, k)
+        if use <= 0:
+            return
+        plan = _Plan(req, keys[:use], tiers[:use], min(hbm, use), len(tiers), use, snap_mem)
+        shared = [pool.lookup(key) for key in keys[: plan.hbm]]
+        pool.share(shared)
+        req.block_ids = shared
+        fetch = keys[plan.hbm: use]
+        if fetch or snap_store:
+            plan.future = self.connector.fetch(fetch, tiers[plan.hbm: use], snap_store)
+            self.inflight.update(fetch)
+        req.status = Status.WAITING_FOR_KV
+        self.plans[req.request_id] = plan
+
+    def _worth_loading(self, tiers: list[str]) -> int:
+        """How many leading hit blocks to use: all, unless loading some costs more than recomputing."""
+        spt = self.prefill_s_per_token
+        if not self.config.cost_model or spt is None or self.connector is None:
+            return len(tiers)
+        best, best_gain = 0, 0.0
+        for k in range(1, len(tiers) + 1):
+            gain = k * self.bs * spt - self.connector.load_seconds(tiers[:k])
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def _boundary(self, keys, tiers, k: int) -> tuple[int, bytes | None, bytes | None]:
+        """(blocks to use, snapshot bytes from memory, snapshot key in the store) for a hit of k blocks."""
+        if self.config.mode == "replay":
+            return (k if k > self.replay_blocks else 0), None, None
+        in_store = self.connector.snapshots_present(keys[:k]) if self.connector else [False] * k
+        for j in range(k, 0, -1):
+            if keys[j - 1] in self.snapshots:
+                self.snapshots.move_to_end(keys[j - 1])
+                return j, self.snapshots[keys[j - 1]], None
+            if in_store[j - 1]:
+                return j, None, snapshot_key(keys[j - 1])
+        return 0, None, None
+
+    def _apply(self, plan: _Plan) -> None:
+        """A load finished (or needed none): give the request its blocks and resume point."""
+        del self.plans[plan.req.request_id]
+        req, pool, kv = plan.req, self.engine.pool, self.engine.kv
+        fetched, snap, nbytes, dt = plan.future.result() if plan.future is not None else ([], None, 0, 0.0)
+        self.inflight.difference_update(plan.keys[plan.hbm:])
+        if req.finished:
+            return
+        ok = 0
+        bids = pool.allocate(min(len(fetched), pool.num_free()))
+        for bid, payload in zip(bids, fetched):
+            if payload is None:
+                break
+            try:
+                decode_block(kv, bid, payload)
+            except ValueError:
+                break
+            ok += 1
+        pool.release(bids[ok:])
+        for key, bid in zip(plan.keys[plan.hbm: plan.hbm + ok], bids[:ok]):
+            pool.set_key(bid, key)
+        held = plan.hbm + ok
+        u = req.usage
+        u.failed_blocks, u.bytes_loaded, u.load_s = len(fetched) - ok, nbytes, dt
+        snap = plan.snap_mem or snap
+        if self.config.mode == "exact" and (held < plan.use or snap is None):
+            use, resume = 0, None                        # exact or nothing: recompute from the start
+        elif self.config.mode == "exact":
+            use, resume = held, Resume(held * self.bs, held * self.bs, snapshot.decode(snap))
+        else:
+            use = held if held > self.replay_blocks else 0
+            start = (use - self.replay_blocks) * self.bs
+            resume = Resume(start, use * self.bs) if use else None
+            u.replayed_tokens = use * self.bs - start if use else 0
+        all_bids = req.block_ids + bids[:ok]
+        pool.release(all_bids[use:])
+        req.block_ids, req.block_keys, req.saved_blocks = all_bids[:use], list(plan.keys[:use]), use
+        req.resume = resume
+        req.num_computed = resume.length if resume else 0
+        for tier in plan.tiers[:use]:
+            u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + self.bs
+        req.status = Status.WAITING
+
+    def state_for(self, req: Request, view):
+        """The first state of a request that resumes after a hit."""
+        r = req.resume
+        if r.snapshot is not None:
+            return snapshot.restore(self.engine.model, view, r.snapshot)
+        return snapshot.at_boundary(self.engine.model, view, r.length, r.loaded, self.bs, req.prompt)
+
+    # ------------------------------------------------------------ after a step
+    def after_step(self, chunks, seconds: float) -> None:
+        prefill = sum(len(c.tokens) for c in chunks if len(c.tokens) > 1)
+        if prefill:
+            spt = seconds / sum(len(c.tokens) for c in chunks)
+            p = self.prefill_s_per_token
+            self.prefill_s_per_token = spt if p is None else 0.7 * p + 0.3 * spt
+        if not self.config.save:
+            return
+        for ch in chunks:
+            req = ch.request
+            if req.state is None:
+                continue
+            self._save_blocks(req)
+            end = ch.start + len(ch.tokens)
+            if self.config.mode == "exact" and end % self.bs == 0 and end <= len(req.prompt) and end // self.bs \
+                    <= len(req.block_keys) and req.state.length == end:
+                self._save_snapshot(req.block_keys[end // self.bs - 1], req)
+
+    def _save_blocks(self, req: Request) -> None:
+        new = range(req.saved_blocks, len(req.block_keys))
+        if self.connector is not None and len(new):
+            kv = self.engine.kv
+            self.connector.save([(req.block_keys[i], encode_block(kv, req.block_ids[i])) for i in new])
+        req.saved_blocks = len(req.block_keys)
+
+    def _save_snapshot(self, key: bytes, req: Request) -> None:
+        if key in self.snapshots:
+            return
+        data = snapshot.encode(snapshot.capture(req.state))
+        self.snapshots[key] = data
+        self._snap_bytes += len(data)
+        while self._snap_bytes > self.config.snapshot_memory_bytes and self.snapshots:
+            self._snap_bytes -= len(self.snapshots.popitem(last=False)[1])
+        if self.connector is not None:
+            self.connector.save_snapshot(key, data)
+
+    def forget(self, req: Request) -> None:
+        """The request lost its state (preempted, failed): plan again when it is next admitted."""
+        req.cache_planned, req.resume, req.saved_blocks = False, None, 0

@@ -1,0 +1,161 @@
+"""Prefix reuse end to end (issue 6): the engine's pool, an in-process store (DRAM, NVMe, after a
+restart) and the real daemon; exact mode bit-identical, bounded replay within tolerance; failed
+blocks recomputed; a shared prefix loaded once; a failing store degrading to misses."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcache.engine.kv_connector import CacheConfig
+from kvcache.engine.llm import LLM
+from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.sampling import SamplingParams
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.store import BlockStore
+from kvcache.tiering.dram import DramConfig
+from kvcache.tiering.nvme import NvmeConfig
+from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)
+
+CFG = EngineConfig(block_size=16, num_blocks=128, max_tokens_per_step=48, max_running=8)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def prompts(seed: int, n_questions: int = 3, doc: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    P = torch.randint(3, 380, (doc,), generator=g).tolist()
+    return P, [torch.randint(3, 380, (7,), generator=g).tolist() for _ in range(n_questions)]
+
+
+def cold(model, ps):
+    return [LLM(model=model, config=CFG).generate([p], GREEDY)[0][0].token_ids for p in ps]
+
+
+def cached(mode: str, **kw) -> EngineConfig:
+    return dataclasses.replace(CFG, cache=CacheConfig(mode=mode, **kw))
+
+
+def open_store(path) -> BlockStore:
+    return BlockStore(StoreConfig(str(path), dram=DramConfig(capacity_bytes=64 << 20, page_bytes=1 << 20,
+                                                             prefault=False),
+                                  nvme=NvmeConfig(segment_bytes=4 << 20)))
+
+
+def run(llm, ps):
+    outs = [llm.generate([p], GREEDY)[0][0] for p in ps]
+    return outs, [llm.engine.requests[o.request_id].usage for o in outs]
+
+
+@torch.no_grad()
+def test_bounded_replay_from_the_pool_keeps_greedy_tokens(model):
+    agree = total = 0
+    for seed in range(4):
+        P, Qs = prompts(seed)
+        ps = [P + q for q in Qs]
+        want = cold(model, ps)
+        llm = LLM(model=model, config=cached("replay"))
+        outs, usage = run(llm, ps)
+        for w, o in zip(want, outs):
+            agree += sum(a == b for a, b in zip(w, o.token_ids))
+            total += len(w)
+        assert usage[0].total_cached == 0
+        for u, o in zip(usage[1:], outs[1:]):      # the document's 6 blocks from the pool, 2 replayed
+            assert u.cached_tokens == {"hbm": 96} and u.replayed_tokens == 32
+            assert o.metrics.tokens_computed == 32 + 7 + 9
+        llm.engine.check_idle()
+    assert agree / total >= 0.99
+
+
+@torch.no_grad()
+def test_exact_mode_from_dram_nvme_and_after_a_restart_is_bit_identical(model, tmp_path):
+    P, Qs = prompts(7)
+    ps = [P + q for q in Qs]
+    want = cold(model, ps)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:   # fills the store
+        assert run(first, ps[:1])[0][0].token_ids == want[0]
+    with LLM(model=model, config=cached("exact"), store=store) as warm:    # a new engine: empty pool
+        outs, usage = run(warm, ps[1:2])
+    assert outs[0].token_ids == want[1]
+    assert usage[0].cached_tokens == {"dram": 96} and usage[0].bytes_loaded > 0
+    assert outs[0].metrics.tokens_computed == 7 + 9                       # the document never recomputed
+    store.close()
+    store = open_store(tmp_path)                                          # restart: DRAM is empty
+    with LLM(model=model, config=cached("exact"), store=store) as again:
+        outs, usage = run(again, ps[2:])
+    assert outs[0].token_ids == want[2] and usage[0].cached_tokens == {"nvme": 96}
+    store.close()
+
+
+class FlakyStore:
+    """A store whose chosen keys read back as None (a corrupt or vanished block) and that can fail
+    every call (a store that is down)."""
+
+    def __init__(self, inner, bad=(), down=False):
+        self.inner, self.bad, self.down = inner, set(bad), down
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*a, **kw):
+            if self.down and name != "register_namespace":
+                raise OSError("store unreachable")
+            out = fn(*a, **kw)
+            if name == "get_many":
+                return [None if k in self.bad else p for k, p in zip(a[0], out)]
+            return out
+        return call
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["exact", "replay"])
+def test_a_block_failing_to_load_is_recomputed(model, tmp_path, mode):
+    P, Qs = prompts(11)
+    ps = [P + q for q in Qs[:2]]
+    want = cold(model, ps)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached(mode), store=store) as first:
+        run(first, ps[:1])
+        keys = first.engine.requests[next(iter(first.engine.requests))].block_keys
+    flaky = FlakyStore(store, bad={keys[3]})
+    with LLM(model=model, config=cached(mode), store=flaky) as warm:
+        outs, usage = run(warm, ps[1:])
+    assert usage[0].failed_blocks == 3                       # blocks 3, 4, 5: the hit ends at the bad one
+    if mode == "exact":
+        assert outs[0].token_ids == want[1] and usage[0].total_cached == 0
+    else:                                                    # blocks 0..2 kept, the last 2 of them replayed
+        assert usage[0].cached_tokens == {"dram": 48} and usage[0].replayed_tokens == 32
+        assert sum(a == b for a, b in zip(outs[0].token_ids, want[1])) >= 9
+    store.close()
+
+
+@torch.no_grad()
+def test_concurrent_requests_sharing_a_prefix_load_it_once(model, tmp_path):
+    P, Qs = prompts(13, n_questions=4)
+    want = cold(model, [P + q for q in Qs])
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    with LLM(model=model, config=cached("exact"), store=store) as warm:
+        outs = warm.generate([P + q for q in Qs[1:]], GREEDY)
+        stats = warm.engine.cache.connector.stats
+        usage = [warm.engine.requests[o[0].request_id].usage for o in outs]
+    assert [o[0].token_ids for o in outs] == want[1:]
+    assert stats["fetched_blocks"] == 6                      # one load of the document's 6 blocks
+    assert sorted(tuple(u.cached_tokens) for u in usage) == [("dram",), ("hbm",), ("hbm",)]
+    store.close()
+
+
+@torch.no_grad()
+def test_a_store_that_is_down_is_a_miss_never_a_failure(model, tmp_path):
+    P, Qs = prompts(17)
+    want = cold(model, [P + Qs[0]])
+    store = open_store(tmp_path)
+    down = FlakyStore(store, down=True)
+    with LLM(model=model, config=cached("exact"), store=down) as llm:
+        outs, usage = run(llm, [P + Qs[0]])
+        stats = llm.engine.cache.connector.stats
+        llm.engine.cache.connector.flush()
+    assert outs[0].token_ids == want[0] and usage[0].total_cached == 0
+    assert stats["lookup_errors"] >= 1 and stats["save_errors"] >= 1
+    store.close()
