@@ -10,6 +10,8 @@ EPILOG = """examples:
   kvcache model init --config v4-tiny --out /tmp/v4-tiny
   kvcache generate --model /tmp/v4-tiny --prompt "A prefix cache" --max-tokens 32
   kvcache generate --model /tmp/v4-tiny --prompt-ids 0,17,42 --temperature 0.8 --top-p 0.9 --seed 1
+  kvcache generate --model /tmp/v4-tiny --prompt "..." --cache http://127.0.0.1:8790 --cache-mode exact
+  kvcache generate --model /tmp/v4-tiny --prompt "..." --cache-config configs/engine-cache.toml
 """
 
 
@@ -29,6 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seeded sampling: same seed, same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--cache", metavar="STORE", help="reuse and save prefix KV in this block store: a directory, "
+                   "a store TOML, http://host:port or unix:///path.sock (kvcache serve)")
+    p.add_argument("--cache-mode", choices=("replay", "exact"), help="replay (default): rebuild windows by "
+                   "recomputing the hit's last blocks; exact: resume from tail snapshots, bit-identical")
+    p.add_argument("--cache-config", metavar="FILE", help="TOML with a [cache] section (configs/engine-cache.toml)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
@@ -59,7 +66,7 @@ def _generate(rank: int, world: int, args, params, rendezvous) -> int:
         backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty())
+    llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty(), config=_config(args))
     if world > 1:
         shard(llm.engine.model, rank, world, tp=True, ep=args.ep)
     load_s = time.perf_counter() - t0
@@ -85,12 +92,32 @@ def _generate(rank: int, world: int, args, params, rendezvous) -> int:
           f"{req.finish_reason.value if req.finish_reason else '?'}; load {load_s:.2f} s, "
           f"time to first token {m.ttft_s * 1e3:.0f} ms"
           + (f", {tpot * 1e3:.1f} ms/token ({1 / tpot:.1f} tokens/s)" if tpot else "") + "]", file=sys.stderr)
+    if req.usage is not None:
+        u = req.usage
+        tiers = ", ".join(f"{t} {n}" for t, n in u.cached_tokens.items()) or "none"
+        print(f"[cache: {u.total_cached} of {u.prompt_tokens} prompt tokens cached ({tiers}), "
+              f"{u.replayed_tokens} replayed, {u.bytes_loaded / 1e6:.1f} MB loaded in {u.load_s * 1e3:.0f} ms]",
+              file=sys.stderr)
+    llm.close()
     if req.error:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
         return 1
     if world > 1:
         dist.destroy_process_group()
     return 0
+
+
+def _config(args):
+    """The engine config, with a [cache] section from --cache-config / --cache / --cache-mode."""
+    from kvcache.engine.kv_connector import CacheConfig
+    from kvcache.engine.llm_engine import EngineConfig
+    if args.cache_config:
+        cache = CacheConfig.load(args.cache_config, store=args.cache, mode=args.cache_mode)
+    elif args.cache or args.cache_mode:
+        cache = CacheConfig(store=args.cache or "", mode=args.cache_mode or "replay")
+    else:
+        return EngineConfig()
+    return EngineConfig(cache=cache)
 
 
 def _ids(text: str) -> list[int]:

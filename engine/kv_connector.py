@@ -55,6 +55,17 @@ class CacheConfig:
             raise ValueError("replay_blocks must be >= 0 (0: enough blocks for 4 sliding windows)")
 
     @classmethod
+    def load(cls, path: str, **overrides) -> "CacheConfig":
+        """The [cache] section of a TOML file (configs/engine-cache.toml), then `overrides`."""
+        import tomllib
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        section = doc.get("cache")
+        if not isinstance(section, dict):
+            raise ValueError(f"{path}: no [cache] section (see configs/engine-cache.toml)")
+        return cls.from_dict({**section, **{k: v for k, v in overrides.items() if v is not None}})
+
+    @classmethod
     def from_dict(cls, d: dict) -> "CacheConfig":
         known = set(cls.__dataclass_fields__)
         bad = sorted(set(d) - known)

@@ -292,6 +292,10 @@ class AsyncKVClient:
             out += (await self._json("POST", "/v1/exists", {"keys": [k.hex() for k in chunk]}))["exists"]
         return out
 
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """BlockStore's name for `exists`: both stores answer it."""
+        return await self.exists(keys)
+
     async def contains(self, key: bytes) -> bool:
         async def handle(resp):
             return resp.status == 200
@@ -521,7 +525,7 @@ class KVClient:
         self.close()
 
 
-SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "contains", "get", "get_into", "get_many",
+SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "exists_many", "contains", "get", "get_into", "get_many",
                 "get_many_into", "put", "put_many", "pin", "unpin", "delete", "gc", "stats")
 
 

@@ -159,3 +159,32 @@ def test_a_store_that_is_down_is_a_miss_never_a_failure(model, tmp_path):
     assert outs[0].token_ids == want[0] and usage[0].total_cached == 0
     assert stats["lookup_errors"] >= 1 and stats["save_errors"] >= 1
     store.close()
+
+
+@torch.no_grad()
+def test_exact_mode_through_the_daemon_and_after_its_restart(model, tmp_path):
+    from kvcache.kvstore.client import KVClient
+    from tests.cli.test_serve_process import Daemon
+    P, Qs = prompts(19)
+    ps = [P + q for q in Qs]
+    want = cold(model, ps)
+    d = Daemon(tmp_path / "data")
+    try:
+        d.wait_ready()
+        with KVClient(d.url, retries=1) as client:
+            with LLM(model=model, config=cached("exact"), store=client) as first:
+                run(first, ps[:1])
+            with LLM(model=model, config=cached("exact"), store=client) as warm:
+                outs, usage = run(warm, ps[1:2])
+        assert outs[0].token_ids == want[1] and usage[0].cached_tokens == {"dram": 96}
+        assert d.stop() and d.proc.returncode == 0
+        d = Daemon(tmp_path / "data")                        # restart: the blocks come back from NVMe
+        d.wait_ready()
+        with KVClient(d.url, retries=1) as client, \
+                LLM(model=model, config=cached("exact"), store=client) as again:
+            outs, usage = run(again, ps[2:])
+        assert outs[0].token_ids == want[2] and usage[0].cached_tokens == {"nvme": 96}
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
