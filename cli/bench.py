@@ -8,6 +8,7 @@ printed table. benchmarks/tier_throughput.py is the same command as a script (it
 from __future__ import annotations
 
 import argparse
+import os
 
 TIERS_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
   dram get / put    BlockStore (NVMe off) and DramTier vs memcpy of the same bytes
@@ -30,7 +31,7 @@ examples:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: tiers, daemon, model, engine, KV codecs",
+    p = subparsers.add_parser("bench", help="benchmarks: tiers, daemon, model, engine, KV codecs, cold-warm",
                               description="Benchmarks on this machine, each against a baseline measured in the "
                                           "same run; JSON results go to benchmarks/results/.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
@@ -63,7 +64,46 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=ENGINE_EPILOG)
     add_engine_arguments(e)
     e.set_defaults(func=run_engine)
+    c = sub.add_parser("cold-warm", help="what the cache buys: TTFT cold vs warm from the pool, DRAM, NVMe, "
+                       "object storage and after a restart",
+                       description="The cold-versus-warm benchmark: a shared document (several lengths) plus a "
+                                   "question, multi-turn chat and many users sharing a system prompt; TTFT, prefill "
+                                   "tokens computed, bytes loaded, decode speed and footprint per scenario, against "
+                                   "each tier's floor measured in the same run. JSON + Markdown report with a plot.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=COLD_WARM_EPILOG)
+    add_cold_warm_arguments(c)
+    c.set_defaults(func=run_cold_warm)
     return p
+
+
+COLD_WARM_EPILOG = """targets (small config, 8k prefix): warm_dram_ttft_vs_cold <= 0.1, warm_nvme_ttft_vs_cold <= 0.15,
+  warm_object_ttft_vs_cold <= 0.3, worst_warm_ttft_vs_floor <= 1.5
+examples:
+  kvcache bench cold-warm                                   # v4-small, 2k and 8k prefixes
+  kvcache bench cold-warm --lengths 2048,8192,32768
+  kvcache bench cold-warm --config v4-tiny --lengths 512,1024 --output-tokens 4
+"""
+
+
+def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
+    p.add_argument("--config", default="v4-small", help="model config (configs/models/NAME.json); random weights")
+    p.add_argument("--lengths", default="2048,8192", help="shared prefix lengths in tokens (default 2048,8192)")
+    p.add_argument("--output-tokens", type=_checked(int), default=16)
+    p.add_argument("--workloads", default="document,chat,shared", help="any of document (always), chat, shared")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_cold_warm(args) -> int:
+    from kvcache.engine.bench_cold_warm import run
+    from kvcache.engine.bench_cold_warm_report import format_table
+    doc = run(args.config, tuple(int(n) for n in args.lengths.split(",") if n.strip()), args.output_tokens,
+              args.out_dir, args.seed, progress=not args.no_progress,
+              workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}\n  and {os.path.join(args.out_dir, 'cold_warm-latest.md')}")
+    return 0
 
 
 ENGINE_EPILOG = """targets (reported): decode_tokens_per_s_vs_hf_b1 >= 3, decode_tokens_per_s_vs_hf_b8 >= 10 (v4-small)

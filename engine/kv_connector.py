@@ -44,6 +44,8 @@ class CacheConfig:
     cost_model: bool = True          # skip a tier's blocks when loading them is slower than recomputing
     pin_ttl_s: float = 60.0          # pins taken while a fetch is in flight (released after it)
     max_pending_save_bytes: int = 512 << 20
+    snapshot_interval: int = 512     # exact mode: prefill chunks end on multiples of this (tokens), and each
+                                     #   such point gets a snapshot; a multiple of the block size
     snapshot_memory_bytes: int = 256 << 20   # recent snapshots kept in the engine (the HBM tier of exact mode)
     # first guesses of each tier's load bandwidth (bytes/s), replaced by measurements as loads happen
     bandwidth: dict = field(default_factory=lambda: {"dram": 2e9, "nvme": 5e8, "object": 1e8})
@@ -51,6 +53,8 @@ class CacheConfig:
     def __post_init__(self):
         if self.mode not in ("replay", "exact"):
             raise ValueError(f"cache mode must be 'replay' or 'exact', got {self.mode!r}")
+        if self.snapshot_interval < 1:
+            raise ValueError("snapshot_interval must be a positive number of tokens")
         if self.replay_blocks < 0:
             raise ValueError("replay_blocks must be >= 0 (0: enough blocks for 4 sliding windows)")
 
@@ -95,6 +99,12 @@ class KVConnector:
         self.bandwidth = dict(config.bandwidth)       # bytes/s per tier label, measured as loads happen
         self.stats = {"lookups": 0, "lookup_errors": 0, "fetched_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                       "saved_snapshots": 0, "save_errors": 0, "save_dropped": 0}
+
+    def use_store(self, store) -> None:
+        """Switch to another store object (e.g. the same data reopened after a restart)."""
+        self.flush()
+        self.store = store
+        self.namespace_id = store.register_namespace(self.namespace)
 
     # ------------------------------------------------------------ scheduler side
     def lookup(self, keys: list[bytes]) -> list[str]:

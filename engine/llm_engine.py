@@ -64,6 +64,8 @@ class LLMEngine:
                                    reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}
         self.cache = self._open_cache(config.cache, store)
+        if self.cache is not None:
+            self.scheduler._cut = self.cache.cut
 
     def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
         if cfg is None:
@@ -74,6 +76,11 @@ class LLMEngine:
             store = open_store(cfg.store, **({"token": cfg.token} if cfg.token else {}))
         conn = KVConnector(store, self.namespace, block_layout(self.kv), cfg) if store is not None else None
         return PrefixCache(self, conn, cfg)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefixes held in this engine's pool (the store keeps its copies)."""
+        if self.cache is not None:
+            self.cache.reset()
 
     def close(self) -> None:
         """Wait for the cache's pending saves and close a store the engine opened."""

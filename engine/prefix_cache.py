@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvcache.engine import snapshot
-from kvcache.engine.kv_blocks import decode_block, encode_block
+from kvcache.engine.kv_blocks import decode_blocks, encode_block
 from kvcache.engine.kv_connector import CacheConfig, KVConnector, snapshot_key
 from kvcache.engine.request import Request, Status
 from kvcache.kvstore.hashing import hash_blocks
@@ -75,6 +75,9 @@ class PrefixCache:
         self.bs = engine.pool.block_size
         window = max(1, getattr(engine.model.config, "sliding_window", 0) or 1)
         self.replay_blocks = config.replay_blocks or max(1, -(-4 * window // self.bs))
+        if config.mode == "exact" and config.snapshot_interval % self.bs:
+            raise ValueError(f"cache.snapshot_interval {config.snapshot_interval} must be a multiple of the "
+                             f"block size {self.bs}")
         self.plans: dict[str, _Plan] = {}
         self.inflight: set[bytes] = set()
         self.snapshots: OrderedDict[bytes, bytes] = OrderedDict()
@@ -151,20 +154,15 @@ class PrefixCache:
         """A load finished (or needed none): give the request its blocks and resume point."""
         del self.plans[plan.req.request_id]
         req, pool, kv = plan.req, self.engine.pool, self.engine.kv
+        kv_bytes = self.connector.block_bytes if self.connector is not None else 0
         fetched, snap, nbytes, dt = plan.future.result() if plan.future is not None else ([], None, 0, 0.0)
         self.inflight.difference_update(plan.keys[plan.hbm:])
         if req.finished:
             return
-        ok = 0
         bids = pool.allocate(min(len(fetched), pool.num_free()))
-        for bid, payload in zip(bids, fetched):
-            if payload is None:
-                break
-            try:
-                decode_block(kv, bid, payload)
-            except ValueError:
-                break
-            ok += 1
+        ok = next((i for i, p in enumerate(fetched[: len(bids)]) if p is None or memoryview(p).nbytes != kv_bytes),
+                  len(bids))
+        decode_blocks(kv, bids[:ok], fetched[:ok])
         pool.release(bids[ok:])
         for key, bid in zip(plan.keys[plan.hbm: plan.hbm + ok], bids[:ok]):
             pool.set_key(bid, key)
@@ -197,6 +195,14 @@ class PrefixCache:
             return snapshot.restore(self.engine.model, view, r.snapshot)
         return snapshot.at_boundary(self.engine.model, view, r.length, r.loaded, self.bs, req.prompt)
 
+    def cut(self, req: Request, start: int, n: int) -> int:
+        """Exact mode: a prefill chunk ends at the next snapshot point (then it gets a snapshot)."""
+        if self.config.mode != "exact" or not self.config.save:
+            return n
+        step = self.config.snapshot_interval
+        nxt = (start // step + 1) * step
+        return nxt - start if start < nxt < start + n and nxt < len(req.prompt) else n
+
     # ------------------------------------------------------------ after a step
     def after_step(self, chunks, seconds: float) -> None:
         prefill = sum(len(c.tokens) for c in chunks if len(c.tokens) > 1)
@@ -212,8 +218,8 @@ class PrefixCache:
                 continue
             self._save_blocks(req)
             end = ch.start + len(ch.tokens)
-            if self.config.mode == "exact" and end % self.bs == 0 and end <= len(req.prompt) and end // self.bs \
-                    <= len(req.block_keys) and req.state.length == end:
+            if self.config.mode == "exact" and end % self.config.snapshot_interval == 0 and end <= len(req.prompt) \
+                    and end // self.bs <= len(req.block_keys) and req.state.length == end:
                 self._save_snapshot(req.block_keys[end // self.bs - 1], req)
 
     def _save_blocks(self, req: Request) -> None:
@@ -233,6 +239,17 @@ class PrefixCache:
             self._snap_bytes -= len(self.snapshots.popitem(last=False)[1])
         if self.connector is not None:
             self.connector.save_snapshot(key, data)
+
+    def reset(self) -> None:
+        """Forget every prefix the engine itself holds (pool block keys, snapshots in memory);
+        the store keeps its copies. For benchmarks and operators (vLLM's reset_prefix_cache)."""
+        pool = self.engine.pool
+        for blk in pool.blocks:
+            if blk.ref_count == 0 and blk.key is not None:
+                pool._by_key.pop(blk.key, None)
+                blk.key = None
+        self.snapshots.clear()
+        self._snap_bytes = 0
 
     def forget(self, req: Request) -> None:
         """The request lost its state (preempted, failed): plan again when it is next admitted."""

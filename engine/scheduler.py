@@ -45,7 +45,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_tokens_per_step: int = 512, max_running: int = 64,
-                 lookahead: int = 0, reset_state=None, eos_id: int | None = None):
+                 lookahead: int = 0, reset_state=None, eos_id: int | None = None, cut=None):
+        """`cut(req, start, n) -> n'` may shorten a prefill chunk (e.g. to end on a snapshot point)."""
         if max_tokens_per_step < 1 or max_running < 1:
             raise ValueError("max_tokens_per_step and max_running must be >= 1")
         self.pool, self.budget, self.max_running, self.lookahead = pool, max_tokens_per_step, max_running, lookahead
@@ -53,6 +54,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._reset_state = reset_state or (lambda req: None)
+        self._cut = cut or (lambda req, start, n: n)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -81,7 +83,8 @@ class Scheduler:
         for req in sorted(self.running, key=Request.sort_key):
             if budget <= 0 or req not in self.running:
                 continue
-            n = 1 if not req.is_prefill else min(len(req.prompt) - req.num_computed, budget)
+            n = 1 if not req.is_prefill else self._cut(req, req.num_computed,
+                                                        min(len(req.prompt) - req.num_computed, budget))
             if self._reserve(req, n, out):
                 out.chunks.append(self._chunk(req, n))
                 budget -= n
@@ -90,7 +93,7 @@ class Scheduler:
                 break
             if req.status is Status.WAITING_FOR_KV or req in out.preempted:
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = self._cut(req, req.num_computed, min(req.num_tokens - req.num_computed, budget))
             try:
                 req.block_ids += self.pool.allocate(self._blocks_missing(req, n))
             except PoolExhausted:

@@ -82,6 +82,7 @@ class BlockStore(StoreWrites, StoreLeases):
         _warn_if_lifecycle_shorter(config)
         self._collector = None
         self._prefetcher = None
+        self._prefetching: dict = {}       # key -> Future of its object -> DRAM prefetch
         self._closed = False
         # access times reach the index from a thread of their own, never a reader's get
         self._threads = [Periodic("kvcache-touch", config.touch_flush_s, self.index.flush_touches)]
@@ -205,6 +206,7 @@ class BlockStore(StoreWrites, StoreLeases):
 
     def get_many_tiered(self, keys: Sequence[bytes]) -> list[tuple[bytes | None, Tier]]:
         """Batched get that also says which tier served each block (Tier.NONE on a miss)."""
+        self._await_prefetch(keys)
         t0, out, first = time.perf_counter(), [], None
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
@@ -230,6 +232,7 @@ class BlockStore(StoreWrites, StoreLeases):
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
         """Batched get_into (the engine's load path): one index transaction and one DRAM
         lease round-trip for the whole batch; payload lengths or None per key."""
+        self._await_prefetch(keys)
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         metas = self._metas(list(keys))
@@ -299,7 +302,20 @@ class BlockStore(StoreWrites, StoreLeases):
                 self._promote(key, meta, check_layout(None, n), memoryview(buf)[:n])
                 self.stats_counters["prefetched"] += 1
         for key, meta in blocks:
-            self._prefetcher.submit(fetch, key, meta)
+            if key not in self._prefetching:
+                f = self._prefetcher.submit(fetch, key, meta)
+                self._prefetching[key] = f
+                f.add_done_callback(lambda _f, k=key: self._prefetching.pop(k, None))
+
+    def _await_prefetch(self, keys: Sequence[bytes], timeout_s: float = 30.0) -> None:
+        """A get of blocks being prefetched waits for those copies instead of reading the object
+        tier a second time (the usual case: lookup, then get at once)."""
+        for f in [self._prefetching.get(k) for k in keys] if self._prefetching else ():
+            if f is not None:
+                try:
+                    f.result(timeout=timeout_s)
+                except Exception:       # a failed or slow prefetch: the get reads the tier itself
+                    pass
 
     def _read_object(self, key: bytes, meta: BlockMeta, out, now: float) -> int | None:
         """The object tier: a miss (never an error) when it is down; promoted to DRAM on a hit."""
@@ -387,6 +403,30 @@ class BlockStore(StoreWrites, StoreLeases):
                 if self.dram is not None:
                     self.dram.delete(k)
         return len(gone)
+
+    def drop_copies(self, keys: Iterable[bytes], tiers: Tier) -> int:
+        """Drop the copies of `keys` held in `tiers` (DRAM and/or NVMe) wherever a copy in a lower
+        tier remains: the last copy of a block is never dropped (write-back blocks only in DRAM
+        stay). For making room in a fast tier by hand, and for benchmarks that read from a chosen
+        tier. An NVMe copy that an object copy backs is forgotten; compaction reclaims its bytes.
+        Returns how many blocks lost a copy."""
+        keys, changed, commits = list(keys), 0, {}
+        with self._lock:
+            for key, meta in zip(keys, self.index.get_many(keys)):
+                if meta is None:
+                    continue
+                did = False
+                if Tier.DRAM in tiers and self.dram is not None and self.dram.contains(key):
+                    self.dram.delete(key)
+                    did = True
+                if Tier.NVME in tiers and Tier.NVME in meta.residency and self.index.object_location(key) is not None:
+                    meta.residency &= ~Tier.NVME
+                    commits[key] = meta
+                    did = True
+                changed += did
+            if commits:
+                self.index.commit(commits, counters={"evicted_nvme": len(commits)})
+        return changed
 
     # ---------------------------------------------------------------- object tier
     def _open_object_tier(self):

@@ -32,6 +32,8 @@ def cold(model, ps):
 
 
 def cached(mode: str, **kw) -> EngineConfig:
+    if mode == "exact":
+        kw.setdefault("snapshot_interval", 48)          # snapshot points at 48 and 96 (the document's end)
     return dataclasses.replace(CFG, cache=CacheConfig(mode=mode, **kw))
 
 
