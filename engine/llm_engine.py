@@ -63,6 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}
+        self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
         if self.cache is not None:
             self.scheduler._cut = self.cache.cut
@@ -183,6 +184,8 @@ class LLMEngine:
             if not ch.samples or req.finished:
                 continue
             pos = ch.start + len(ch.tokens)
+            if self.logits_hook is not None:
+                self.logits_hook(req, pos, logits[i])
             sampled[req.request_id] = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
