@@ -89,3 +89,15 @@ def test_generate_with_two_tensor_parallel_ranks_matches_one(tmp_path):
     one = kv(*base)
     two = kv(*base, "--tp", "2", "--ep")
     assert one.stdout == two.stdout and "6 generated" in two.stderr
+
+
+def test_generate_with_a_cache_directory_reuses_the_prefix_exactly(tmp_path):
+    kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"))
+    ids = ",".join(str(3 + i % 300) for i in range(600))
+    base = ["generate", "--model", str(tmp_path / "m"), "--prompt-ids", ids, "--max-tokens", "6"]
+    plain = kv(*base)
+    cache = ["--cache", str(tmp_path / "store"), "--cache-mode", "exact"]
+    first, second = kv(*base, *cache), kv(*base, *cache)         # two processes: the second hits NVMe
+    tokens = lambda r: r.stdout.strip()  # noqa: E731
+    assert tokens(first) == tokens(second) == tokens(plain)
+    assert "cached (none)" in first.stderr and "512 of 600 prompt tokens cached (nvme 512)" in second.stderr
