@@ -87,6 +87,14 @@ def snapshot_key(block_key: bytes) -> bytes:
     return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()
 
 
+def end_snapshot_key(prev: bytes, tail: list[int]) -> bytes:
+    """Where the snapshot of a request that ended `len(tail)` tokens into a block lives: `prev` is
+    the key of the last full block before it (or the namespace id when there is none)."""
+    import array
+    return hashlib.blake2b(b"kvcache-end-snapshot-v1" + prev + array.array("q", tail).tobytes(),
+                           digest_size=16).digest()
+
+
 class KVConnector:
     def __init__(self, store, namespace: Namespace, layout: tuple[TensorSpec, ...], config: CacheConfig):
         self.store, self.namespace, self.layout, self.config = store, namespace, layout, config
@@ -171,8 +179,9 @@ class KVConnector:
         """Store (key, payload) blocks in the background: best effort, bounded."""
         self._submit([PutItem(k, p, self.namespace_id, self.layout) for k, p in blocks], "saved_blocks")
 
-    def save_snapshot(self, block_key: bytes, data: bytes) -> None:
-        self._submit([PutItem(snapshot_key(block_key), data, self.namespace_id)], "saved_snapshots")
+    def save_raw(self, key: bytes, data: bytes) -> None:
+        """A snapshot (opaque bytes) under its own key."""
+        self._submit([PutItem(key, data, self.namespace_id)], "saved_snapshots")
 
     def _submit(self, items: list[PutItem], counter: str) -> None:
         if not items:

@@ -67,6 +67,7 @@ class LLMEngine:
         self.cache = self._open_cache(config.cache, store)
         if self.cache is not None:
             self.scheduler._cut = self.cache.cut
+            self.scheduler.on_finish = self.cache.on_finish
 
     def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
         if cfg is None:

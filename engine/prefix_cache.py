@@ -26,9 +26,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import torch
+
 from kvcache.engine import snapshot
 from kvcache.engine.kv_blocks import decode_blocks, encode_block
-from kvcache.engine.kv_connector import CacheConfig, KVConnector, snapshot_key
+from kvcache.engine.kv_connector import CacheConfig, KVConnector, end_snapshot_key, snapshot_key
 from kvcache.engine.request import Request, Status
 from kvcache.kvstore.hashing import hash_blocks
 
@@ -65,6 +67,7 @@ class _Plan:
     hit: int                      # blocks found (hbm + store) before the cost model and the boundary
     use: int                      # blocks the request will hold when loaded
     snap_mem: bytes | None = None
+    end: int = 0                  # exact mode, an earlier request's end inside block `use`: resume there
     future: object = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -111,10 +114,10 @@ class PrefixCache:
         req.cache_planned = True
         tiers = ["hbm"] * hbm + (self.connector.lookup(keys[hbm:]) if self.connector and hbm < len(keys) else [])
         k = self._worth_loading(tiers)
-        use, snap_mem, snap_store = self._boundary(keys, tiers, k)
-        if use <= 0:
+        use, snap_mem, snap_store, end = self._boundary(req, keys, tiers, k)
+        if use <= 0 and not end:
             return
-        plan = _Plan(req, keys[:use], tiers[:use], min(hbm, use), len(tiers), use, snap_mem)
+        plan = _Plan(req, keys[:use], tiers[:use], min(hbm, use), len(tiers), use, snap_mem, end)
         shared = [pool.lookup(key) for key in keys[: plan.hbm]]
         pool.share(shared)
         req.block_ids = shared
@@ -137,18 +140,45 @@ class PrefixCache:
                 best, best_gain = k, gain
         return best
 
-    def _boundary(self, keys, tiers, k: int) -> tuple[int, bytes | None, bytes | None]:
-        """(blocks to use, snapshot bytes from memory, snapshot key in the store) for a hit of k blocks."""
+    def _boundary(self, req, keys, tiers, k: int) -> tuple[int, bytes | None, bytes | None, int]:
+        """(blocks to use, snapshot bytes from memory, snapshot key in the store, end) for a hit of
+        k blocks; end > 0 when an earlier request ended inside block k (exact mode resumes there)."""
         if self.config.mode == "replay":
-            return (k if k > self.replay_blocks else 0), None, None
+            return (k if k > self.replay_blocks else 0), None, None, 0
+        found = self._end_snapshot(req, keys, k)       # an earlier request ended after the hit's blocks
+        if found is not None:
+            return (k, *found)
+        best = (0, None, None, 0)
         in_store = self.connector.snapshots_present(keys[:k]) if self.connector else [False] * k
-        for j in range(k, 0, -1):
+        for j in range(k, 0, -1):                       # the last block boundary with a snapshot
             if keys[j - 1] in self.snapshots:
                 self.snapshots.move_to_end(keys[j - 1])
-                return j, self.snapshots[keys[j - 1]], None
+                best = (j, self.snapshots[keys[j - 1]], None, 0)
+                break
             if in_store[j - 1]:
-                return j, None, snapshot_key(keys[j - 1])
-        return 0, None, None
+                best = (j, None, snapshot_key(keys[j - 1]), 0)
+                break
+        inside = self._end_snapshot(req, keys, k - 1) if k else None    # or one inside the last block
+        if inside is not None and inside[2] > best[0] * self.bs:
+            return (k - 1, *inside)
+        return best
+
+    def _end_snapshot(self, req, keys, k: int):
+        """The longest earlier request end in (k*bs, (k+1)*bs) that this prompt continues:
+        (snapshot bytes in memory, its key in the store, end) or None. One batched exists call."""
+        prev = keys[k - 1] if k else self.engine.namespace.id
+        ends = range(min((k + 1) * self.bs - 1, len(req.prompt) - 1), k * self.bs, -1)
+        cands = [(L, end_snapshot_key(prev, req.prompt[k * self.bs: L])) for L in ends]
+        for L, key in cands:
+            if key in self.snapshots:
+                return self.snapshots[key], None, L
+        if self.connector is None or not cands:
+            return None
+        try:
+            there = self.connector.store.exists_many([key for _, key in cands])
+        except Exception:
+            return None
+        return next(((None, key, L) for (L, key), ok in zip(cands, there) if ok), None)
 
     def _apply(self, plan: _Plan) -> None:
         """A load finished (or needed none): give the request its blocks and resume point."""
@@ -174,19 +204,43 @@ class PrefixCache:
             use, resume = 0, None                        # exact or nothing: recompute from the start
         elif self.config.mode == "exact":
             use, resume = held, Resume(held * self.bs, held * self.bs, snapshot.decode(snap))
+            if plan.end:
+                tail = self._partial_block(resume.snapshot)
+                if tail is None:
+                    use, resume = 0, None
+                else:
+                    bids.insert(ok, tail)
+                    ok += 1
+                    resume.length = resume.loaded = plan.end
         else:
             use = held if held > self.replay_blocks else 0
             start = (use - self.replay_blocks) * self.bs
             resume = Resume(start, use * self.bs) if use else None
             u.replayed_tokens = use * self.bs - start if use else 0
+        n_keys = use
+        if resume is not None and plan.end:
+            use += 1                                     # + the partial block from the end snapshot
         all_bids = req.block_ids + bids[:ok]
         pool.release(all_bids[use:])
-        req.block_ids, req.block_keys, req.saved_blocks = all_bids[:use], list(plan.keys[:use]), use
+        req.block_ids, req.block_keys = all_bids[:use], list(plan.keys[:n_keys])
+        req.saved_blocks = len(req.block_keys)
         req.resume = resume
         req.num_computed = resume.length if resume else 0
-        for tier in plan.tiers[:use]:
+        for tier in plan.tiers[: len(req.block_keys)]:
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + self.bs
+        if resume is not None and plan.end:              # the tail came with the snapshot
+            tier = "hbm" if plan.snap_mem else (plan.tiers[-1] if plan.tiers else "dram")
+            u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + plan.end - len(req.block_keys) * self.bs
         req.status = Status.WAITING
+
+    def _partial_block(self, snap: dict) -> int | None:
+        """A pool block holding the end snapshot's partial block rows (None: no block free)."""
+        pool = self.engine.pool
+        if "partial" not in snap or not pool.num_free():
+            return None
+        [bid] = pool.allocate(1)
+        decode_blocks(self.engine.kv, [bid], [snap["partial"].numpy().tobytes()])
+        return bid
 
     def state_for(self, req: Request, view):
         """The first state of a request that resumes after a hit."""
@@ -222,6 +276,28 @@ class PrefixCache:
                     and end // self.bs <= len(req.block_keys) and req.state.length == end:
                 self._save_snapshot(req.block_keys[end // self.bs - 1], req)
 
+    def on_finish(self, req: Request, reason) -> None:
+        """A request is finishing (its blocks and state still held): save its last full blocks
+        and, in exact mode, a snapshot of where it ended, so a follow-up prompt (the next chat
+        turn) resumes exactly there."""
+        from kvcache.engine.request import FinishReason
+        if not self.config.save or req.state is None or reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        self._save_blocks(req)
+        L = req.state.length
+        k = L // self.bs
+        if self.config.mode != "exact" or len(req.block_keys) < k or L >= len(req.tokens):
+            return
+        if L % self.bs == 0:
+            if k:
+                self._save_snapshot(req.block_keys[k - 1], req)
+            return
+        prev = req.block_keys[k - 1] if k else self.engine.namespace.id
+        key = end_snapshot_key(prev, req.tokens[k * self.bs: L])
+        snap = snapshot.capture(req.state)
+        snap["partial"] = torch.frombuffer(bytearray(encode_block(self.engine.kv, req.block_ids[k])), dtype=torch.uint8)
+        self._remember(key, snapshot.encode(snap))
+
     def _save_blocks(self, req: Request) -> None:
         new = range(req.saved_blocks, len(req.block_keys))
         if self.connector is not None and len(new):
@@ -230,15 +306,17 @@ class PrefixCache:
         req.saved_blocks = len(req.block_keys)
 
     def _save_snapshot(self, key: bytes, req: Request) -> None:
-        if key in self.snapshots:
-            return
-        data = snapshot.encode(snapshot.capture(req.state))
+        if key not in self.snapshots:
+            self._remember(key, snapshot.encode(snapshot.capture(req.state)), snapshot_key(key))
+
+    def _remember(self, key: bytes, data: bytes, store_key: bytes | None = None) -> None:
+        """Keep a snapshot in engine memory (bounded) and save it to the store."""
         self.snapshots[key] = data
         self._snap_bytes += len(data)
         while self._snap_bytes > self.config.snapshot_memory_bytes and self.snapshots:
             self._snap_bytes -= len(self.snapshots.popitem(last=False)[1])
         if self.connector is not None:
-            self.connector.save_snapshot(key, data)
+            self.connector.save_raw(store_key or key, data)
 
     def reset(self) -> None:
         """Forget every prefix the engine itself holds (pool block keys, snapshots in memory);

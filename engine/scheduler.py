@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._reset_state = reset_state or (lambda req: None)
         self._cut = cut or (lambda req, start, n: n)
+        self.on_finish = lambda req, reason: None     # called before a finishing request lets go of anything
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -170,6 +171,7 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.on_finish(req, reason)
         if req.block_ids:
             self.pool.release(req.block_ids)
         req.block_ids, req.state = [], None

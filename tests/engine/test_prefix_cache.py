@@ -208,3 +208,24 @@ def test_exact_mode_through_the_daemon_and_after_its_restart(model, tmp_path):
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait()
+
+
+@torch.no_grad()
+def test_exact_mode_resumes_a_chat_where_the_last_turn_ended(model, tmp_path):
+    """Turn 2 = turn 1 + its answer + a new message: it resumes at turn 1's end (mid-block),
+    from the engine's memory and, in a new engine, from the store; bit-identical to cold."""
+    g = torch.Generator().manual_seed(23)
+    turn1 = torch.randint(3, 380, (70,), generator=g).tolist()
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as llm:
+        answer = llm.generate([turn1], GREEDY)[0][0].token_ids
+        turn2 = turn1 + answer + torch.randint(3, 380, (5,), generator=g).tolist()
+        want = cold(model, [turn2])[0]
+        outs, usage = run(llm, [turn2])
+    end = len(turn1) + len(answer) - 1                  # the last answer token was sampled, not computed
+    assert outs[0].token_ids == want and usage[0].total_cached == end == 79
+    assert outs[0].metrics.tokens_computed == len(turn2) - end + len(want) - 1
+    with LLM(model=model, config=cached("exact"), store=store) as fresh:
+        outs, usage = run(fresh, [turn2])
+    assert outs[0].token_ids == want and usage[0].cached_tokens == {"dram": end}
+    store.close()
