@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Cold-versus-warm benchmark: what the prefix cache buys, from each tier, against each tier's floor.
 
-    python benchmarks/cold_warm.py                                  # v4-small, 2k and 8k prefixes
-    python benchmarks/cold_warm.py --lengths 2048,8192,32768
+    python benchmarks/cold_warm.py                                  # v4-small, 2k, 8k and 32k prefixes
+    python benchmarks/cold_warm.py --lengths 2048,8192
 
 The same as `kvcache bench cold-warm`, with reports in benchmarks/results/ beside this file. The logic
 lives in kvcache.engine.bench_cold_warm (`run(config, lengths, ...) -> dict`).

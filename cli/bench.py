@@ -79,15 +79,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 COLD_WARM_EPILOG = """targets (small config, 8k prefix): warm_dram_ttft_vs_cold <= 0.1, warm_nvme_ttft_vs_cold <= 0.15,
   warm_object_ttft_vs_cold <= 0.3, worst_warm_ttft_vs_floor <= 1.5
 examples:
-  kvcache bench cold-warm                                   # v4-small, 2k and 8k prefixes
-  kvcache bench cold-warm --lengths 2048,8192,32768
+  kvcache bench cold-warm                                   # v4-small, 2k, 8k and 32k prefixes
+  kvcache bench cold-warm --lengths 2048,8192
   kvcache bench cold-warm --config v4-tiny --lengths 512,1024 --output-tokens 4
 """
 
 
 def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
     p.add_argument("--config", default="v4-small", help="model config (configs/models/NAME.json); random weights")
-    p.add_argument("--lengths", default="2048,8192", help="shared prefix lengths in tokens (default 2048,8192)")
+    p.add_argument("--lengths", default="2048,8192,32768",
+                   help="shared prefix lengths in tokens (default 2048,8192,32768)")
     p.add_argument("--output-tokens", type=_checked(int), default=16)
     p.add_argument("--workloads", default="document,chat,shared", help="any of document (always), chat, shared")
     p.add_argument("--seed", type=int, default=0)

@@ -83,7 +83,9 @@ def format_table(doc: dict) -> str:
     lines.append(f"  warm output identical to cold (exact mode): {doc['warm_matches_cold']}")
     be = {k: v for k, v in doc["breakeven_prefix_tokens"].items() if v is not None}
     if be:
-        lines.append("  breakeven prefix (tokens): " + ", ".join(f"{k} {max(v, 0):.0f}" for k, v in be.items()))
+        low = min(int(n) for n in doc["results"])
+        lines.append("  breakeven prefix (tokens, linear fit): " + ", ".join(
+            f"{k} {v:.0f}" if v >= low else f"{k} below {low}" for k, v in be.items()))
     for name, w in doc["workloads"].items():
         lines.append(f"  workload {name}: warm/cold TTFT {w['ttft_ratio']:.3f}, exact {w['exact']}")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ trust their tenants (a crafted collision could otherwise poison another tenant's
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -91,8 +92,9 @@ class Namespace:
         if self.scheme_version != SCHEME_VERSION:
             raise ValueError(f"hash scheme {self.scheme_version} unsupported; this build speaks {SCHEME_VERSION}")
 
-    @property
+    @functools.cached_property
     def root(self) -> bytes:
+        """Computed once per namespace object (frozen, so it cannot change); it sits on every put."""
         h = self.algo.new()
         for part in (b"kvcache.namespace", _U32.pack(self.scheme_version), self.algo.value.encode(),
                      self.model_fingerprint.encode(), self.kv_layout.encode(),
@@ -100,7 +102,7 @@ class Namespace:
             _frame(h, part)
         return h.digest()
 
-    @property
+    @functools.cached_property
     def id(self) -> bytes:
         """16-byte namespace id stored in every block header and index entry."""
         return self.root[:16]

@@ -1,6 +1,7 @@
 """Block keys: golden vectors (frozen: changing them breaks every stored cache), the
 documented byte layout, determinism across processes, and input validation."""
 
+import dataclasses
 import hashlib
 import os
 import struct
@@ -80,10 +81,10 @@ def test_every_input_matters():
     assert hash_blocks(NS, changed)[0] == base[0] and hash_blocks(NS, changed)[1] != base[1]
     for field, value in (("model_fingerprint", "other"), ("kv_layout", "other"), ("block_size", 128),
                          ("tenant_salt", "t2"), ("algo", HashAlgo.SHA256)):
-        kw = NS.__dict__ | {field: value}
+        kw = {f.name: getattr(NS, f.name) for f in dataclasses.fields(NS)} | {field: value}
         assert hash_blocks(Namespace(**kw), tokens)[0] != base[0], field
     # the label is not part of the address
-    assert hash_blocks(Namespace(**(NS.__dict__ | {"name": "x"})), tokens) == base
+    assert hash_blocks(dataclasses.replace(NS, name="x"), tokens) == base
     assert hash_blocks(NS, tokens, extra_keys=("lora",)) != base
     # framing: a str and bytes extra key with the same bytes differ
     assert hash_blocks(NS, tokens, extra_keys=("a",)) != hash_blocks(NS, tokens, extra_keys=(b"a",))
