@@ -94,9 +94,16 @@ def test_exact_mode_from_dram_nvme_and_after_a_restart_is_bit_identical(model, t
     store = open_store(tmp_path)
     with LLM(model=model, config=cached("exact"), store=store) as first:   # fills the store
         assert run(first, ps[:1])[0][0].token_ids == want[0]
+    cold_logits, warm_logits = {}, {}
+    plain = LLM(model=model, config=CFG)
+    _tapped(plain, cold_logits, 1)
+    plain.generate([ps[1]], GREEDY)
     with LLM(model=model, config=cached("exact"), store=store) as warm:    # a new engine: empty pool
+        _tapped(warm, warm_logits, 1)
         outs, usage = run(warm, ps[1:2])
     assert outs[0].token_ids == want[1]
+    assert cold_logits.keys() == warm_logits.keys()                       # and every logit, bit for bit
+    assert all(torch.equal(cold_logits[k], warm_logits[k]) for k in cold_logits)
     assert usage[0].cached_tokens == {"dram": 96} and usage[0].bytes_loaded > 0
     assert outs[0].metrics.tokens_computed == 7 + 9                       # the document never recomputed
     store.close()
@@ -228,4 +235,29 @@ def test_exact_mode_resumes_a_chat_where_the_last_turn_ended(model, tmp_path):
     with LLM(model=model, config=cached("exact"), store=store) as fresh:
         outs, usage = run(fresh, [turn2])
     assert outs[0].token_ids == want and usage[0].cached_tokens == {"dram": end}
+    store.close()
+
+
+@torch.no_grad()
+def test_a_tier_slower_than_recomputing_is_skipped(model, tmp_path):
+    """The cost model: with NVMe measured at 1 kB/s, loading 96 tokens would take longer than
+    computing them, so the request recomputes; at the default bandwidth it loads."""
+    P, Qs = prompts(29)
+    ps = [P + q for q in Qs]
+    want = cold(model, ps[1:])
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, ps[:1])
+    store.close()
+    store = open_store(tmp_path)                                          # DRAM empty: blocks on NVMe
+    with LLM(model=model, config=cached("exact"), store=store) as llm:
+        llm.engine.cache.prefill_s_per_token = 1e-3
+        llm.engine.cache.connector.bandwidth["nvme"] = 1e3
+        outs, usage = run(llm, ps[1:2])
+        assert outs[0].token_ids == want[0] and usage[0].total_cached == 0
+        llm.engine.reset_prefix_cache()
+        llm.engine.cache.prefill_s_per_token = 1e-3
+        llm.engine.cache.connector.bandwidth["nvme"] = 5e8
+        outs, usage = run(llm, ps[2:])
+        assert outs[0].token_ids == want[1] and usage[0].cached_tokens.get("nvme") == 96
     store.close()
