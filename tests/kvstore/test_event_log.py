@@ -68,7 +68,8 @@ def test_buffer_full_triggers_a_write_from_the_log_thread(tmp_path):
     for i in range(25):
         log.record(_ev(i))
     deadline = time.monotonic() + 10
-    while log.stats()["written"] < 20 and time.monotonic() < deadline:
+    # rows are counted when written to the open file; the file shows up once rotated (right after)
+    while not (log.stats()["written"] >= 20 and event_files(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert log.stats()["written"] >= 20 and event_files(str(tmp_path))
     log.close()
