@@ -385,7 +385,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
         redis_durable: bool = True, progress: bool = True) -> dict:
     """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
     MissingDependency without redis-server or redis-py."""
-    from kvcache.kvstore.client import KVClient
+    from kvcache.kvstore.sync_client import KVClient
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
     if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1:
         raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1")

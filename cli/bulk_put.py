@@ -1,11 +1,20 @@
-"""The native batch_put: a KVB1 upload served on a FrontConnection (cli/http_front.py).
+"""The native batch_put: a KVB1 upload received by a thread of its own on a FrontConnection
+(cli/http_front.py) that lends it the socket.
 
-Same contract as the aiohttp handler (docs/api.md: auth, tenant keys, quota per chunk,
-limits, the same JSON reply and errors) and the same code for everything past the bytes
-(`server.ingest_puts`); what differs is where the bytes land:
+Same contract as the aiohttp handler (docs/api.md: auth, tenant keys, quota per chunk, limits,
+the same JSON reply and errors) and the same chunking (cli/put_batch.py); what differs is who
+moves the bytes and where they land:
 
-    socket ──recv_into──> staging buffer (reused) ──store.put_many──> DRAM slab / NVMe
-                 one kernel copy                      one copy (the store's own)
+    event loop: head parsed ──lend socket (reading paused)──> upload thread ──reply, give back──> loop
+    upload thread:  socket ──recv_into──> free DRAM chunk (store.reserve_payload) ──put_many──> adopted
+                      one kernel copy, the only one         (write-through: NVMe written from it first)
+                    no free chunk ──recv_into──> staging buffer (reused) ──put_many──> copied into DRAM
+
+Why a thread: on the event loop a 256 KiB payload arrives in several TCP bursts and each burst
+costs a loop turn (selector, callbacks, a future): more Python than the copy itself. A thread
+blocked in recv_into wakes once per burst with nothing else to run, and releases the GIL while
+waiting. The socket is a dup() of the connection's, with a timeout (poll + recv): the shared
+file flags never change, and the loop does not touch the connection until it is given back.
 
 An error reply keeps the connection when the rest of the body can be skipped (Content-Length
 says how much); a truncated body or a lost client closes it.
@@ -13,24 +22,30 @@ says how much); a truncated body or a lost client closes it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 from aiohttp import web
 
 from kvcache.cli.http_front import FrontConnection, Head
-from kvcache.cli.server import CONFIG, METRICS, UNAUTHORIZED, authenticate, error_for, ingest_puts
+from kvcache.cli.put_batch import ingest_puts_blocking
+from kvcache.cli.server import CONFIG, METRICS, POOL, STORE, UNAUTHORIZED, authenticate, error_for
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
 BULK_PATH = "/v1/blocks/batch_put"
-CHUNK_BYTES = 16 << 20         # stored per put_many call on this path (one stored while the next arrives)
+CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (one stored while the next arrives)
 DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
+UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
+WINDOW = 4096                 # one recv for frame headers (and the first bytes of their payload)
 
 
 def wants(head: Head) -> bool:
@@ -63,74 +78,133 @@ class StagingPool:
 
 
 STAGING = web.AppKey("staging", StagingPool)
+UPLOADS = web.AppKey("upload_threads", ThreadPoolExecutor)
 
 
 class Body:
-    """The request body as the frame reader sees it: never past Content-Length. Payloads go to
-    two staging buffers in turn, one chunk each (the other chunk is being stored meanwhile);
-    a chunk holds less than CHUNK_BYTES before its last payload, so a payload of up to
-    CHUNK_BYTES always fits, and larger ones get buffers of their own."""
+    """The request body read from the lent socket, never past Content-Length. Frame headers come
+    through a small read-ahead buffer; payloads go to DRAM landings, else to two staging buffers
+    in turn, one chunk each (the other chunk is being stored meanwhile); a chunk holds less than
+    CHUNK_BYTES before its last payload, so a payload of up to CHUNK_BYTES always fits there."""
 
-    def __init__(self, conn: FrontConnection, length: int):
-        self.conn, self.remaining = conn, length
+    def __init__(self, sock: socket.socket, length: int, early: bytes, store=None):
+        self.sock, self.store = sock, store
+        self.buf = bytearray(max(64 << 10, len(early)))
+        self.buf[: len(early)] = early
+        self.start, self.end = 0, len(early)
+        self.unread = length            # body bytes still in the socket (or in `early`)
+        self.remaining = length         # body bytes not yet consumed by the parser
         self.buffers: list[memoryview | None] = [None, None]
         self.staging, self.pos, self.turn = None, 0, 0
+        self.landed: list[memoryview] = []   # DRAM landings read since the last chunk went to the store
 
-    def _take(self, n: int) -> None:
+    # ---------------------------------------------------------------- the read-ahead buffer
+    def _fill(self, n: int) -> None:
+        """At least n body bytes buffered; reads never go past the body (the early bytes may)."""
+        if n > self.remaining:
+            raise BlockFormatError("the body ends inside a frame")
+        while self.end - self.start < n:
+            have = self.end - self.start
+            if self.start and self.end + WINDOW > len(self.buf):
+                self.buf[:have] = self.buf[self.start: self.end]
+                self.start, self.end = 0, have
+            if self.start + n > len(self.buf):
+                self.buf.extend(bytes(self.start + n - len(self.buf)))
+            want = min(max(WINDOW, n - have), len(self.buf) - self.end, self.remaining - have)
+            got = self.sock.recv_into(memoryview(self.buf)[self.end: self.end + want])
+            if not got:
+                raise ConnectionError("the client closed the connection mid-body")
+            self.end += got
+
+    def _consume(self, n: int) -> None:
         if n > self.remaining:
             raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
+        self.start += n
         self.remaining -= n
+        if self.start == self.end:
+            self.start = self.end = 0
 
-    async def read(self, n: int) -> bytes:
-        self._take(n)
-        return await self.conn.read_exactly(n)
+    def read(self, n: int) -> bytes:
+        if n > self.remaining:
+            raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
+        self._fill(n)
+        out = bytes(self.buf[self.start: self.start + n])
+        self._consume(n)
+        return out
 
-    async def next_frame(self, max_payload: int) -> wire.PutFrame:
-        """Parsed straight from the connection's buffer when the frame header is there (the
-        usual case), else field by field as bytes arrive."""
-        view = self.conn.buffered()
-        got = wire.parse_put_head(view, max_payload)
-        view.release()
-        if got is None:
-            return await wire.read_put_frame(self.read, max_payload, self.read_payload)
+    def leftover(self) -> bytes:
+        """Bytes read past this body (a pipelined next request), for the event loop."""
+        return bytes(self.buf[self.start: self.end]) if not self.remaining else b""
+
+    # ---------------------------------------------------------------- frames and payloads
+    def next_frame(self, max_payload: int) -> wire.PutFrame:
+        while True:
+            got = wire.parse_put_head(memoryview(self.buf)[self.start: self.end], max_payload)
+            if got is not None:
+                break
+            self._fill(self.end - self.start + 1)
         frame, plen, used = got
-        self._take(used)
-        self.conn.consume(used)
-        return dataclasses.replace(frame, payload=await self.read_payload(plen))
+        self._consume(used)
+        return dataclasses.replace(frame, payload=self.read_payload(plen))
 
-    async def read_payload(self, n: int) -> memoryview:
-        self._take(n)
+    def read_payload(self, n: int) -> memoryview:
+        if n > self.remaining:
+            raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
+        dst = self.store.reserve_payload(n) if self.store is not None else None
         st = self.staging
-        if st is not None and self.pos + n <= len(st):
+        if dst is not None:
+            self.landed.append(dst)
+        elif st is not None and self.pos + n <= len(st):
             dst, self.pos = st[self.pos: self.pos + n], self.pos + n
         else:
             dst = memoryview(bytearray(n))
-        await self.conn.read_into(dst)
+        have = min(n, self.end - self.start)
+        dst[:have] = self.buf[self.start: self.start + have]
+        self._consume(have)
+        self._recv_into(dst[have:])
+        self.remaining -= n - have
         return dst
+
+    def _recv_into(self, view: memoryview) -> None:
+        while view.nbytes:
+            got = self.sock.recv_into(view)
+            if not got:
+                raise ConnectionError("the client closed the connection mid-body")
+            view = view[got:]
 
     def next_chunk(self) -> None:
         """The chunk so far went to the store: fill the other buffer (its chunk is stored)."""
         self.turn ^= 1
         self.staging, self.pos = self.buffers[self.turn], 0
+        self.landed = []   # the chunk's store call releases what it did not adopt
 
-    async def skip_rest(self) -> bool:
+    def skip_rest(self) -> bool:
         if self.remaining > DRAIN_LIMIT:
             return False
-        scratch = memoryview(bytearray(min(self.remaining, 1 << 20) or 1))
         try:
+            buffered = min(self.remaining, self.end - self.start)
+            self._consume(buffered)
+            scratch = memoryview(bytearray(min(self.remaining, 1 << 20) or 1))
             while self.remaining:
                 n = min(self.remaining, len(scratch))
-                await self.conn.read_into(scratch[:n])
+                self._recv_into(scratch[:n])
                 self.remaining -= n
-        except Exception:
+        except (OSError, BlockFormatError):
             return False
         return True
 
 
-async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application) -> bool:
-    """Serve one batch_put; True when the connection can take another request."""
+def _respond(sock: socket.socket, status: int, body: bytes, close: bool) -> None:
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
+    sock.sendall(head.encode() + body)
+
+
+def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early: bytes) -> tuple[bool, bytes]:
+    """Serve one batch_put on the lent socket: (keep the connection?, bytes read past the body)."""
     t0 = time.perf_counter()
-    body = Body(conn, int(head.headers["content-length"]))
+    store = app[STORE]
+    body = Body(sock, int(head.headers["content-length"]), early, store)
     keep = head.headers.get("connection", "").lower() != "close"
     who = authenticate(app[CONFIG], head.headers.get("authorization", ""), BULK_PATH)
     if who is None:
@@ -140,10 +214,12 @@ async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application
         body.buffers = [pool.acquire(), pool.acquire()]
         body.staging = body.buffers[0]
         try:
-            reply = await ingest_puts(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES)
+            reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES)
             if body.remaining:
                 raise BlockFormatError(f"{body.remaining} bytes follow the last frame of the batch")
             status = 200
+        except (ConnectionError, TimeoutError):
+            raise                       # nobody to answer
         except Exception as e:
             known = error_for(e)
             if known is None:
@@ -153,8 +229,24 @@ async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application
         finally:
             for b in body.buffers:
                 pool.release(b)
+            if body.landed:             # read but never handed to the store (an error): free their chunks
+                store.release_payloads(body.landed)
     if status != 200 and body.remaining:
-        keep = keep and await body.skip_rest()
+        keep = keep and body.skip_rest()
     app[METRICS].observe_request(BULK_PATH, status, time.perf_counter() - t0)
-    conn.respond(status, HTTPStatus(status).phrase, json.dumps(reply).encode(), close=not keep)
+    _respond(sock, status, json.dumps(reply).encode(), close=not keep)
+    return keep, body.leftover() if keep else b""
+
+
+async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application) -> bool:
+    """Serve one batch_put on an upload thread; True when the connection can take another request."""
+    sock, early = conn.lend()
+    keep, extra = False, b""
+    try:
+        keep, extra = await asyncio.get_running_loop().run_in_executor(app[UPLOADS], serve_blocking, app, sock,
+                                                                       head, early)
+    except (OSError, asyncio.IncompleteReadError) as e:
+        log.debug("bulk upload connection dropped: %s", e)
+    finally:
+        conn.give_back(sock, extra)
     return keep

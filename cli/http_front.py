@@ -2,28 +2,31 @@
 natively and hands every other request, with the bytes read so far, to aiohttp.
 
     accept ─> FrontConnection: read one request head ─┬─ POST /v1/blocks/batch_put, HTTP/1.1,
-              (peek, nothing consumed yet)            │  Content-Length body: served here
-                                                      │  (cli/bulk_put.py); payloads are received
-                                                      │  straight into staging buffers (recv_into),
-                                                      │  then the next head on the same connection
+              (peek, nothing consumed yet)            │  Content-Length body: the connection is
+                                                      │  lent to an upload thread (cli/bulk_put.py)
+                                                      │  that receives payloads straight into DRAM,
+                                                      │  replies and gives it back; then the next head
                                                       └─ anything else: transport.set_protocol(aiohttp's
                                                          RequestHandler), which owns it from then on
 
 Why: on uploads aiohttp's receive path (socket read -> parser -> StreamReader chunks -> our
-copy) was most of the daemon's CPU: three copies and a Python object per chunk. Here the kernel
-copies each payload once, into memory the store then copies into its DRAM tier. Clients keep
-bulk uploads on connections of their own (KVClient does), so they stay on this path; a connection
-that has served anything else belongs to aiohttp, which serves batch_put as well (slower).
+copy) was most of the daemon's CPU: three copies and a Python object per chunk, and a loop turn
+per TCP burst. On the native path the kernel copies each payload once, into the DRAM chunk that
+becomes the block. Clients keep bulk uploads on connections of their own (KVClient does), so
+they stay on this path; a connection that has served anything else belongs to aiohttp, which
+serves batch_put as well (slower).
 
-Flow control: the head/frame buffer pauses the transport when full (e.g. while a chunk is being
-stored), so a fast client never makes the daemon buffer more than the staging memory.
+Flow control: the head buffer pauses the transport when full, and a lent connection is not read
+by the loop at all, so a fast client never makes the daemon buffer more than it chose to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -67,8 +70,8 @@ def parse_head(raw: bytes) -> Head | None:
 
 
 class FrontConnection(asyncio.BufferedProtocol):
-    """One client connection until it is handed to aiohttp. Reads go either into the small
-    buffer (heads, frame headers) or, while `read_into` waits, straight into its target."""
+    """One client connection until it is handed to aiohttp: reads request heads into a small
+    buffer; bulk uploads are lent, socket and all, to an upload thread (cli/bulk_put.py)."""
 
     def __init__(self, front: "Front"):
         self.front = front
@@ -76,10 +79,8 @@ class FrontConnection(asyncio.BufferedProtocol):
         self._buf = bytearray(BUFFER_BYTES)
         self._start = self._end = 0
         self._window = WINDOW
-        self._target: memoryview | None = None
-        self._tpos = 0
         self._wake: asyncio.Future | None = None
-        self._eof = self._lost = self._paused = self._handed = False
+        self._eof = self._lost = self._paused = self._handed = self._lent = False
         self.busy = False       # inside a request (shutdown waits for it)
         self._task: asyncio.Task | None = None
 
@@ -90,21 +91,13 @@ class FrontConnection(asyncio.BufferedProtocol):
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._target is not None:
-            return self._target[self._tpos:]
         if self._end == len(self._buf) and self._start:
             self._compact()
-        # A small window: a large recv here would pull the next payload into this buffer and
-        # cost a second copy; small ones leave it in the socket for read_into's target.
+        # A small window: a large recv here would pull the body's first payload into this
+        # buffer, and the upload thread would copy it out again.
         return memoryview(self._buf)[self._end: self._end + self._window]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._target is not None:
-            self._tpos += nbytes
-            if self._tpos == len(self._target):
-                self._target = None
-                self._wakeup()
-            return
         self._end += nbytes
         if self._end == len(self._buf) and not self._start:
             self._pause()
@@ -121,30 +114,6 @@ class FrontConnection(asyncio.BufferedProtocol):
         self._wakeup()
 
     # ------------------------------------------------------------ reading
-    async def read_exactly(self, n: int) -> bytes:
-        while self._end - self._start < n:
-            if n > len(self._buf) - self._start:
-                self._compact()
-                if n > len(self._buf):
-                    self._buf.extend(bytes(n - len(self._buf)))
-            await self._more(n)
-        out = bytes(self._buf[self._start: self._start + n])
-        self._consume(n)
-        return out
-
-    async def read_into(self, dst: memoryview) -> None:
-        """Fill dst: first from what is buffered, then the kernel writes straight into it."""
-        n = len(dst)
-        have = min(n, self._end - self._start)
-        if have:
-            dst[:have] = self._buf[self._start: self._start + have]
-            self._consume(have)
-        if have < n:
-            self._target, self._tpos = dst, have
-            self._resume()
-            while self._target is not None:
-                await self._more(n)
-
     async def read_head(self) -> bytes | None:
         """The next request head, peeked (not consumed); None when the client closed or idled out."""
         timer = asyncio.get_running_loop().call_later(self.front.keepalive_s, self._idle_out)
@@ -162,13 +131,6 @@ class FrontConnection(asyncio.BufferedProtocol):
             return None
         finally:
             timer.cancel()
-
-    def buffered(self) -> memoryview:
-        """What has been received and not read yet (valid until the next read)."""
-        return memoryview(self._buf)[self._start: self._end]
-
-    def consume(self, n: int) -> None:
-        self._consume(n)
 
     def _consume(self, n: int) -> None:
         self._start += n
@@ -213,7 +175,7 @@ class FrontConnection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def _resume(self) -> None:
-        if self._paused and not self._lost:
+        if self._paused and not self._lost and not self._lent:
             self._paused = False
             self.transport.resume_reading()
 
@@ -221,13 +183,30 @@ class FrontConnection(asyncio.BufferedProtocol):
         if not self.busy and self.transport is not None:
             self.transport.close()
 
-    # ------------------------------------------------------------ writing
-    def respond(self, status: int, reason: str, body: bytes, close: bool) -> None:
-        if self._lost:
-            return
-        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
-        self.transport.write(head.encode() + body)
+    # ------------------------------------------------------------ lending to a thread
+    def lend(self) -> tuple[socket.socket, bytes]:
+        """The connection for a blocking thread (cli/bulk_put.py): reading paused here, a dup()
+        of the socket with the read timeout (poll + recv: the shared O_NONBLOCK flag stays as
+        the loop wants it), and the bytes already read past the head. The loop neither reads
+        nor writes the connection until give_back."""
+        self._pause()
+        self._lent = True
+        sock = socket.socket(fileno=os.dup(self.transport.get_extra_info("socket").fileno()))
+        sock.settimeout(self.front.read_timeout_s)
+        early = bytes(self._buf[self._start: self._end])
+        self._start = self._end = 0
+        return sock, early
+
+    def give_back(self, sock: socket.socket, extra: bytes) -> None:
+        """Back from the thread, with the bytes it read past its request."""
+        sock.close()                  # the dup only
+        self._lent = False
+        if extra:
+            if len(extra) > len(self._buf):
+                self._buf.extend(bytes(len(extra) - len(self._buf)))
+            self._buf[: len(extra)] = extra
+            self._start, self._end = 0, len(extra)
+        self._resume()
 
     # ------------------------------------------------------------ the request loop
     async def _serve(self) -> None:

@@ -39,7 +39,6 @@ TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
 QUOTA = web.RequestKey("quota", object)
 SHM = web.RequestKey("shm", bool)
-PUT_CHUNK_BYTES = 64 << 20
 GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
 
 
@@ -136,11 +135,15 @@ async def _check_quota(request: web.Request, incoming: int) -> None:
 
 
 async def check_quota(app: web.Application, who: Principal, incoming: int) -> None:
+    if who.quota is not None:
+        await asyncio.get_running_loop().run_in_executor(app[POOL], check_quota_now, app[STORE], who, incoming)
+
+
+def check_quota_now(store: BlockStore, who: Principal, incoming: int) -> None:
     """Refuse a put that would take the tenant past its quota (counted on payload bytes)."""
     if who.quota is None:
         return
-    loop = asyncio.get_running_loop()
-    used, _ = await loop.run_in_executor(app[POOL], app[STORE].tenant_usage, who.tenant)
+    used, _ = store.tenant_usage(who.tenant)
     if used + incoming > who.quota:
         raise QuotaExceeded(f"tenant {who.tenant!r} holds {used} of its {who.quota} bytes; this put needs "
                             f"{incoming} more. Delete or unpin blocks, wait for retention, or raise the quota")
@@ -249,61 +252,10 @@ async def batch_put(request: web.Request) -> web.Response:
             mv[pos: pos + len(chunk)] = chunk
             pos += len(chunk)
         return buf
+    from kvcache.cli.put_batch import ingest_puts   # put_batch imports this module
     read = content.readexactly
     return web.json_response(await ingest_puts(request.app, principal(request), read,
                                                lambda limit: wire.read_put_frame(read, limit, read_payload)))
-
-
-async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
-                      chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
-    """Store one KVB1 put stream: the stream header is read with `read(n)`, each frame with
-    `next_frame(max payload bytes)`, and blocks are stored a chunk at a time, quota checked per chunk. Receiving and storing overlap:
-
-        receive chunk k+1 ──────────────┐       (event loop; recv_into releases the GIL)
-        store chunk k (put_many) ───────┤       (worker thread; copies into the tiers)
-        wait for chunk k, start k+1 ────┘       at most one chunk in flight
-
-    `next_chunk()` is called when a chunk has been handed to the store: payload buffers of the
-    chunk before it may be reused from then on. Shared by the aiohttp handler and the native
-    bulk path (cli/bulk_put.py)."""
-    cfg, store = app[CONFIG], app[STORE]
-    count = await wire.read_stream_header(read, cfg.max_batch_blocks)
-    totals, chunk, chunk_bytes = [0, 0, True], [], 0
-    loop = asyncio.get_running_loop()
-    pending, pending_bytes = None, 0
-
-    async def flush(items: list, nbytes: int) -> None:
-        nonlocal pending, pending_bytes
-        if pending is not None:
-            _add(totals, await pending)
-            pending, pending_bytes = None, 0
-        if items:
-            await check_quota(app, who, nbytes)
-            pending, pending_bytes = loop.run_in_executor(app[POOL], store.put_many, items), nbytes
-            if next_chunk is not None:
-                next_chunk()
-    try:
-        for _ in range(count):
-            f = await next_frame(cfg.max_block_bytes)
-            chunk.append(PutItem(tenant_key(who.tenant, f.key), f.payload, f.namespace_id, f.layout, who.tenant,
-                                 f.ttl_s))
-            chunk_bytes += len(f.payload)
-            if chunk_bytes >= chunk_limit:
-                await flush(chunk, chunk_bytes)
-                chunk, chunk_bytes = [], 0
-        await flush(chunk, chunk_bytes)
-        await flush([], 0)
-    finally:
-        if pending is not None:     # an error while a chunk is being stored: let it finish first
-            await asyncio.wait([pending])
-    app[METRICS].count_puts(totals[0], totals[1])
-    return {"stored": totals[0], "already_present": totals[1], "durable": totals[2]}
-
-
-def _add(totals: list, r) -> None:
-    totals[0] += r.stored
-    totals[1] += r.already_present
-    totals[2] = totals[2] and r.durable
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
@@ -405,8 +357,9 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
-    from kvcache.cli.bulk_put import STAGING, StagingPool
+    from kvcache.cli.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
     app[STAGING] = StagingPool()
+    app[UPLOADS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="kvcache-upload")
     app.router.add_get("/healthz", healthz)
     app.router.add_post("/v1/namespaces", register_namespace)
     app.router.add_put("/v1/blocks/{key}", put_block)
@@ -427,4 +380,6 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
 
 
 async def _shutdown_pool(app: web.Application) -> None:
+    from kvcache.cli.bulk_put import UPLOADS
+    app[UPLOADS].shutdown(wait=True)
     app[POOL].shutdown(wait=True)

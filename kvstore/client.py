@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import random
-import threading
 from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
@@ -77,25 +76,33 @@ class DaemonError(StoreError):
 
 
 async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
+    try:
+        raw = await resp.read()
+    except aiohttp.ClientError:
+        raw = b""
+    return error_from(resp.status, resp.reason or "", resp.method, resp.url.path, raw)
+
+
+def error_from(status: int, reason: str, method: str, path: str, raw: bytes) -> StoreError:
     """Map an error response (JSON `{"error", "message"}`) onto the store's exceptions."""
     try:
-        body = json.loads(await resp.read() or b"{}")
-    except (ValueError, aiohttp.ClientError):
+        body = json.loads(raw or b"{}")
+    except ValueError:
         body = {}
     code = body.get("error", "") if isinstance(body, dict) else ""
     msg = body.get("message", "") if isinstance(body, dict) else ""
-    text = f"{resp.method} {resp.url.path}: HTTP {resp.status} {code or resp.reason}: {msg}".rstrip(": ")
-    if resp.status in (400, 413):
+    text = f"{method} {path}: HTTP {status} {code or reason}: {msg}".rstrip(": ")
+    if status in (400, 413):
         err: StoreError = BlockFormatError(text)
-    elif resp.status == 422:
+    elif status == 422:
         err = UnknownNamespaceError(text)
-    elif resp.status in (401, 403):
+    elif status in (401, 403):
         err = AuthError(text)
-    elif resp.status == 507:
+    elif status == 507:
         err = QuotaExceededError(text) if code == "quota_exceeded" else TierFullError(text)
     else:
         err = DaemonError(text)
-    err.status, err.code = resp.status, code
+    err.status, err.code = status, code
     return err
 
 
@@ -133,8 +140,8 @@ def _split_puts(items: Sequence[PutItem], max_blocks: int, max_bytes: int) -> li
     return out + [cur] if cur else out
 
 
-def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
-    """(Content-Length, factory of a fresh async body) for a KVB1 batch_put stream; payloads are not copied."""
+def put_pieces(items: Sequence[PutItem]) -> list[bytes | memoryview]:
+    """A KVB1 batch_put body as pieces: small parts joined, payloads as views (never copied)."""
     pieces: list[bytes | memoryview] = []
     small = bytearray(wire.stream_header(len(items)))
     for it in items:
@@ -149,6 +156,12 @@ def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
             small = bytearray()
     if small:
         pieces.append(bytes(small))
+    return pieces
+
+
+def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
+    """(Content-Length, factory of a fresh async body) for a KVB1 batch_put stream."""
+    pieces = put_pieces(items)
     total = sum(memoryview(p).nbytes for p in pieces)
 
     async def body():
@@ -186,6 +199,7 @@ class AsyncKVClient:
         self._arena: LocalArena | None = None
         self._arena_tried, self._lease_s = False, 0.0
         self._control: ShmControl | None = None
+        self.control_path = ""          # the daemon's shm control socket, once attached
         self._token = token or ""
         self.base_url = base_url.rstrip("/")
         token = token if token is not None else os.environ.get("KVCACHE_TOKEN")
@@ -363,6 +377,7 @@ class AsyncKVClient:
                     arena.close()
                     raise
                 self._arena, self._lease_s = arena, float(info["lease_s"])
+                self.control_path = info["control_socket"]
             except (ArenaUnavailable, StoreError) as e:
                 if self.shared_memory == "on":
                     raise DaemonError(f"shared_memory='on' but the daemon's arena cannot be used: {e}") from e
@@ -487,56 +502,9 @@ class AsyncKVClient:
         return StoreStats(**{**d, "tiers": [TierStats(**t) for t in d.get("tiers", [])]})
 
 
-class KVClient:
-    """Blocking client with BlockStore's interface: the methods of SYNC_METHODS, each with the
-    signature and docstring of its AsyncKVClient coroutine. It owns a private event loop running
-    in a daemon thread; each call submits the coroutine there and waits for its result, so there
-    is one implementation and one pooled session, and calls from many threads run concurrently
-    over the pool. Buffers given to get_into(_many) are filled from that thread while the caller waits."""
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, **options):
-        self._client = AsyncKVClient(base_url, token, **options)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-client", daemon=True)
-        self._thread.start()
-        self._closed = False
-
-    def _run(self, coro):
-        if self._closed:
-            coro.close()
-            raise DaemonError("this KVClient is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
-        finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-
-    def __enter__(self) -> "KVClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "exists_many", "contains", "get", "get_into", "get_many",
-                "get_many_into", "put", "put_many", "pin", "unpin", "delete", "gc", "stats")
-
-
-def _blocking(name: str):
-    coro_fn = getattr(AsyncKVClient, name)
-
-    @functools.wraps(coro_fn)
-    def method(self: KVClient, *args, **kwargs):
-        return self._run(coro_fn(self._client, *args, **kwargs))
-    return method
-
-
-for _name in SYNC_METHODS:
-    setattr(KVClient, _name, _blocking(_name))
+def __getattr__(name: str):
+    """`KVClient` lives in sync_client.py (it imports this module); kept importable from here."""
+    if name == "KVClient":
+        from kvcache.kvstore.sync_client import KVClient
+        return KVClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

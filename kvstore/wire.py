@@ -77,8 +77,15 @@ def encode_get_frame(key: bytes, payload, tier: Tier) -> list[bytes | memoryview
     return [_U8.pack(len(key)) + key + bytes([HIT, int(tier)]) + _U64.pack(memoryview(payload).nbytes), payload]
 
 
+STREAM_HEADER_BYTES = _STREAM.size
+
+
 async def read_stream_header(read: ReadExactly, max_count: int) -> int:
-    magic, count = _STREAM.unpack(await read(_STREAM.size))
+    return parse_stream_header(await read(_STREAM.size), max_count)
+
+
+def parse_stream_header(raw: bytes, max_count: int) -> int:
+    magic, count = _STREAM.unpack(raw)
     if magic != MAGIC:
         raise BlockFormatError("batch body does not start with the KVB1 stream header")
     if count > max_count:
@@ -152,7 +159,12 @@ async def read_get_frame(read: ReadExactly) -> GetFrame:
 async def read_get_frame_header(read: ReadExactly) -> tuple[bytes, bool, Tier, int]:
     """A get frame up to its payload: (key, hit, tier, payload length); the caller reads the payload."""
     (klen,) = _U8.unpack(await read(1))
-    rest = await read(klen + 10)
+    return parse_get_head(await read(klen + 10))
+
+
+def parse_get_head(rest: bytes) -> tuple[bytes, bool, Tier, int]:
+    """A get frame header after its key-length byte (key_len + 10 bytes): (key, hit, tier, payload length)."""
+    klen = len(rest) - 10
     status, tier = rest[klen], rest[klen + 1]
     (plen,) = _U64.unpack_from(rest, klen + 2)
     return rest[:klen], status == HIT, Tier(tier), plen

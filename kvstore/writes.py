@@ -60,6 +60,17 @@ class StoreWrites:
                     sum(w.payload.nbytes for w in writes))
         return PutResult(len(writes), present, durable)
 
+    def reserve_payload(self, nbytes: int) -> memoryview | None:
+        """Free DRAM for a payload about to be received (the daemon's bulk upload): receive into
+        the view, put it as a PutItem's payload, and the DRAM tier adopts the bytes instead of
+        copying them. None when there is no DRAM tier or no free chunk (receive elsewhere).
+        Whatever is not adopted (a duplicate, a failed put) must go back with release_payloads."""
+        return None if self.dram is None else self.dram.reserve(nbytes)
+
+    def release_payloads(self, views) -> None:
+        if self.dram is not None and views:
+            self.dram.unreserve(views)
+
     def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
         """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
         checked = []

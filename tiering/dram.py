@@ -7,6 +7,12 @@
                         └─> on_evict(dirty blocks): the store demotes them to NVMe
                             *before* their chunk is reused (write-back)
 
+Landings (the daemon's bulk upload receives payloads straight into DRAM, one copy in all):
+
+    reserve(n) ──> view of a free chunk: not a block yet, never evicted, never leased
+    recv_into(view) ──> put([BlockWrite(payload=view)]) ──> the chunk is adopted, nothing copied
+    unreserve(views) ──> chunks that were not adopted (a duplicate, an error) are freed
+
 Reads are zero-copy: `view(key)` leases the chunk (it cannot be evicted or reused while the
 lease is held) and yields a memoryview into the arena; `get_into` copies straight from the
 arena into the caller's buffer (one memcpy, no lock held while copying).
@@ -17,6 +23,7 @@ full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is avai
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -103,6 +110,11 @@ class DramTier(BlockTier):
         self._lru = config.eviction == "lru"
         self._doomed_offsets: list[int] = []
         self.evictions = 0
+        self._base = _address(self.arena.buf)
+        self._reserved: dict[int, int] = {}   # offset -> payload bytes of chunks set aside by reserve()
+        self._reserved_bytes = 0
+        self.adopted = 0                       # payloads put without a copy (they landed in a reserved chunk)
+        self.max_reserved_bytes = self._slab.capacity // 8   # concurrent uploads cannot crowd out blocks
 
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
@@ -113,12 +125,69 @@ class DramTier(BlockTier):
                     self._entries[w.key].dirty |= dirty
                     continue
                 n = memoryview(w.payload).nbytes
-                off = self._alloc(n, evicted)
-                self._mv[off: off + n] = memoryview(w.payload).cast("B")
+                off = self._adopt(w.payload, n)
+                if off is None:
+                    off = self._alloc(n, evicted)
+                    self._mv[off: off + n] = memoryview(w.payload).cast("B")
                 self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty)
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
+
+    def reserve(self, nbytes: int) -> memoryview | None:
+        """A writable view of a free chunk for a payload about to arrive, or None (no free chunk
+        below the high watermark, or max_reserved_bytes already set aside): the caller then
+        receives elsewhere and put() copies. Never evicts: that is put()'s job, off this path."""
+        if nbytes <= 0 or nbytes > self._slab.page_bytes:
+            return None
+        if not self._lock.acquire(blocking=False):   # a put may hold it for a while (demotions):
+            return None                              # the caller's event loop must not wait
+        try:
+            chunk = self._slab.chunk_size(nbytes)
+            if (self._reserved_bytes + chunk > self.max_reserved_bytes
+                    or self._slab.used_bytes + chunk > self.config.high_watermark * self._slab.capacity):
+                return None
+            off = self._slab.alloc(nbytes)
+            if off is None:
+                return None
+            self._reserved[off] = nbytes
+            self._reserved_bytes += chunk
+        finally:
+            self._lock.release()
+        return self._mv[off: off + nbytes]
+
+    def unreserve(self, views: Sequence[memoryview]) -> int:
+        """Free the reserved chunks among `views` that put() did not adopt; how many were freed."""
+        freed = 0
+        if not self._reserved:
+            return 0
+        with self._lock:
+            for v in views:
+                try:
+                    off = _address(v) - self._base
+                except TypeError:   # read-only bytes: never one of ours
+                    continue
+                nbytes = self._reserved.pop(off, None)
+                if nbytes is not None:
+                    self._reserved_bytes -= self._slab.chunk_size(nbytes)
+                    self._slab.free(off)
+                    freed += 1
+        return freed
+
+    def _adopt(self, payload, nbytes: int) -> int | None:
+        """The offset of the reserved chunk that `payload` is (all of it), or None. Under the lock."""
+        if not self._reserved or nbytes <= 0:
+            return None
+        try:
+            off = _address(payload) - self._base
+        except TypeError:       # read-only bytes: not one of our views
+            return None
+        if self._reserved.get(off) != nbytes:
+            return None
+        del self._reserved[off]
+        self._reserved_bytes -= self._slab.chunk_size(nbytes)
+        self.adopted += 1
+        return off
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
         """A chunk for `nbytes`, evicting from the LRU head in small batches if needed.
@@ -322,8 +391,18 @@ class DramTier(BlockTier):
     def usage(self) -> TierUsage:
         return TierUsage(Tier.DRAM, len(self._entries), self._slab.used_bytes, self._slab.capacity)
 
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
+
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._reserved.clear()
         if not self.arena.close():  # a caller still holds a view (e.g. a traceback): the GC frees it later
             log.warning("DRAM arena still referenced at close; it is freed when the last view goes")
+
+
+def _address(buf) -> int:
+    """Address of a writable buffer's first byte (the ctypes object, and its export, die at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))

@@ -91,6 +91,8 @@ async def test_client_puts_take_the_native_path_and_read_back(daemon):
         text = await (await c._get_session().get(daemon["url"] + "/metrics",
                                                  headers={"Authorization": f"Bearer {ADMIN}"})).text()
         assert 'endpoint="/v1/blocks/batch_put",status="200"' in text
+        dram = daemon["store"].dram       # received straight into DRAM: every new block adopted, none left over
+        assert dram.adopted == 40 and dram.reserved_bytes == 0
     finally:
         await c.close()
 
@@ -155,6 +157,7 @@ async def test_bad_frames_limits_unknown_namespace_and_quota(daemon):
     assert status == 507 and reply["error"] == "quota_exceeded"
     await small.close()
     writer.close()
+    assert daemon["store"].dram.reserved_bytes == 0 and daemon["store"].dram.adopted == 0   # refused: all freed
 
 
 async def test_truncated_upload_closes_only_that_connection(daemon):
@@ -166,6 +169,7 @@ async def test_truncated_upload_closes_only_that_connection(daemon):
     writer.close()
     await asyncio.sleep(0.1)
     assert await c.exists(KEYS[30:33]) == [False] * 3                  # one chunk: nothing stored
+    assert daemon["store"].dram.reserved_bytes == 0                    # its landings were freed
     assert (await c.put_many([PutItem(KEYS[30], payload(30), NS.id)])).stored == 1
     await c.close()
 

@@ -126,3 +126,48 @@ def test_pin_memory_on_without_accelerator_is_a_clear_error():
         DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=256 * KB, pin_memory="on", prefault=False))
     t = DramTier(DramConfig(capacity_bytes=1 << 20, page_bytes=256 * KB, pin_memory="auto"))
     assert not t.pinned
+
+
+# ---------------------------------------------------------------- landings (reserve / adopt / unreserve)
+NS = bytes(16)
+
+
+def tier(capacity: int, page: int) -> DramTier:
+    return DramTier(DramConfig(capacity_bytes=capacity, page_bytes=page, pin_memory="off", prefault=False))
+
+def test_a_payload_received_into_a_reservation_is_adopted_without_a_copy():
+    t = tier(capacity=4 << 20, page=1 << 20)
+    view = t.reserve(300_000)
+    view[:] = b"k" * 300_000
+    used = t.usage().used_bytes
+    t.put([BlockWrite(b"a", NS, view, raw_layout(300_000), 0.0)])
+    assert t.adopted == 1 and t.reserved_bytes == 0 and t.usage().used_bytes == used   # no second chunk
+    assert t.get(b"a") == b"k" * 300_000
+    assert t.unreserve([view]) == 0                    # adopted: not freed by a late release
+    assert t.get(b"a") == b"k" * 300_000
+
+
+def test_unadopted_reservations_are_freed_and_other_payloads_copied():
+    t = tier(capacity=4 << 20, page=1 << 20)
+    t.put([BlockWrite(b"a", NS, b"x" * 1000, raw_layout(1000), 0.0)])
+    dup = t.reserve(1000)                              # a duplicate: put() keeps the existing block
+    dup[:] = b"y" * 1000
+    other = bytearray(b"z" * 1000)                     # writable, but not in the arena: copied
+    t.put([BlockWrite(b"a", NS, dup, raw_layout(1000), 0.0), BlockWrite(b"b", NS, other, raw_layout(1000), 0.0)])
+    assert t.adopted == 0 and t.get(b"a") == b"x" * 1000 and t.get(b"b") == b"z" * 1000
+    before = t.usage().used_bytes
+    assert t.unreserve([dup, memoryview(other), b"read-only"]) == 1
+    assert t.reserved_bytes == 0 and t.usage().used_bytes < before
+
+
+def test_reservations_are_bounded_and_never_evict():
+    t = tier(capacity=8 << 20, page=1 << 20)
+    views = []
+    while (v := t.reserve(256 << 10)) is not None:
+        views.append(v)
+    assert 0 < t.reserved_bytes <= t.max_reserved_bytes   # an eighth of the arena at most
+    t.unreserve(views)
+    for i in range(30):                                   # 30 of 32 chunks: one more would pass 0.95
+        t.put([BlockWrite(bytes([i]), NS, b"p" * (256 << 10), raw_layout(256 << 10), 0.0)])
+    assert t.reserve(256 << 10) is None                   # above the watermark: put() must make room
+    assert t.evictions == 0

@@ -1,0 +1,129 @@
+"""One KVB1 upload (POST /v1/blocks/batch_put) turned into store calls, a chunk at a time.
+
+Two drivers share `PutBatch`: `ingest_puts` (async; aiohttp's handler, any HTTP client) and
+`ingest_puts_blocking` (cli/bulk_put.py's thread, the native path). Receiving and storing overlap:
+
+    receive chunk k+1 ──────────────┐       (the receiving thread or event loop)
+    store chunk k (put_many) ───────┤       (a store worker thread)
+    wait for chunk k, start k+1 ────┘       at most one chunk in flight; quota checked per chunk
+
+`next_chunk()` is called when a chunk has been handed to the store: payload buffers of the chunk
+before it may be reused from then on. DRAM landings (payloads received straight into reserved
+arena chunks) that put_many did not adopt are released by `store_chunk`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from aiohttp import web
+
+from kvcache.cli.server import CONFIG, METRICS, POOL, STORE, Principal, check_quota, check_quota_now
+from kvcache.kvstore import wire
+from kvcache.kvstore.hashing import tenant_key
+from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutResult
+
+PUT_CHUNK_BYTES = 64 << 20
+
+
+class PutBatch:
+    """The frames of one upload grouped into chunks for the store, and the reply's totals."""
+
+    def __init__(self, who: Principal, chunk_limit: int):
+        self.who, self.chunk_limit = who, chunk_limit
+        self.items: list[PutItem] = []
+        self.nbytes = 0
+        self.stored = self.present = 0
+        self.durable = True
+
+    def add(self, f: wire.PutFrame) -> bool:
+        """Queue one frame; True when the chunk is full (flush it)."""
+        self.items.append(PutItem(tenant_key(self.who.tenant, f.key), f.payload, f.namespace_id, f.layout,
+                                  self.who.tenant, f.ttl_s))
+        self.nbytes += len(f.payload)
+        return self.nbytes >= self.chunk_limit
+
+    def take(self) -> tuple[list[PutItem], int]:
+        items, nbytes = self.items, self.nbytes
+        self.items, self.nbytes = [], 0
+        return items, nbytes
+
+    def done(self, r: PutResult) -> None:
+        self.stored += r.stored
+        self.present += r.already_present
+        self.durable = self.durable and r.durable
+
+    def reply(self, app: web.Application) -> dict:
+        app[METRICS].count_puts(self.stored, self.present)
+        return {"stored": self.stored, "already_present": self.present, "durable": self.durable}
+
+
+def store_chunk(store, items: list[PutItem]) -> PutResult:
+    """put_many, then free the DRAM landings it did not adopt (duplicates, a failed put)."""
+    try:
+        return store.put_many(items)
+    finally:
+        store.release_payloads([it.payload for it in items])
+
+
+async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
+                      chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
+    """Store one upload: the stream header is read with `read(n)`, each frame with
+    `next_frame(max payload bytes)` (both awaitables)."""
+    cfg, store, loop = app[CONFIG], app[STORE], asyncio.get_running_loop()
+    count = await wire.read_stream_header(read, cfg.max_batch_blocks)
+    batch, pending = PutBatch(who, chunk_limit), None
+
+    async def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            batch.done(await pending)
+            pending = None
+        items, nbytes = batch.take()
+        if items:
+            await check_quota(app, who, nbytes)
+            pending = loop.run_in_executor(app[POOL], store_chunk, store, items)
+            if next_chunk is not None:
+                next_chunk()
+    try:
+        for _ in range(count):
+            if batch.add(await next_frame(cfg.max_block_bytes)):
+                await flush()
+        await flush()
+        await flush()
+    finally:
+        if pending is not None:     # an error while a chunk is being stored: let it finish first
+            await asyncio.wait([pending])
+    return batch.reply(app)
+
+
+def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
+                         chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
+    """ingest_puts for a receiving thread: `read` and `next_frame` block."""
+    cfg, store = app[CONFIG], app[STORE]
+    count = wire.parse_stream_header(read(wire.STREAM_HEADER_BYTES), cfg.max_batch_blocks)
+    batch, pending = PutBatch(who, chunk_limit), None
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            batch.done(pending.result())
+            pending = None
+        items, nbytes = batch.take()
+        if items:
+            check_quota_now(store, who, nbytes)
+            pending = app[POOL].submit(store_chunk, store, items)
+            if next_chunk is not None:
+                next_chunk()
+    try:
+        for _ in range(count):
+            if batch.add(next_frame(cfg.max_block_bytes)):
+                flush()
+        flush()
+        flush()
+    finally:
+        if pending is not None:
+            concurrent.futures.wait([pending])
+    return batch.reply(app)
