@@ -34,7 +34,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from kvcache.cli.http_front import FrontConnection, Head
+from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head
 from kvcache.cli.put_batch import ingest_puts_blocking
 from kvcache.cli.server import CONFIG, METRICS, POOL, STORE, UNAUTHORIZED, authenticate, error_for
 from kvcache.kvstore import wire
@@ -46,6 +46,7 @@ CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (one stor
 DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
 UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
 WINDOW = 4096                 # one recv for frame headers (and the first bytes of their payload)
+HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 
 
 def wants(head: Head) -> bool:
@@ -238,13 +239,48 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
     return keep, body.leftover() if keep else b""
 
 
+def serve_lent(app: web.Application, sock: socket.socket, head: Head, early: bytes, closing) -> tuple[bool, bytes]:
+    """Serve batch_puts on the lent connection while they keep coming (a client streaming uploads
+    never goes back through the loop); (keep the connection?, bytes read past the last one)."""
+    while True:
+        keep, rest = serve_blocking(app, sock, head, early)
+        if not keep or closing():
+            return keep, rest
+        head, early, keep = _next_head(sock, rest)
+        if head is None:
+            return keep, early
+
+
+def _next_head(sock: socket.socket, buf: bytes) -> tuple[Head | None, bytes, bool]:
+    """The next request, if it is a batch_put that arrives within HOLD_S: (head, bytes after it,
+    True); else (None, the bytes read, whether the connection is still open) for the loop."""
+    timeout = sock.gettimeout()
+    sock.settimeout(HOLD_S)
+    try:
+        while True:
+            at = buf.find(b"\r\n\r\n")
+            if at >= 0:
+                head = parse_head(buf[: at + 4])
+                return (head, buf[at + 4:], True) if head is not None and wants(head) else (None, buf, True)
+            if len(buf) > HEAD_LIMIT:
+                return None, buf, True
+            more = sock.recv(WINDOW)
+            if not more:
+                return None, buf, False
+            buf += more
+    except TimeoutError:
+        return None, buf, True
+    finally:
+        sock.settimeout(timeout)
+
+
 async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application) -> bool:
-    """Serve one batch_put on an upload thread; True when the connection can take another request."""
+    """Serve batch_puts on an upload thread; True when the connection can take another request."""
     sock, early = conn.lend()
     keep, extra = False, b""
     try:
-        keep, extra = await asyncio.get_running_loop().run_in_executor(app[UPLOADS], serve_blocking, app, sock,
-                                                                       head, early)
+        keep, extra = await asyncio.get_running_loop().run_in_executor(
+            app[UPLOADS], serve_lent, app, sock, head, early, lambda: conn.front.closing)
     except (OSError, asyncio.IncompleteReadError) as e:
         log.debug("bulk upload connection dropped: %s", e)
     finally:

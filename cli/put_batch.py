@@ -3,10 +3,11 @@
 Two drivers share `PutBatch`: `ingest_puts` (async; aiohttp's handler, any HTTP client) and
 `ingest_puts_blocking` (cli/bulk_put.py's thread, the native path). Receiving and storing overlap:
 
-    receive chunk k+1 ──────────────┐       (the receiving thread or event loop)
+    receive chunk k+1 ──────────────┐       (the event loop)
     store chunk k (put_many) ───────┤       (a store worker thread)
     wait for chunk k, start k+1 ────┘       at most one chunk in flight; quota checked per chunk
 
+(the blocking driver stores each chunk in its own thread, see there).
 `next_chunk()` is called when a chunk has been handed to the store: payload buffers of the chunk
 before it may be reused from then on. DRAM landings (payloads received straight into reserved
 arena chunks) that put_many did not adopt are released by `store_chunk`.
@@ -15,7 +16,6 @@ arena chunks) that put_many did not adopt are released by `store_chunk`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 from aiohttp import web
 
@@ -101,29 +101,23 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
 
 def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
                          chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
-    """ingest_puts for a receiving thread: `read` and `next_frame` block."""
+    """ingest_puts for a receiving thread: `read` and `next_frame` block, and chunks are stored
+    right here, not overlapped: with payloads landing in DRAM a put is bookkeeping that costs
+    less than waking a worker thread (measured: 0.9x -> 1.0x of redis at 256 KiB on 2 cores;
+    durable puts gained nothing from the overlap either)."""
     cfg, store = app[CONFIG], app[STORE]
     count = wire.parse_stream_header(read(wire.STREAM_HEADER_BYTES), cfg.max_batch_blocks)
-    batch, pending = PutBatch(who, chunk_limit), None
+    batch = PutBatch(who, chunk_limit)
 
     def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            batch.done(pending.result())
-            pending = None
         items, nbytes = batch.take()
         if items:
             check_quota_now(store, who, nbytes)
-            pending = app[POOL].submit(store_chunk, store, items)
+            batch.done(store_chunk(store, items))
             if next_chunk is not None:
                 next_chunk()
-    try:
-        for _ in range(count):
-            if batch.add(next_frame(cfg.max_block_bytes)):
-                flush()
-        flush()
-        flush()
-    finally:
-        if pending is not None:
-            concurrent.futures.wait([pending])
+    for _ in range(count):
+        if batch.add(next_frame(cfg.max_block_bytes)):
+            flush()
+    flush()
     return batch.reply(app)

@@ -147,8 +147,21 @@ class BlockingShmControl:
     def call(self, op: int, body: bytes) -> tuple[int, bytes]:
         with self._lock:
             self._sock.sendall(w.frame(op, body))
-            n, status = w.split_head(self._recv(w.HEAD_BYTES))
-            return status, self._recv(n)
+            return self._reply()
+
+    def _reply(self) -> tuple[int, bytes]:
+        n, status = w.split_head(self._recv(w.HEAD_BYTES))
+        return status, self._recv(n)
+
+    # pipelined leases (the caller holds `self._lock` across them: replies come back in order)
+    def send_lease(self, keys: list[bytes]) -> None:
+        self._sock.sendall(w.frame(w.LEASE, w.encode_keys(keys)))
+
+    def recv_lease(self) -> tuple[int, list]:
+        status, body = self._reply()
+        if status:
+            raise ArenaUnavailable(f"shared-memory lease refused ({status}): {body.decode()}")
+        return w.decode_slots(body)
 
     def _recv(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -160,19 +173,15 @@ class BlockingShmControl:
             pos += got
         return bytes(buf)
 
-    def lease(self, keys: list[bytes]) -> tuple[int, list]:
-        status, body = self.call(w.LEASE, w.encode_keys(keys))
-        if status:
-            raise ArenaUnavailable(f"shared-memory lease refused ({status}): {body.decode()}")
-        return w.decode_slots(body)
-
     def release(self, lease_id: int) -> bool:
-        status, body = self.call(w.RELEASE, w.encode_u64(lease_id))
+        """Under the caller's lock (see read_leased_blocking)."""
+        self._sock.sendall(w.frame(w.RELEASE, w.encode_u64(lease_id)))
+        status, body = self._reply()
         return status == 0 and body == b"\x01"
 
     def forget(self, lease_id: int) -> None:
-        with self._lock:
-            self._sock.sendall(w.frame(w.FORGET, w.encode_u64(lease_id)))
+        """Under the caller's lock."""
+        self._sock.sendall(w.frame(w.FORGET, w.encode_u64(lease_id)))
 
     def close(self) -> None:
         self._sock.close()
@@ -241,21 +250,48 @@ async def read_leased(ctl: ShmControl, arena: LocalArena, keys: list[bytes], max
     return c.result()
 
 
+PIPELINE_KEYS = 16    # keys per lease on the blocking path; the next lease is asked for before copying
+
+
 def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[bytes], max_keys: int, take,
                          lease_s: float):
-    """read_leased for the blocking client, in the calling thread."""
+    """read_leased for the blocking client, in the calling thread, with one lease in flight
+    ahead: the daemon answers lease k+1 while we copy lease k's blocks (on another core), so
+    only the first lease's round trip is waited for.
+
+        client:  LEASE 0 ─ wait ─ LEASE 1 ─ copy 0 ─ FORGET 0 ─ LEASE 2 ─ copy 1 ─ ...
+        daemon:                   └─ answer 1 ─┘                └─ answer 2 ─┘
+    """
     c = LeasedCopies(arena, take, lease_s)
-    for base in range(0, len(keys), max_keys):
-        chunk = keys[base: base + max_keys]
-        sent = time.monotonic()
-        lease_id, slots = ctl.lease(chunk)
-        try:
-            done = c.copy(base, chunk, slots)
-        except BaseException:
-            ctl.forget(lease_id)
-            raise
-        if c.fresh(sent):
-            ctl.forget(lease_id)
-        elif not ctl.release(lease_id):
-            c.expired(done)
+    step = max(1, min(max_keys, PIPELINE_KEYS))
+    bases = list(range(0, len(keys), step))
+    sent: dict[int, float] = {}
+
+    def ask(i: int) -> None:
+        sent[i] = time.monotonic()
+        ctl.send_lease(keys[bases[i]: bases[i] + step])
+    with ctl._lock:
+        if bases:
+            ask(0)
+        ahead = None                  # a reply already read off the socket (after a RELEASE)
+        for i, base in enumerate(bases):
+            lease_id, slots = ahead if ahead is not None else ctl.recv_lease()
+            ahead = None
+            in_flight = i + 1 < len(bases)
+            if in_flight:
+                ask(i + 1)
+            try:
+                done = c.copy(base, keys[base: base + step], slots)
+            except BaseException:
+                ctl.forget(lease_id)
+                if in_flight:         # keep the channel in step: take the reply and let it go
+                    ctl.forget(ctl.recv_lease()[0])
+                raise
+            if c.fresh(sent[i]):
+                ctl.forget(lease_id)
+                continue
+            if in_flight:             # its reply comes before the RELEASE answer
+                ahead = ctl.recv_lease()
+            if not ctl.release(lease_id):
+                c.expired(done)
     return c.result()

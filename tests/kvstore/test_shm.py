@@ -2,6 +2,7 @@
 that maps the arena (over build_app in a thread, and the real `kvcache serve` process)."""
 
 import asyncio
+import time
 import os
 
 import pytest
@@ -176,6 +177,38 @@ def test_an_expired_lease_voids_the_copy_and_the_client_rereads(served):
             assert got == {} and rest == [0, 1, 2, 3]
             assert await c.get_many(keys) == [payload_for(k) for k in keys]
     asyncio.run(run())
+    wait_released(store)
+
+
+def test_blocking_reads_pipeline_leases_and_stay_in_step(served, monkeypatch):
+    """KVClient keeps one lease in flight ahead (PIPELINE_KEYS per lease): slow copies void
+    their leases and are reread, a copy that fails leaves the channel usable, misses stay None."""
+    from kvcache.kvstore import shm_client
+    monkeypatch.setattr(shm_client, "PIPELINE_KEYS", 3)
+    url, store = served(lease_s=0.2)
+    with KVClient(url, ADMIN, shared_memory="on") as c:
+        c.register_namespace(NS)
+        keys = make_keys(10)
+        c.put_many([_item(k) for k in keys[:9]])
+        assert c.get_many(keys) == [payload_for(k) for k in keys[:9]] + [None]
+        shm, arena = c._shared(), c._client._arena
+
+        def slow_take(i, view):
+            if i in (4, 7):
+                time.sleep(0.15)          # past half the lease: its chunk waits for RELEASE's answer
+            return bytes(view)
+        got, rest = shm_client.read_leased_blocking(shm, arena, keys, 100, slow_take, 0.2)
+        assert set(got) | set(rest) == set(range(9)) and not set(got) & set(rest)
+        assert all(got[i] == payload_for(keys[i]) for i in got)
+
+        def failing_take(i, view):
+            if i == 4:
+                raise ValueError("caller's buffer is too small")
+            return bytes(view)
+        with pytest.raises(ValueError):
+            shm_client.read_leased_blocking(shm, arena, keys, 100, failing_take, 0.2)
+        assert c.get_many(keys[:9]) == [payload_for(k) for k in keys[:9]]   # still in step
+        assert c._shm is shm                                                   # and still shared memory
     wait_released(store)
 
 
