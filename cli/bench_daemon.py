@@ -82,7 +82,14 @@ NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back da
          "redis appendfsync always; durable_put_vs_redis_memory shows what durability costs against a "
          "memory-only redis; daemon_put_vs_raw_write shows how close durable puts come to the disk's own "
          "write()+fdatasync of the same bytes",
-         "unix_*_vs_redis: the daemon over its unix socket vs redis over its unix socket",
+         "unix_*_vs_redis: the daemon over its unix socket vs redis over its unix socket (unix puts go to the "
+         "durable daemon, so unix_put_vs_redis is durable vs memory-only)",
+         "puts run in two groups, each interleaved batch by batch: memory-only sides (memcpy, daemon wb, redis "
+         "tcp/unix), then durable sides (raw write, daemon http/unix, redis aof-always); a side that follows an "
+         "fsync starts with idle, cold CPUs, so mixing the groups charged ratios for their neighbours",
+         "KVClient moves payloads in the calling thread: puts with sendmsg from the caller's buffers (HTTP/1.1, "
+         "http.client), HTTP gets with readinto straight into the output buffers, shared-memory gets with one "
+         "lease in flight ahead of the copies",
          "local_get_vs_memcpy: reads through the shared-memory arena (lease over the unix socket, one memcpy, "
          "release); unix_get_vs_memcpy: the same reads with payloads through the unix socket",
          "redis gets include copying each value into the output buffer, which is what get_many_into delivers",
@@ -386,7 +393,7 @@ def _setups(daemon: dict, memory_daemon: dict, red: dict, aof: dict | None) -> d
                       "buffer that every get side fills)"}
 
 
-def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes: int = 16 << 20,
+def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes: int = 16 << 20,
         data_dir: str | None = None, lookup_runs: int = 200, redis_server: str = "redis-server",
         redis_durable: bool = True, progress: bool = True) -> dict:
     """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
@@ -472,8 +479,8 @@ def add_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks
                    help=f"comma-separated block sizes, K/M/G suffixes (default: {DEFAULT_SIZES})")
     p.add_argument("--total-mib", type=_checked(float), default=128, metavar="MIB",
                    help="bytes per block size, operation and side, in MiB (default: 128)")
-    p.add_argument("--repeats", type=count, default=3, metavar="N",
-                   help="timed rounds; medians are reported (default: 3)")
+    p.add_argument("--repeats", type=count, default=5, metavar="N",
+                   help="timed rounds; medians are reported (default: 5)")
     p.add_argument("--batch-mib", type=_checked(float), default=16, metavar="MIB",
                    help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
     p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
