@@ -38,3 +38,22 @@ def test_engine_benchmark_tiny(tmp_path):
     assert row["ours"]["decode_tokens_per_s"] > 0 and row["transformers"]["decode_tokens_per_s"] > 0
     assert doc["decode_tokens_per_s_vs_hf_b1"] > 0 and "PASS" in format_table(doc) or "MISS" in format_table(doc)
     assert (tmp_path / "engine_throughput-latest.json").exists()
+    top = row["ceiling"]           # the bandwidth bound: above what was measured, and reported as a ratio
+    assert top["max_decode_tokens_per_s"] > row["ours"]["decode_tokens_per_s"] and top["read_bandwidth_gb_s"] > 0.5
+    assert doc["max_decode_ratio_vs_hf_b1"] > 0 and "memory bandwidth allows" in format_table(doc)
+
+
+def test_roofline_counts_the_experts_a_batch_selects():
+    import os
+    from kvcache.engine.bench_model import CONFIG_DIR
+    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.models import build_model
+    from kvcache.engine.roofline import ceiling, step_weight_bytes
+    model = build_model(ModelConfig.load(os.path.join(CONFIG_DIR, "v4-tiny.json")))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    one, eight, many = (step_weight_bytes(model, b) for b in (1, 8, 10_000))
+    assert one < eight < many <= total          # more tokens, more distinct experts, never more than the model
+    embed = model.embed.weight
+    assert many == total - embed.numel() * embed.element_size() + min(10_000, embed.shape[0]) * embed.shape[1] * 4
+    top = ceiling(model, 8, 10e9)
+    assert abs(top["max_decode_tokens_per_s"] - 8 * 10e9 / eight) < 1e-6
