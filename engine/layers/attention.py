@@ -114,12 +114,12 @@ class Attention(nn.Module):
         padded softmax for the whole batch: keys [B, window + chosen entries, D]."""
         B = len(positions)
         rows, picks, biases = [], [], []
+        histories = self.decode_histories(pre, positions, states, rope, shared)
         for i, (pos, st) in enumerate(zip(positions, states)):
-            part = {k: v[:, i:i + 1] for k, v in pre.items()}
             prev = st.window if st.window is not None else kv.new_zeros((1, 0, self.head_dim))
             mine = torch.cat([prev, kv[:, i:i + 1]], 1)[:, -self.window:]        # the rows this token sees
             st.window = mine[:, -(self.window - 1):] if self.window > 1 else mine[:, :0]
-            entries, chosen = self.history(part, pos, st, rope, shared[i])
+            entries, chosen = histories[i]
             keys, bias = mine[0], torch.zeros(mine.shape[1])
             if entries is not None and entries.shape[1]:
                 c = chosen(0, 1)[0, 0]
@@ -195,6 +195,20 @@ class Attention(nn.Module):
         keys = self.indexer.compressor.absorb(pre["ikv"], pre["igate"], state.index, rope)
         return entries, lambda i, j: self.indexer.select_from(pre["iq"][:, i:j], pre["iw"][:, i:j], positions[i:j],
                                                               keys)
+
+    def decode_histories(self, pre: dict, positions, states, rope: RotaryTables, shared) -> list:
+        """history() of every request in a decode step (one token each, row i of `pre` is
+        request i's): the compressors take all rows in one absorb_many; scoring stays per request."""
+        if self.compressor is None:
+            return [(None, None)] * len(states)
+        ents = self.compressor.absorb_many(pre["kv"], pre["gate"], [st.compressor for st in states], rope)
+        if self.indexer is None:
+            return [(e, lambda i, j, e=e, pos=pos: visible_bias(pos[i:j], e.shape[1], self.ratio, e.shape[0]))
+                    for e, pos in zip(ents, positions)]
+        keys = self.indexer.compressor.absorb_many(pre["ikv"], pre["igate"], [st.index for st in states], rope)
+        return [(e, lambda i, j, r=r, key=key, pos=pos: self.indexer.select_from(
+                    pre["iq"][:, r:r + 1][:, i:j], pre["iw"][:, r:r + 1][:, i:j], pos[i:j], key))
+                for r, (e, key, pos) in enumerate(zip(ents, keys, positions))]
 
     def _block(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
         """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries.

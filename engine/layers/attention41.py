@@ -65,6 +65,11 @@ class SharedAttention(Attention):
             pre["iq"], pre["iw"] = self.indexer.query(x, qr, positions, rope)
         return pre
 
+    def decode_histories(self, pre: dict, positions, states, rope: RotaryTables, shared) -> list:
+        """Per request: shared history has no batched path yet."""
+        return [self.history({k: v[:, i:i + 1] for k, v in pre.items()}, pos, st, rope, shared[i])
+                for i, (pos, st) in enumerate(zip(positions, states))]
+
     def history(self, pre: dict, positions, state: AttentionState, rope: RotaryTables, shared):
         if self.kind == "swa":
             return None, None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows, SlotField, clone_field
+from kvcache.engine.layers.history import DenseRows, SlotField, SlotRows, clone_field
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -96,6 +96,38 @@ class Compressor(nn.Module):
         if state.rows is None:
             state.rows = DenseRows(d)
         return state.rows.view()
+
+    def absorb_many(self, kv: torch.Tensor, gate: torch.Tensor, states: list[CompressorState],
+                    rope: RotaryTables) -> list[torch.Tensor]:
+        """absorb() for a decode step: row i of kv, gate [1, B, c*d] is request i's one new token.
+        Rows that leave their window open (m - 1 of every m steps) go into the requests' buffer
+        slots with one indexed write per lane; the rows that close a window take absorb().
+        Same states and entries as B absorb() calls, which cost two slot rewrites each."""
+        fast, slow, lanes = [], [], None
+        for i, st in enumerate(states):
+            a, g = st.__dict__.get("_buf_kv"), st.__dict__.get("_buf_gate")
+            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n and a.n + 1 < self.ratio
+                    and a.n < a.lane.shape[1] and (lanes is None or (a.lane is lanes[0] and g.lane is lanes[1]))):
+                lanes = (a.lane, g.lane)
+                fast.append(i)
+            else:
+                slow.append(i)
+        out: list[torch.Tensor | None] = [None] * len(states)
+        if fast:
+            bufs = [(states[i].__dict__["_buf_kv"], states[i].__dict__["_buf_gate"]) for i in fast]
+            rows, at = torch.tensor(fast), torch.tensor([a.n for a, _ in bufs])
+            lanes[0][torch.tensor([a.slot for a, _ in bufs]), at] = kv[0, rows].to(lanes[0].dtype)
+            lanes[1][torch.tensor([g.slot for _, g in bufs]), at] = gate[0, rows].to(lanes[1].dtype)
+            for (a, g), i in zip(bufs, fast):
+                a.n += 1
+                g.n += 1
+                st = states[i]
+                if st.rows is None:
+                    st.rows = DenseRows(self.head_dim)
+                out[i] = st.rows.view()
+        for i in slow:
+            out[i] = self.absorb(kv[:, i:i + 1], gate[:, i:i + 1], states[i], rope)
+        return out
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
         """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""

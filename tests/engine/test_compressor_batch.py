@@ -1,0 +1,50 @@
+"""Compressor.absorb_many (a decode step's rows in one call) against one absorb() per request:
+same entries, same buffers, whether each request's window stays open or closes this step."""
+
+import torch
+
+from kvcache.engine.layers.compressor import Compressor, CompressorState
+from kvcache.engine.layers.history import SlotRows
+from kvcache.engine.layers.rope import RotaryTables
+from tests.engine.tiny import v4_config
+
+
+def states_on_lanes(n: int, m: int, width: int, dtype=torch.float32) -> tuple[list[CompressorState], tuple]:
+    """n states whose buffers live in pool-like slot lanes (what the engine gives them)."""
+    kv_lane, gate_lane = torch.zeros(n + 2, m, width, dtype=dtype), torch.zeros(n + 2, m, width, dtype=dtype)
+    out = []
+    for i in range(n):
+        st = CompressorState()
+        st.buf_kv, st.buf_gate = SlotRows(kv_lane, i + 1), SlotRows(gate_lane, i + 1)
+        out.append(st)
+    return out, (kv_lane, gate_lane)
+
+
+def test_absorb_many_equals_absorb_per_request():
+    torch.manual_seed(0)
+    config = v4_config()
+    rope = RotaryTables(config)
+    for overlap, m in ((True, 4), (False, 8)):
+        comp = Compressor(config.hidden_size, config.head_dim, m, overlap, config.rms_norm_eps)
+        width = (2 if overlap else 1) * config.head_dim
+        batched, _ = states_on_lanes(3, m, width)
+        alone, _ = states_on_lanes(3, m, width)
+        dense = CompressorState()                  # a state without slots takes absorb() inside absorb_many
+        x = torch.randn(1, 3, config.hidden_size)
+        prompt = [torch.randn(1, t, config.hidden_size) for t in (1, m - 1, 2 * m + 2)]   # windows at different fills
+        for st_b, st_a, p in zip(batched, alone, prompt):
+            comp.absorb(*comp.project(p), st_b, rope)
+            comp.absorb(*comp.project(p), st_a, rope)
+        for step in range(2 * m + 1):
+            x = torch.randn(1, 4, config.hidden_size)
+            kv, gate = comp.project(x)
+            got = comp.absorb_many(kv, gate, batched + [dense], rope)
+            want = [comp.absorb(kv[:, i:i + 1], gate[:, i:i + 1], st, rope) for i, st in enumerate(alone)]
+            for g, w in zip(got[:3], want):
+                assert torch.equal(g, w), (overlap, step)
+            for b, a in zip(batched, alone):
+                assert b.count == a.count
+                assert (b.buf_kv is None) == (a.buf_kv is None)
+                if b.buf_kv is not None:
+                    assert torch.equal(b.buf_kv, a.buf_kv) and torch.equal(b.buf_gate, a.buf_gate)
+            assert got[3].shape[1] == dense.count
