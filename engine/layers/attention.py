@@ -101,13 +101,23 @@ class Attention(nn.Module):
         if len(positions) > 1 and len(pos_all) == len(positions):     # a pure decode step
             return self.output(self._decode_batch(q, kv, positions, states, rope, shared, pre), pos_all, rope,
                                x.dtype)
-        outs, a = [], 0
+        starts = [0]
+        for pos in positions:
+            starts.append(starts[-1] + len(pos))
+        single = [i for i, pos in enumerate(positions) if len(pos) == 1]
+        out = q.new_empty(q.shape)
+        if len(single) > 1:            # a mixed step: its decoding requests still share one softmax
+            tok = torch.tensor([starts[i] for i in single])
+            out[:, tok] = self._decode_batch(q[:, tok], kv[:, tok], [positions[i] for i in single],
+                                             [states[i] for i in single], rope, [shared[i] for i in single],
+                                             {k: v[:, tok] for k, v in pre.items()})
         for i, pos in enumerate(positions):
-            sl = slice(a, a + len(pos))
+            if len(single) > 1 and len(pos) == 1:
+                continue
+            sl = slice(starts[i], starts[i + 1])
             part = {k: v[:, sl] for k, v in pre.items()}
-            outs.append(self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part))
-            a = sl.stop
-        return self.output(torch.cat(outs, 1), pos_all, rope, x.dtype)
+            out[:, sl] = self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part)
+        return self.output(out, pos_all, rope, x.dtype)
 
     def _decode_batch(self, q, kv, positions, states, rope, shared, pre) -> torch.Tensor:
         """One new token per request: histories and windows update per request (cheap), then one
@@ -206,9 +216,8 @@ class Attention(nn.Module):
             return [(e, lambda i, j, e=e, pos=pos: visible_bias(pos[i:j], e.shape[1], self.ratio, e.shape[0]))
                     for e, pos in zip(ents, positions)]
         keys = self.indexer.compressor.absorb_many(pre["ikv"], pre["igate"], [st.index for st in states], rope)
-        return [(e, lambda i, j, r=r, key=key, pos=pos: self.indexer.select_from(
-                    pre["iq"][:, r:r + 1][:, i:j], pre["iw"][:, r:r + 1][:, i:j], pos[i:j], key))
-                for r, (e, key, pos) in enumerate(zip(ents, keys, positions))]
+        ids = self.indexer.select_many(pre["iq"], pre["iw"], positions, keys)
+        return [(e, lambda i, j, c=c: c[:, i:j]) for e, c in zip(ents, ids)]
 
     def _block(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
         """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries.

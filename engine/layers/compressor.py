@@ -185,4 +185,26 @@ class Indexer(nn.Module):
         top = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :k]
         return torch.where(top >= visible[None, :, None], torch.full_like(top, -1), top)
 
+    def select_many(self, q: torch.Tensor, w: torch.Tensor, positions: list[torch.Tensor],
+                    keys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """select_from for a decode step: request r's one query (row r of q [1, B, H, dI] and
+        w [1, B, H]) over its own keys [1, N_r, dI], scored in one padded einsum. The same ids as
+        select_from per request: padding scores -inf and sorts after every real entry (stable)."""
+        B, lens = len(keys), [k.shape[1] for k in keys]
+        N = max(lens)
+        K = q.new_zeros((B, N, self.head_dim))
+        for r, k in enumerate(keys):
+            K[r, : lens[r]] = k[0]
+        scores = torch.relu(torch.einsum("bhd,bnd->bhn", q[0], K)) * self.head_dim ** -0.5
+        index = (scores * w[0][..., None]).sum(1)                                   # [B, N]
+        visible = (torch.cat(positions) + 1) // self.ratio                          # [B]
+        limit = torch.minimum(visible, torch.tensor(lens))
+        index = index.masked_fill(torch.arange(N)[None, :] >= limit[:, None], float("-inf"))
+        top = torch.sort(index, dim=-1, descending=True, stable=True).indices
+        out = []
+        for r in range(B):
+            t = top[r, : min(self.topk, lens[r])]
+            out.append(torch.where(t >= visible[r], torch.full_like(t, -1), t)[None, None])
+        return out
+
 

@@ -48,3 +48,18 @@ def test_absorb_many_equals_absorb_per_request():
                 if b.buf_kv is not None:
                     assert torch.equal(b.buf_kv, a.buf_kv) and torch.equal(b.buf_gate, a.buf_gate)
             assert got[3].shape[1] == dense.count
+
+
+def test_select_many_equals_select_from_per_request():
+    from kvcache.engine.layers.compressor import Indexer
+    torch.manual_seed(1)
+    config = v4_config()
+    ix = Indexer(config.hidden_size, config.q_lora_rank, 4, 16, topk=3, ratio=4, eps=1e-6)
+    keys = [torch.randn(1, n, 16) for n in (0, 2, 5, 9)]
+    keys[2][0, 1:3] = 0.0                               # relu ties at exactly 0: the stable order decides
+    positions = [torch.tensor([p]) for p in (2, 9, 21, 39)]
+    q, w = torch.randn(1, 4, 4, 16), torch.randn(1, 4, 4)
+    got = ix.select_many(q, w, positions, keys)
+    for r, (pos, k) in enumerate(zip(positions, keys)):
+        want = ix.select_from(q[:, r:r + 1], w[:, r:r + 1], pos, k)
+        assert torch.equal(got[r], want), r
