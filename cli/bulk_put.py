@@ -36,7 +36,7 @@ from aiohttp import web
 
 from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head
 from kvcache.cli.put_batch import ingest_puts_blocking
-from kvcache.cli.server import CONFIG, METRICS, POOL, STORE, UNAUTHORIZED, authenticate, error_for
+from kvcache.cli.server import CONFIG, METRICS, STORE, UNAUTHORIZED, authenticate, error_for
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 

@@ -123,7 +123,7 @@ class Attention(nn.Module):
         """One new token per request: histories and windows update per request (cheap), then one
         padded softmax for the whole batch: keys [B, window + chosen entries, D]."""
         B = len(positions)
-        rows, picks, biases = [], [], []
+        rows, biases = [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
         for i, (pos, st) in enumerate(zip(positions, states)):
             prev = st.window if st.window is not None else kv.new_zeros((1, 0, self.head_dim))
