@@ -103,16 +103,22 @@ class Compressor(nn.Module):
         Rows that leave their window open (m - 1 of every m steps) go into the requests' buffer
         slots with one indexed write per lane; the rows that close a window take absorb().
         Same states and entries as B absorb() calls, which cost two slot rewrites each."""
-        fast, slow, lanes = [], [], None
+        fast, closing, slow, lanes = [], [], [], None
         for i, st in enumerate(states):
             a, g = st.__dict__.get("_buf_kv"), st.__dict__.get("_buf_gate")
-            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n and a.n + 1 < self.ratio
-                    and a.n < a.lane.shape[1] and (lanes is None or (a.lane is lanes[0] and g.lane is lanes[1]))):
+            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n and a.n < a.lane.shape[1]
+                    and (lanes is None or (a.lane is lanes[0] and g.lane is lanes[1]))):
                 lanes = (a.lane, g.lane)
-                fast.append(i)
-            else:
-                slow.append(i)
+                if a.n + 1 < self.ratio:
+                    fast.append(i)
+                    continue
+                if a.n + 1 == self.ratio and self._closes_in_slots(st, states[closing[0]] if closing else None):
+                    closing.append(i)
+                    continue
+            slow.append(i)
         out: list[torch.Tensor | None] = [None] * len(states)
+        if closing:
+            self._close_windows(kv, gate, [states[i] for i in closing], closing, lanes, rope, out)
         if fast:
             bufs = [(states[i].__dict__["_buf_kv"], states[i].__dict__["_buf_gate"]) for i in fast]
             rows, at = torch.tensor(fast), torch.tensor([a.n for a, _ in bufs])
@@ -128,6 +134,62 @@ class Compressor(nn.Module):
         for i in slow:
             out[i] = self.absorb(kv[:, i:i + 1], gate[:, i:i + 1], states[i], rope)
         return out
+
+    def _closes_in_slots(self, st: CompressorState, first: CompressorState | None) -> bool:
+        """A closing row can join the batched pooling: its overlap carry (CSA) is slot-backed too,
+        in the same lanes as the batch's first closing state."""
+        if not self.overlap:
+            return True
+        ok, og = st.__dict__.get("_overlap_kv"), st.__dict__.get("_overlap_gate")
+        if not (isinstance(ok, SlotRows) and isinstance(og, SlotRows) and ok.n == og.n
+                and ok.n in (0, self.ratio) and ok.lane.shape[1] >= self.ratio):
+            return False
+        return first is None or (ok.lane is first.__dict__["_overlap_kv"].lane
+                                 and og.lane is first.__dict__["_overlap_gate"].lane)
+
+    def _close_windows(self, kv, gate, states: list[CompressorState], rows_at: list[int], lanes, rope, out) -> None:
+        """absorb() for requests whose new row closes their window, pooled together: the same
+        slots, softmax, norm and RoPE as one absorb() each, on a [closing, 1, slots, c*d] batch."""
+        m, d = self.ratio, self.head_dim
+        bufs = [(st.__dict__["_buf_kv"], st.__dict__["_buf_gate"]) for st in states]
+        idx = torch.tensor(rows_at)
+        slot_kv, slot_gate = torch.tensor([a.slot for a, _ in bufs]), torch.tensor([g.slot for _, g in bufs])
+        win_kv = torch.cat([lanes[0][slot_kv, : m - 1].to(kv.dtype), kv[0, idx, None]], 1)[:, None]     # [C, 1, m, c*d]
+        win_gate = torch.cat([lanes[1][slot_gate, : m - 1].to(gate.dtype), gate[0, idx, None]], 1)[:, None]
+        win_gate = win_gate + self.ape.float()
+        if self.overlap:
+            win_kv, win_gate = self._overlap_slots(win_kv, win_gate, states)
+        pooled = (win_kv * torch.softmax(win_gate, dim=2)).sum(2)                   # [C, 1, d]
+        cos, sin = rope.cos_sin(torch.tensor([st.count * m for st in states]), "compress")
+        new = apply_rope(self.norm(pooled), cos[:, None], sin[:, None])
+        for j, (st, (a, g)) in enumerate(zip(states, bufs)):
+            if st.rows is None:
+                st.rows = DenseRows(d)
+            if st.floor <= st.count:          # below the floor: the entry was loaded from the cache
+                st.rows.append(new[j: j + 1])
+            st.count += 1
+            a.n = g.n = 0
+            out[rows_at[j]] = st.rows.view()
+
+    def _overlap_slots(self, win_kv, win_gate, states: list[CompressorState]):
+        """_overlap for one closing window per state, carries read from and written to their slots."""
+        m, d = self.ratio, self.head_dim
+        C = win_kv.shape[0]
+        slots_kv = win_kv.new_zeros((C, 1, 2 * m, d))
+        slots_gate = win_gate.new_full((C, 1, 2 * m, d), float("-inf"))
+        slots_kv[:, :, m:], slots_gate[:, :, m:] = win_kv[..., d:], win_gate[..., d:]
+        carry = [(st.__dict__["_overlap_kv"], st.__dict__["_overlap_gate"]) for st in states]
+        have = [j for j, (ok, _) in enumerate(carry) if ok.n]
+        ok_lane, og_lane = carry[0][0].lane, carry[0][1].lane
+        if have:
+            h = torch.tensor(have)
+            slots_kv[h, 0, :m] = ok_lane[torch.tensor([carry[j][0].slot for j in have]), :m].to(slots_kv.dtype)
+            slots_gate[h, 0, :m] = og_lane[torch.tensor([carry[j][1].slot for j in have]), :m].to(slots_gate.dtype)
+        ok_lane[torch.tensor([ok.slot for ok, _ in carry]), :m] = win_kv[:, -1, :, :d].to(ok_lane.dtype)
+        og_lane[torch.tensor([og.slot for _, og in carry]), :m] = win_gate[:, -1, :, :d].to(og_lane.dtype)
+        for ok, og in carry:
+            ok.n = og.n = m
+        return slots_kv, slots_gate
 
     def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
         """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""

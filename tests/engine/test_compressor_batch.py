@@ -9,15 +9,20 @@ from kvcache.engine.layers.rope import RotaryTables
 from tests.engine.tiny import v4_config
 
 
-def states_on_lanes(n: int, m: int, width: int, dtype=torch.float32) -> tuple[list[CompressorState], tuple]:
-    """n states whose buffers live in pool-like slot lanes (what the engine gives them)."""
-    kv_lane, gate_lane = torch.zeros(n + 2, m, width, dtype=dtype), torch.zeros(n + 2, m, width, dtype=dtype)
+def states_on_lanes(n: int, m: int, width: int, overlap_dim: int = 0, dtype=torch.float32) -> list[CompressorState]:
+    """n states whose buffers (and CSA overlap carries) live in pool-like slot lanes, as the engine
+    gives them."""
+    lane = lambda w: torch.zeros(n + 2, m, w, dtype=dtype)   # noqa: E731
+    kv_lane, gate_lane = lane(width), lane(width)
+    ov = (lane(overlap_dim), lane(overlap_dim)) if overlap_dim else None
     out = []
     for i in range(n):
         st = CompressorState()
         st.buf_kv, st.buf_gate = SlotRows(kv_lane, i + 1), SlotRows(gate_lane, i + 1)
+        if ov:
+            st.overlap_kv, st.overlap_gate = SlotRows(ov[0], i + 1), SlotRows(ov[1], i + 1)
         out.append(st)
-    return out, (kv_lane, gate_lane)
+    return out
 
 
 def test_absorb_many_equals_absorb_per_request():
@@ -27,8 +32,9 @@ def test_absorb_many_equals_absorb_per_request():
     for overlap, m in ((True, 4), (False, 8)):
         comp = Compressor(config.hidden_size, config.head_dim, m, overlap, config.rms_norm_eps)
         width = (2 if overlap else 1) * config.head_dim
-        batched, _ = states_on_lanes(3, m, width)
-        alone, _ = states_on_lanes(3, m, width)
+        ov = config.head_dim if overlap else 0
+        batched, alone = states_on_lanes(3, m, width, ov), states_on_lanes(3, m, width, ov)
+        batched[2].floor = alone[2].floor = 3      # its first entries came from the cache: not rewritten
         dense = CompressorState()                  # a state without slots takes absorb() inside absorb_many
         x = torch.randn(1, 3, config.hidden_size)
         prompt = [torch.randn(1, t, config.hidden_size) for t in (1, m - 1, 2 * m + 2)]   # windows at different fills
@@ -43,7 +49,9 @@ def test_absorb_many_equals_absorb_per_request():
             for g, w in zip(got[:3], want):
                 assert torch.equal(g, w), (overlap, step)
             for b, a in zip(batched, alone):
-                assert b.count == a.count
+                assert b.count == a.count and b.rows.count == a.rows.count
+                if overlap and a.overlap_kv is not None:
+                    assert torch.equal(b.overlap_kv, a.overlap_kv) and torch.equal(b.overlap_gate, a.overlap_gate)
                 assert (b.buf_kv is None) == (a.buf_kv is None)
                 if b.buf_kv is not None:
                     assert torch.equal(b.buf_kv, a.buf_kv) and torch.equal(b.buf_gate, a.buf_gate)
