@@ -18,7 +18,7 @@ from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import SlotField, clone_field, make_rows
+from kvcache.engine.layers.history import SlotField, SlotRows, clone_field, make_rows
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -125,10 +125,13 @@ class Attention(nn.Module):
         B = len(positions)
         rows, biases = [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
+        seen = self._slide_full_windows(kv, states)
         for i, (pos, st) in enumerate(zip(positions, states)):
-            prev = st.window if st.window is not None else kv.new_zeros((1, 0, self.head_dim))
-            mine = torch.cat([prev, kv[:, i:i + 1]], 1)[:, -self.window:]        # the rows this token sees
-            st.window = mine[:, -(self.window - 1):] if self.window > 1 else mine[:, :0]
+            mine = seen[i]
+            if mine is None:
+                prev = st.window if st.window is not None else kv.new_zeros((1, 0, self.head_dim))
+                mine = torch.cat([prev, kv[:, i:i + 1]], 1)[:, -self.window:]    # the rows this token sees
+                st.window = mine[:, -(self.window - 1):] if self.window > 1 else mine[:, :0]
             entries, chosen = histories[i]
             keys, bias = mine[0], torch.zeros(mine.shape[1])
             if entries is not None and entries.shape[1]:
@@ -205,6 +208,25 @@ class Attention(nn.Module):
         keys = self.indexer.compressor.absorb(pre["ikv"], pre["igate"], state.index, rope)
         return entries, lambda i, j: self.indexer.select_from(pre["iq"][:, i:j], pre["iw"][:, i:j], positions[i:j],
                                                               keys)
+
+    def _slide_full_windows(self, kv: torch.Tensor, states) -> list:
+        """For requests whose window is full and in a slot of one lane: the rows their new token
+        sees ([1, W, D]: the window, then the token), all gathered and slid in one indexed read
+        and write; None for the others (the per-request path in _decode_batch)."""
+        W, full, lane = self.window, [], None
+        for i, st in enumerate(states):
+            w = st.__dict__.get("_window")
+            if W > 1 and isinstance(w, SlotRows) and w.n == W - 1 and (lane is None or w.lane is lane):
+                lane = w.lane
+                full.append(i)
+        seen: list = [None] * len(states)
+        if full:
+            slots = torch.tensor([states[i].__dict__["_window"].slot for i in full])
+            rows = torch.cat([lane[slots, : W - 1].to(kv.dtype), kv[0, torch.tensor(full), None]], 1)   # [F, W, D]
+            lane[slots, : W - 1] = rows[:, 1:].to(lane.dtype)
+            for j, i in enumerate(full):
+                seen[i] = rows[j: j + 1]
+        return seen
 
     def decode_histories(self, pre: dict, positions, states, rope: RotaryTables, shared) -> list:
         """history() of every request in a decode step (one token each, row i of `pre` is

@@ -106,10 +106,10 @@ class Compressor(nn.Module):
         fast, closing, slow, lanes = [], [], [], None
         for i, st in enumerate(states):
             a, g = st.__dict__.get("_buf_kv"), st.__dict__.get("_buf_gate")
-            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n and a.n < a.lane.shape[1]
+            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n
                     and (lanes is None or (a.lane is lanes[0] and g.lane is lanes[1]))):
                 lanes = (a.lane, g.lane)
-                if a.n + 1 < self.ratio:
+                if a.n + 1 < self.ratio and a.n < a.lane.shape[1]:
                     fast.append(i)
                     continue
                 if a.n + 1 == self.ratio and self._closes_in_slots(st, states[closing[0]] if closing else None):

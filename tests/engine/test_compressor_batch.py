@@ -12,9 +12,9 @@ from tests.engine.tiny import v4_config
 def states_on_lanes(n: int, m: int, width: int, overlap_dim: int = 0, dtype=torch.float32) -> list[CompressorState]:
     """n states whose buffers (and CSA overlap carries) live in pool-like slot lanes, as the engine
     gives them."""
-    lane = lambda w: torch.zeros(n + 2, m, w, dtype=dtype)   # noqa: E731
-    kv_lane, gate_lane = lane(width), lane(width)
-    ov = (lane(overlap_dim), lane(overlap_dim)) if overlap_dim else None
+    lane = lambda rows, w: torch.zeros(n + 2, rows, w, dtype=dtype)   # noqa: E731
+    kv_lane, gate_lane = lane(m - 1, width), lane(m - 1, width)        # a buffer holds < m rows
+    ov = (lane(m, overlap_dim), lane(m, overlap_dim)) if overlap_dim else None
     out = []
     for i in range(n):
         st = CompressorState()
