@@ -42,7 +42,7 @@ from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
 BULK_PATH = "/v1/blocks/batch_put"
-CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (one stored while the next arrives)
+CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (in the upload thread, before the next)
 DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
 UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
 WINDOW = 4096                 # one recv for frame headers (and the first bytes of their payload)
@@ -84,19 +84,18 @@ UPLOADS = web.AppKey("upload_threads", ThreadPoolExecutor)
 
 class Body:
     """The request body read from the lent socket, never past Content-Length. Frame headers come
-    through a small read-ahead buffer; payloads go to DRAM landings, else to two staging buffers
-    in turn, one chunk each (the other chunk is being stored meanwhile); a chunk holds less than
-    CHUNK_BYTES before its last payload, so a payload of up to CHUNK_BYTES always fits there."""
+    through a small read-ahead buffer; payloads go to DRAM landings, else to a staging buffer
+    reused per chunk (a chunk is stored before the next one is received); a chunk holds less
+    than CHUNK_BYTES before its last payload, so a payload of up to CHUNK_BYTES always fits there."""
 
     def __init__(self, sock: socket.socket, length: int, early: bytes, store=None):
         self.sock, self.store = sock, store
         self.buf = bytearray(max(64 << 10, len(early)))
         self.buf[: len(early)] = early
         self.start, self.end = 0, len(early)
-        self.unread = length            # body bytes still in the socket (or in `early`)
         self.remaining = length         # body bytes not yet consumed by the parser
-        self.buffers: list[memoryview | None] = [None, None]
-        self.staging, self.pos, self.turn = None, 0, 0
+        self.staging: memoryview | None = None
+        self.pos = 0
         self.landed: list[memoryview] = []   # DRAM landings read since the last chunk went to the store
 
     # ---------------------------------------------------------------- the read-ahead buffer
@@ -174,10 +173,10 @@ class Body:
             view = view[got:]
 
     def next_chunk(self) -> None:
-        """The chunk so far went to the store: fill the other buffer (its chunk is stored)."""
-        self.turn ^= 1
-        self.staging, self.pos = self.buffers[self.turn], 0
-        self.landed = []   # the chunk's store call releases what it did not adopt
+        """The chunk so far is stored: its staging bytes may be overwritten, and its store call
+        released the landings it did not adopt."""
+        self.pos = 0
+        self.landed = []
 
     def skip_rest(self) -> bool:
         if self.remaining > DRAIN_LIMIT:
@@ -212,8 +211,7 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
         status, reply = UNAUTHORIZED[0], {"error": UNAUTHORIZED[1], "message": UNAUTHORIZED[2]}
     else:
         pool = app[STAGING]
-        body.buffers = [pool.acquire(), pool.acquire()]
-        body.staging = body.buffers[0]
+        body.staging = pool.acquire()
         try:
             reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES)
             if body.remaining:
@@ -228,8 +226,7 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
                 known = (500, "internal", "internal error; see the daemon log")
             status, reply = known[0], {"error": known[1], "message": known[2]}
         finally:
-            for b in body.buffers:
-                pool.release(b)
+            pool.release(body.staging)
             if body.landed:             # read but never handed to the store (an error): free their chunks
                 store.release_payloads(body.landed)
     if status != 200 and body.remaining:

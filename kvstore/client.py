@@ -140,6 +140,20 @@ def _split_puts(items: Sequence[PutItem], max_blocks: int, max_bytes: int) -> li
     return out + [cur] if cur else out
 
 
+def put_total(replies: list[dict]) -> PutResult:
+    """One PutResult for the batch_put replies of one put_many (durable only if every chunk was)."""
+    return PutResult(sum(r["stored"] for r in replies), sum(r["already_present"] for r in replies),
+                     bool(replies) and all(r["durable"] for r in replies), sum(r.get("rejected", 0) for r in replies))
+
+
+def fit_buffer(out, n: int) -> memoryview:
+    """`out` as bytes, checked to hold an n-byte block (ValueError otherwise)."""
+    dst = memoryview(out).cast("B")
+    if dst.nbytes < n:
+        raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
+    return dst
+
+
 def put_pieces(items: Sequence[PutItem]) -> list[bytes | memoryview]:
     """A KVB1 batch_put body as pieces: small parts joined, payloads as views (never copied)."""
     pieces: list[bytes | memoryview] = []
@@ -430,20 +444,14 @@ class AsyncKVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            dst = memoryview(outs[i]).cast("B")
-            if dst.nbytes < view.nbytes:
-                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {view.nbytes}")
-            dst[: view.nbytes] = view
+            fit_buffer(outs[i], view.nbytes)[: view.nbytes] = view
             return view.nbytes
 
         async def over_socket(sub, idx):
             result: list[int | None] = [None] * len(sub)
 
             async def take(i, n, content):
-                dst = memoryview(outs[idx[i]]).cast("B")
-                if dst.nbytes < n:
-                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-                await _read_into(content, dst, n)
+                await _read_into(content, fit_buffer(outs[idx[i]], n), n)
                 result[i] = n
             await self._batch_get(sub, take)
             return result
@@ -468,16 +476,13 @@ class AsyncKVClient:
         """Streams KVB1 batches of at most max_batch_blocks blocks / max_batch_bytes bytes each."""
         for it in items:
             _check_item(it)
-        stored = present = rejected = 0
-        durable = True
+        replies = []
         for chunk in _split_puts(items, self.max_batch_blocks, self.max_batch_bytes):
             length, body = _put_body(chunk)
             headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
-            r = await self._call("POST", "/v1/blocks/batch_put", lambda resp: resp.json(content_type=None),
-                                 body=body, headers=headers, stream=True, bulk=True)
-            stored, present = stored + r["stored"], present + r["already_present"]
-            rejected, durable = rejected + r.get("rejected", 0), durable and r["durable"]
-        return PutResult(stored, present, durable if items else False, rejected)
+            replies.append(await self._call("POST", "/v1/blocks/batch_put", lambda resp: resp.json(content_type=None),
+                                            body=body, headers=headers, stream=True, bulk=True))
+        return put_total(replies)
 
     async def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
         extra = {} if ttl_s is None else {"ttl_s": ttl_s}

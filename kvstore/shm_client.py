@@ -126,7 +126,7 @@ class BlockingShmControl:
     time (the copies run outside the lock, so threads only queue for the round trips)."""
 
     def __init__(self, sock: socket.socket):
-        self._sock, self._lock = sock, threading.Lock()
+        self._sock, self.lock = sock, threading.Lock()   # held across pipelined calls
 
     @classmethod
     def connect(cls, path: str, token: str, timeout_s: float) -> "BlockingShmControl":
@@ -145,7 +145,7 @@ class BlockingShmControl:
         return ctl
 
     def call(self, op: int, body: bytes) -> tuple[int, bytes]:
-        with self._lock:
+        with self.lock:
             self._sock.sendall(w.frame(op, body))
             return self._reply()
 
@@ -153,7 +153,7 @@ class BlockingShmControl:
         n, status = w.split_head(self._recv(w.HEAD_BYTES))
         return status, self._recv(n)
 
-    # pipelined leases (the caller holds `self._lock` across them: replies come back in order)
+    # pipelined leases (the caller holds `self.lock` across them: replies come back in order)
     def send_lease(self, keys: list[bytes]) -> None:
         self._sock.sendall(w.frame(w.LEASE, w.encode_keys(keys)))
 
@@ -270,7 +270,7 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
     def ask(i: int) -> None:
         sent[i] = time.monotonic()
         ctl.send_lease(keys[bases[i]: bases[i] + step])
-    with ctl._lock:
+    with ctl.lock:
         if bases:
             ask(0)
         ahead = None                  # a reply already read off the socket (after a RELEASE)

@@ -21,7 +21,8 @@ from typing import Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.blocking_http import BlockingHTTP, read_exact, read_exact_into
-from kvcache.kvstore.client import AsyncKVClient, DaemonError, _check_item, _chunks, _split_puts, put_pieces
+from kvcache.kvstore.client import (AsyncKVClient, DaemonError, _check_item, _chunks, _split_puts, fit_buffer,
+                                    put_pieces, put_total)
 from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, read_leased_blocking
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.store import PutItem
@@ -80,16 +81,14 @@ class KVClient:
         c = self._client
         for it in items:
             _check_item(it)
-        stored = present = rejected = 0
-        durable = True
+        replies = []
         for chunk in _split_puts(items, c.max_batch_blocks, c.max_batch_bytes):
             pieces = put_pieces(chunk)
             headers = {"Content-Length": str(sum(memoryview(p).nbytes for p in pieces)),
                        "Content-Type": "application/octet-stream"}
-            r = self._http.request("POST", "/v1/blocks/batch_put", pieces, headers, lambda resp: json.loads(resp.read()))
-            stored, present = stored + r["stored"], present + r["already_present"]
-            rejected, durable = rejected + r.get("rejected", 0), durable and r["durable"]
-        return PutResult(stored, present, durable if items else False, rejected)
+            replies.append(self._http.request("POST", "/v1/blocks/batch_put", pieces, headers,
+                                              lambda resp: json.loads(resp.read())))
+        return put_total(replies)
 
     # ------------------------------------------------------------------ reads
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
@@ -99,15 +98,14 @@ class KVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            dst = _fit(outs[i], view.nbytes)
-            dst[: view.nbytes] = view
+            fit_buffer(outs[i], view.nbytes)[: view.nbytes] = view
             return view.nbytes
 
         def over_socket(idx):
             result: list[int | None] = [None] * len(idx)
 
             def take(i, n, resp):
-                read_exact_into(resp, _fit(outs[idx[i]], n)[:n])
+                read_exact_into(resp, fit_buffer(outs[idx[i]], n)[:n])
                 result[i] = n
             self._batch_get([keys[i] for i in idx], take)
             return result
@@ -204,13 +202,6 @@ class KVClient:
     def _check_open(self) -> None:
         if self._closed:
             raise DaemonError("this KVClient is closed")
-
-
-def _fit(out, n: int) -> memoryview:
-    dst = memoryview(out).cast("B")
-    if dst.nbytes < n:
-        raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-    return dst
 
 
 SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "exists_many", "contains", "get", "get_into",

@@ -141,7 +141,7 @@ class DramTier(BlockTier):
         if nbytes <= 0 or nbytes > self._slab.page_bytes:
             return None
         if not self._lock.acquire(blocking=False):   # a put may hold it for a while (demotions):
-            return None                              # the caller's event loop must not wait
+            return None                              # receiving into staging beats waiting
         try:
             chunk = self._slab.chunk_size(nbytes)
             if (self._reserved_bytes + chunk > self.max_reserved_bytes
@@ -163,30 +163,33 @@ class DramTier(BlockTier):
             return 0
         with self._lock:
             for v in views:
-                try:
-                    off = _address(v) - self._base
-                except TypeError:   # read-only bytes: never one of ours
-                    continue
-                nbytes = self._reserved.pop(off, None)
-                if nbytes is not None:
-                    self._reserved_bytes -= self._slab.chunk_size(nbytes)
+                off = self._claim(v)
+                if off is not None:
                     self._slab.free(off)
                     freed += 1
         return freed
 
     def _adopt(self, payload, nbytes: int) -> int | None:
         """The offset of the reserved chunk that `payload` is (all of it), or None. Under the lock."""
-        if not self._reserved or nbytes <= 0:
+        off = self._claim(payload, nbytes) if nbytes > 0 else None
+        if off is not None:
+            self.adopted += 1
+        return off
+
+    def _claim(self, buf, nbytes: int | None = None) -> int | None:
+        """Under the lock: end the reservation that `buf` starts (of `nbytes` payload bytes when
+        given) and return its offset; None when `buf` is no reserved chunk (or read-only bytes)."""
+        if not self._reserved:
             return None
         try:
-            off = _address(payload) - self._base
-        except TypeError:       # read-only bytes: not one of our views
+            off = _address(buf) - self._base
+        except TypeError:
             return None
-        if self._reserved.get(off) != nbytes:
+        reserved = self._reserved.get(off)
+        if reserved is None or (nbytes is not None and reserved != nbytes):
             return None
         del self._reserved[off]
-        self._reserved_bytes -= self._slab.chunk_size(nbytes)
-        self.adopted += 1
+        self._reserved_bytes -= self._slab.chunk_size(reserved)
         return off
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:

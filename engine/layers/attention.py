@@ -18,7 +18,7 @@ from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import SlotField, SlotRows, clone_field, make_rows
+from kvcache.engine.layers.history import SlotField, clone_field, make_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -105,14 +105,15 @@ class Attention(nn.Module):
         for pos in positions:
             starts.append(starts[-1] + len(pos))
         single = [i for i, pos in enumerate(positions) if len(pos) == 1]
+        single = single if len(single) > 1 else []
         out = q.new_empty(q.shape)
-        if len(single) > 1:            # a mixed step: its decoding requests still share one softmax
+        if single:                     # a mixed step: its decoding requests still share one softmax
             tok = torch.tensor([starts[i] for i in single])
             out[:, tok] = self._decode_batch(q[:, tok], kv[:, tok], [positions[i] for i in single],
                                              [states[i] for i in single], rope, [shared[i] for i in single],
                                              {k: v[:, tok] for k, v in pre.items()})
         for i, pos in enumerate(positions):
-            if len(single) > 1 and len(pos) == 1:
+            if single and len(pos) == 1:
                 continue
             sl = slice(starts[i], starts[i + 1])
             part = {k: v[:, sl] for k, v in pre.items()}
@@ -120,8 +121,9 @@ class Attention(nn.Module):
         return self.output(out, pos_all, rope, x.dtype)
 
     def _decode_batch(self, q, kv, positions, states, rope, shared, pre) -> torch.Tensor:
-        """One new token per request: histories and windows update per request (cheap), then one
-        padded softmax for the whole batch: keys [B, window + chosen entries, D]."""
+        """One new token per request: histories (decode_histories) and full windows
+        (_slide_full_windows) update for the whole batch, the rest per request; then one padded
+        softmax for the whole batch: keys [B, window + chosen entries, D]."""
         B = len(positions)
         rows, biases = [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
@@ -215,13 +217,13 @@ class Attention(nn.Module):
         and write; None for the others (the per-request path in _decode_batch)."""
         W, full, lane = self.window, [], None
         for i, st in enumerate(states):
-            w = st.__dict__.get("_window")
-            if W > 1 and isinstance(w, SlotRows) and w.n == W - 1 and (lane is None or w.lane is lane):
+            w = slot_of(st, "window")
+            if W > 1 and w is not None and w.n == W - 1 and (lane is None or w.lane is lane):
                 lane = w.lane
                 full.append(i)
         seen: list = [None] * len(states)
         if full:
-            slots = torch.tensor([states[i].__dict__["_window"].slot for i in full])
+            slots = torch.tensor([slot_of(states[i], "window").slot for i in full])
             rows = torch.cat([lane[slots, : W - 1].to(kv.dtype), kv[0, torch.tensor(full), None]], 1)   # [F, W, D]
             lane[slots, : W - 1] = rows[:, 1:].to(lane.dtype)
             for j, i in enumerate(full):

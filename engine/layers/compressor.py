@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows, SlotField, SlotRows, clone_field
+from kvcache.engine.layers.history import DenseRows, SlotField, clone_field, slot_of
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -83,10 +83,8 @@ class Compressor(nn.Module):
             gate = gate[:, :usable].view(B, n_w, m, -1) + self.ape.float()
             if self.overlap:
                 kv, gate = self._overlap(kv, gate, state)
-            pooled = (kv * torch.softmax(gate, dim=2)).sum(2)                    # [B, n_w, d]
-            pos = torch.arange(n_w, device=kv.device) * m + state.count * m
-            cos, sin = rope.cos_sin(pos, "compress")
-            new = apply_rope(self.norm(pooled), cos, sin)
+            cos, sin = rope.cos_sin(torch.arange(n_w, device=kv.device) * m + state.count * m, "compress")
+            new = self._pool(kv, gate, cos, sin)                                 # [B, n_w, d]
             if state.rows is None:
                 state.rows = DenseRows(d)
             skip = min(n_w, max(0, state.floor - state.count))     # loaded from the cache: keep those
@@ -97,16 +95,21 @@ class Compressor(nn.Module):
             state.rows = DenseRows(d)
         return state.rows.view()
 
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Windows [.., n_w, slots, d] (gate logits with ape) -> their entries [.., n_w, d], RoPE'd."""
+        return apply_rope(self.norm((kv * torch.softmax(gate, dim=2)).sum(2)), cos, sin)
+
     def absorb_many(self, kv: torch.Tensor, gate: torch.Tensor, states: list[CompressorState],
                     rope: RotaryTables) -> list[torch.Tensor]:
         """absorb() for a decode step: row i of kv, gate [1, B, c*d] is request i's one new token.
         Rows that leave their window open (m - 1 of every m steps) go into the requests' buffer
-        slots with one indexed write per lane; the rows that close a window take absorb().
+        slots with one indexed write per lane; rows that close one are pooled together
+        (_close_windows); states without slots in the batch's lanes take absorb().
         Same states and entries as B absorb() calls, which cost two slot rewrites each."""
         fast, closing, slow, lanes = [], [], [], None
         for i, st in enumerate(states):
-            a, g = st.__dict__.get("_buf_kv"), st.__dict__.get("_buf_gate")
-            if (isinstance(a, SlotRows) and isinstance(g, SlotRows) and a.n == g.n
+            a, g = slot_of(st, "buf_kv"), slot_of(st, "buf_gate")
+            if (a is not None and g is not None and a.n == g.n
                     and (lanes is None or (a.lane is lanes[0] and g.lane is lanes[1]))):
                 lanes = (a.lane, g.lane)
                 if a.n + 1 < self.ratio and a.n < a.lane.shape[1]:
@@ -120,7 +123,7 @@ class Compressor(nn.Module):
         if closing:
             self._close_windows(kv, gate, [states[i] for i in closing], closing, lanes, rope, out)
         if fast:
-            bufs = [(states[i].__dict__["_buf_kv"], states[i].__dict__["_buf_gate"]) for i in fast]
+            bufs = [(slot_of(states[i], "buf_kv"), slot_of(states[i], "buf_gate")) for i in fast]
             rows, at = torch.tensor(fast), torch.tensor([a.n for a, _ in bufs])
             lanes[0][torch.tensor([a.slot for a, _ in bufs]), at] = kv[0, rows].to(lanes[0].dtype)
             lanes[1][torch.tensor([g.slot for _, g in bufs]), at] = gate[0, rows].to(lanes[1].dtype)
@@ -140,18 +143,18 @@ class Compressor(nn.Module):
         in the same lanes as the batch's first closing state."""
         if not self.overlap:
             return True
-        ok, og = st.__dict__.get("_overlap_kv"), st.__dict__.get("_overlap_gate")
-        if not (isinstance(ok, SlotRows) and isinstance(og, SlotRows) and ok.n == og.n
+        ok, og = slot_of(st, "overlap_kv"), slot_of(st, "overlap_gate")
+        if not (ok is not None and og is not None and ok.n == og.n
                 and ok.n in (0, self.ratio) and ok.lane.shape[1] >= self.ratio):
             return False
-        return first is None or (ok.lane is first.__dict__["_overlap_kv"].lane
-                                 and og.lane is first.__dict__["_overlap_gate"].lane)
+        return first is None or (ok.lane is slot_of(first, "overlap_kv").lane
+                                 and og.lane is slot_of(first, "overlap_gate").lane)
 
     def _close_windows(self, kv, gate, states: list[CompressorState], rows_at: list[int], lanes, rope, out) -> None:
         """absorb() for requests whose new row closes their window, pooled together: the same
         slots, softmax, norm and RoPE as one absorb() each, on a [closing, 1, slots, c*d] batch."""
         m, d = self.ratio, self.head_dim
-        bufs = [(st.__dict__["_buf_kv"], st.__dict__["_buf_gate"]) for st in states]
+        bufs = [(slot_of(st, "buf_kv"), slot_of(st, "buf_gate")) for st in states]
         idx = torch.tensor(rows_at)
         slot_kv, slot_gate = torch.tensor([a.slot for a, _ in bufs]), torch.tensor([g.slot for _, g in bufs])
         win_kv = torch.cat([lanes[0][slot_kv, : m - 1].to(kv.dtype), kv[0, idx, None]], 1)[:, None]     # [C, 1, m, c*d]
@@ -159,9 +162,8 @@ class Compressor(nn.Module):
         win_gate = win_gate + self.ape.float()
         if self.overlap:
             win_kv, win_gate = self._overlap_slots(win_kv, win_gate, states)
-        pooled = (win_kv * torch.softmax(win_gate, dim=2)).sum(2)                   # [C, 1, d]
         cos, sin = rope.cos_sin(torch.tensor([st.count * m for st in states]), "compress")
-        new = apply_rope(self.norm(pooled), cos[:, None], sin[:, None])
+        new = self._pool(win_kv, win_gate, cos[:, None], sin[:, None])              # [C, 1, d]
         for j, (st, (a, g)) in enumerate(zip(states, bufs)):
             if st.rows is None:
                 st.rows = DenseRows(d)
@@ -174,11 +176,8 @@ class Compressor(nn.Module):
     def _overlap_slots(self, win_kv, win_gate, states: list[CompressorState]):
         """_overlap for one closing window per state, carries read from and written to their slots."""
         m, d = self.ratio, self.head_dim
-        C = win_kv.shape[0]
-        slots_kv = win_kv.new_zeros((C, 1, 2 * m, d))
-        slots_gate = win_gate.new_full((C, 1, 2 * m, d), float("-inf"))
-        slots_kv[:, :, m:], slots_gate[:, :, m:] = win_kv[..., d:], win_gate[..., d:]
-        carry = [(st.__dict__["_overlap_kv"], st.__dict__["_overlap_gate"]) for st in states]
+        slots_kv, slots_gate = self._slot_layout(win_kv, win_gate)
+        carry = [(slot_of(st, "overlap_kv"), slot_of(st, "overlap_gate")) for st in states]
         have = [j for j, (ok, _) in enumerate(carry) if ok.n]
         ok_lane, og_lane = carry[0][0].lane, carry[0][1].lane
         if have:
@@ -191,14 +190,21 @@ class Compressor(nn.Module):
             ok.n = og.n = m
         return slots_kv, slots_gate
 
-    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
-        """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""
+    def _slot_layout(self, kv: torch.Tensor, gate: torch.Tensor):
+        """[B, n_w, m, 2d] -> the 2m slots per window, every slot but the first window's Ca filled
+        (that one is the carry of the window before: zero rows and -inf gates until one exists)."""
         B, n_w, m, _ = kv.shape
         d = self.head_dim
         slots_kv = kv.new_zeros((B, n_w, 2 * m, d))
         slots_gate = gate.new_full((B, n_w, 2 * m, d), float("-inf"))
         slots_kv[:, :, m:], slots_gate[:, :, m:] = kv[..., d:], gate[..., d:]
         slots_kv[:, 1:, :m], slots_gate[:, 1:, :m] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+        return slots_kv, slots_gate
+
+    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState):
+        """[B, n_w, m, 2d] -> the 2m slots per window: previous window's Ca, this window's Cb."""
+        m, d = self.ratio, self.head_dim
+        slots_kv, slots_gate = self._slot_layout(kv, gate)
         if state.overlap_kv is not None:
             slots_kv[:, 0, :m], slots_gate[:, 0, :m] = state.overlap_kv, state.overlap_gate
         state.overlap_kv, state.overlap_gate = kv[:, -1, :, :d].clone(), gate[:, -1, :, :d].clone()

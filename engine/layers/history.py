@@ -117,6 +117,13 @@ class SlotField:
             obj.__dict__[self.key] = value
 
 
+def slot_of(obj, name: str) -> SlotRows | None:
+    """The SlotRows behind SlotField `name` of obj, or None while it holds a plain tensor (batched
+    decode reads and writes many requests' slots with one indexed op per lane)."""
+    v = obj.__dict__.get("_" + name)
+    return v if isinstance(v, SlotRows) else None
+
+
 def clone_field(obj, name: str, slot_for):
     """A field's value for a clone: a copy of a tensor, or the slot contents copied to `slot_for(lane)`."""
     v = obj.__dict__.get("_" + name)
