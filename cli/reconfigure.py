@@ -66,6 +66,8 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any]) -> dict:
     hot_server = dataclasses.replace(old_server, **{f: getattr(new_server, f) for f in HOT_SERVER})
     live.current = hot_server
     store.config = dataclasses.replace(old_store, retention=new_store.retention)
+    if "retention" in applied and store.dram is not None:
+        store.dram.unpublish_all()     # entries were valid until the old retention's deadlines
     if "server.shm_lease_s" in applied or "server.max_shm_leases" in applied:
         from kvcache.cli.server_shm import LEASES
         app[LEASES].lease_s, app[LEASES].max_leases = hot_server.shm_lease_s, hot_server.max_shm_leases

@@ -1,8 +1,10 @@
 """The same-host shared-memory read path of `kvcache serve` (docs/api.md, "Shared memory").
 
-    GET /v1/shm (HTTP, authenticated)  -> {pid, fd, size, inode, lease_s, control_socket}
+    GET /v1/shm (HTTP, authenticated)  -> {pid, fd, size, inode, lease_s, control_socket,
+                                           directory: {pid, fd, size, inode} | null}
     control socket (cli/shm_control.py, framing in kvstore/shm_wire.py):
-        HELLO token, then LEASE keys -> slots, RELEASE / FORGET lease
+        HELLO token, then LEASE keys -> slots, RELEASE / FORGET lease, TOUCH keys
+    read directory (kvstore/shm_directory.py): leased blocks' places, read again without asking
 
 The control channel is a bare unix socket served by threads of its own, not HTTP on the event
 loop: a lease round trip must cost far less than copying the blocks, and an HTTP request costs
@@ -119,8 +121,11 @@ async def shm_info(request: web.Request) -> web.Response:
     if info is None:
         raise web.HTTPNotFound(text="this daemon's DRAM tier is not in shared memory "
                                     "(set [dram] shared_memory = true); read over the socket")
+    dram = request.app[srv.STORE].dram
+    table = dram.directory_arena.info() if dram.directory_arena is not None else None
     return web.json_response({"pid": info.pid, "fd": info.fd, "size": info.size, "inode": info.inode,
-                              "lease_s": request.app[LEASES].lease_s, "control_socket": request.app[CONTROL_PATH]})
+                              "lease_s": request.app[LEASES].lease_s, "control_socket": request.app[CONTROL_PATH],
+                              "directory": vars(table) if table is not None else None})
 
 
 def control_path(config) -> str:

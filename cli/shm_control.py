@@ -3,6 +3,7 @@
     accept thread ── conn ──> session thread:  HELLO token ─> tenant, permission
                                                LEASE keys  ─> BlockStore.lease_dram ─> slots
                                                RELEASE / FORGET lease_id
+                                               TOUCH keys  ─> BlockStore.touch_dram (no answer)
                               connection closed ─> its leases end at once (not at expiry)
 
 Threads, not the aiohttp event loop: a lease is a few microseconds of dict work per key plus
@@ -28,6 +29,7 @@ from kvcache.kvstore.types import Tier
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
+NO_ANSWER = (w.FORGET, w.TOUCH)
 
 
 class ControlSession:
@@ -43,7 +45,7 @@ class ControlSession:
         token = body.decode("utf-8", "replace")
         if not self.config.auth_required:
             self.tenant = ""
-            return 0, b""
+            return 0, b""              # the tenant's name: the client looks up its stored keys
         match = None
         for t in self.config.tokens:  # constant time, like the HTTP auth
             if hmac.compare_digest(t.token.encode(), token.encode()):
@@ -53,7 +55,7 @@ class ControlSession:
         if not (match.admin or match.shared_memory):
             return 403, DENIED.encode()
         self.tenant = match.tenant
-        return 0, b""
+        return 0, match.tenant.encode()
 
     def lease(self, body: bytes) -> tuple[int, bytes]:
         t0 = time.perf_counter()
@@ -69,6 +71,14 @@ class ControlSession:
         m.observe_request("shm:lease", 200, time.perf_counter() - t0)
         return 0, w.encode_slots(lease_id, slots)
 
+    def touch(self, body: bytes) -> None:
+        t0 = time.perf_counter()
+        keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
+        hits, nbytes = self.store.touch_dram(keys)
+        m = self.app[srv.METRICS]
+        m.count_hits("get", Tier.DRAM, hits, nbytes, 0)
+        m.observe_request("shm:touch", 200, time.perf_counter() - t0)
+
     def handle(self, op: int, body: bytes) -> tuple[int, bytes] | None:
         if op == w.HELLO:
             return self.hello(body)
@@ -76,6 +86,8 @@ class ControlSession:
             return 401, b"send HELLO with a token first"
         if op == w.LEASE:
             return self.lease(body)
+        if op == w.TOUCH:
+            return self.touch(body)
         if op in (w.RELEASE, w.FORGET):
             lease_id = w.decode_u64(body)
             valid = lease_id in self.owned and self.leases.pop(lease_id)
@@ -139,6 +151,8 @@ class ControlServer:
                 try:
                     reply = session.handle(op, body)
                 except (w.ShmProtocolError, ValueError) as e:
+                    if op in NO_ANSWER:    # an answer would fall out of step: drop the connection
+                        raise w.ShmProtocolError(str(e)) from e
                     reply = (400, str(e).encode())
                 if reply is not None:
                     conn.sendall(w.frame(*reply))

@@ -44,7 +44,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, read_leased
+from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_directory, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.stats import StoreStats, TierStats
 from kvcache.kvstore.store import PutItem
@@ -212,6 +212,7 @@ class AsyncKVClient:
         self.shared_memory = shared_memory
         self._arena: LocalArena | None = None
         self._arena_tried, self._lease_s = False, 0.0
+        self._directory: tuple | None = None   # (its mapping, DirectoryReader): reads without a lease
         self._control: ShmControl | None = None
         self.control_path = ""          # the daemon's shm control socket, once attached
         self._token = token or ""
@@ -387,6 +388,7 @@ class AsyncKVClient:
                 arena = LocalArena.attach(info)
                 try:
                     self._control = await ShmControl.connect(info["control_socket"], self._token)
+                    self._directory = attach_directory(info.get("directory"))
                 except BaseException:
                     arena.close()
                     raise
@@ -405,8 +407,8 @@ class AsyncKVClient:
         rest = list(range(len(keys)))
         if arena is not None:
             try:
-                got, rest = await read_leased(self._control, arena, keys, self.max_batch_blocks, from_arena,
-                                              self._lease_s)
+                got, rest = await read_shared(self._control, arena, self.directory, keys, self.max_batch_blocks,
+                                              from_arena, self._lease_s)
             except (OSError, asyncio.IncompleteReadError, ShmProtocolError) as e:   # degrade, never fail
                 log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
                 await self._drop_arena()
@@ -424,7 +426,14 @@ class AsyncKVClient:
             await self._control.close()
         if self._arena is not None:
             self._arena.close()
-        self._arena, self._control, self._arena_tried = None, None, False
+        if self._directory is not None:
+            self._directory[0].close()
+        self._arena, self._control, self._directory, self._arena_tried = None, None, None, False
+
+    @property
+    def directory(self):
+        """The daemon's read directory mapped here (kvstore/shm_directory.py), or None."""
+        return self._directory[1] if self._directory is not None else None
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         async def over_socket(sub, idx):

@@ -1,23 +1,31 @@
 """Shared-memory reads: lease blocks in the DRAM arena so that a local client copies them itself.
 
     local client                          daemon (BlockStore.lease_dram)
-    ─ POST /v1/shm/lease {keys} ───────>  live? ── in DRAM ──────────────> lease the chunk
+    ─ LEASE keys (control socket) ─────>  live? ── in DRAM ──────────────> lease the chunk
                                                 └─ on NVMe / object ─> read, promote to DRAM, lease
-    <── [offset, nbytes] | null | "socket"
+                                          publish each leased block in the read directory
+    <── (offset, nbytes) | miss | socket
     memcpy arena[offset:offset+nbytes] -> its own buffer        (the payload never crosses the socket)
-    ─ POST /v1/shm/release {lease} ────>  release_dram: chunks may be evicted / reused again
+    ─ FORGET / RELEASE lease ──────────>  release_dram: chunks may be evicted / reused again
+
+    later reads of a published block:     directory -> copy -> seq check      (no round trip)
+    ─ TOUCH keys (no answer) ──────────>  touch_dram: recency, last access, hits, events
 
 A leased chunk cannot be evicted, deleted-and-reused or compacted away, so what the client copies is
 exactly the block. "socket" means the block is live but could not be placed in DRAM (it is full
 of pinned blocks): read it over the socket. Leases held across requests are bounded in time by
 the server (cli/server_shm.py), which tells the client at release whether its lease was still valid.
+Why a directory read needs no lease: kvstore/shm_directory.py.
 A mixin only to keep store.py readable; it uses BlockStore's state.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from kvcache.kvstore.shm_directory import HORIZON_S
 
 SOCKET = "socket"   # slot marker: live, but read it over the socket
 
@@ -46,17 +54,53 @@ class StoreLeases:
         slots: list = [None] * len(keys)
         for i, e in zip(live, held):
             slots[i] = SOCKET if e is None else (e.offset, e.nbytes)
-        cold_set = set(cold)
+        cold_set, now = set(cold), self.clock()
         warm = [keys[i] for i in live if i not in cold_set]
-        self._touch_many(warm, self.clock())
-        self.stats_counters["hits_dram"] += len(warm)
-        self.stats_counters["misses"] += len(keys) - len(live)
-        if self._events_on:
-            tiers = [metas[i].residency.fastest() for i, e in zip(live, held) if e is not None]
-            self._event("get", next((m for m in metas if m), None), "", len(keys), tiers, 0.0,
-                        sum(e.nbytes for e in held if e is not None))
+        found = [metas[i] for i, e in zip(live, held) if e is not None]
+        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found,
+                               sum(e.nbytes for e in held if e is not None))
+        self._publish([keys[i] for i, e in zip(live, held) if e is not None], found, now)
         kept = tuple(e for e in held if e is not None)
         return slots, DramLease(kept, sum(e.nbytes for e in kept))
+
+    def touch_dram(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Account reads a local client made through the read directory, without a lease (it
+        sends their keys afterwards): recency, last access, hit counters, events. (hits, bytes)."""
+        if self.dram is None:
+            return 0, 0
+        sizes = self.dram.touch(keys)
+        found = [k for k, n in zip(keys, sizes) if n is not None]
+        metas = [m for m in self._metas(found) if m is not None] if self._events_on else []
+        nbytes = sum(n for n in sizes if n is not None)
+        self._count_dram_reads(found, 0, self.clock(), len(found), metas, nbytes)
+        return len(found), nbytes
+
+    def _count_dram_reads(self, warm: list[bytes], misses: int, now: float, blocks: int, found: list,
+                          nbytes: int) -> None:
+        """Bookkeeping of a shared-memory read: `warm` keys were in DRAM, `found` the metadata
+        of every block the caller got (for the event's tiers)."""
+        self._touch_many(warm, now)
+        self.stats_counters["hits_dram"] += len(warm)
+        self.stats_counters["misses"] += misses
+        if self._events_on and blocks:
+            self._event("get", found[0] if found else None, "", blocks,
+                        [m.residency.fastest() for m in found], 0.0, nbytes)
+
+    def _publish(self, keys: Sequence[bytes], metas: Sequence, now: float) -> None:
+        """Enter blocks now in DRAM in the read directory (after a lease, and right after a put,
+        so that a local client's first read needs no round trip either)."""
+        if keys and self.dram is not None and self.dram.directory is not None:
+            wall = time.time()   # the directory speaks the clients' clock; the store's may be another
+            self.dram.publish(keys, [wall + self._valid_for(m, now) for m in metas])
+
+    def _valid_for(self, meta, now: float) -> float:
+        """How many seconds the read directory may hand out a leased block: until it could expire
+        (a hard pin lasts until unpinned, which clears the entry), at most HORIZON_S."""
+        if meta.hard_pins:
+            return HORIZON_S
+        ns = self.namespaces.get(meta.namespace_id)
+        until = max(self.config.retention.expires_at(meta, ns.name if ns else ""), meta.soft_pin_until)
+        return min(HORIZON_S, until - now)
 
     def release_dram(self, lease: DramLease) -> None:
         if self.dram is not None:

@@ -8,6 +8,8 @@ and copy leased blocks out of it (server half and protocol: cli/server_shm.py, d
     LEASE keys ──────────────────────────>  (offset, nbytes) | miss | socket, per key
     memcpy arena[offset:offset+nbytes] -> caller's buffer               (payload never on a socket)
     FORGET lease (no answer awaited)     or RELEASE lease -> valid? (copies that took long)
+    later reads of the same blocks: the read directory (kvstore/shm_directory.py) says where they
+    are, copy, check the entry did not change; TOUCH keys (no answer) keeps the daemon's books
 
 Mapping fails on another host, in another container or across users: the client then reads over
 the socket (shared_memory="auto") or raises (shared_memory="on").
@@ -24,6 +26,8 @@ import time
 from dataclasses import dataclass
 
 from kvcache.kvstore import shm_wire as w
+from kvcache.kvstore.hashing import tenant_key
+from kvcache.kvstore.shm_directory import DIRECT_READS, DirectoryError, DirectoryReader
 
 
 class ArenaUnavailable(OSError):
@@ -78,6 +82,7 @@ class ShmControl:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
         self._lock = asyncio.Lock()
+        self.tenant = ""     # from HELLO's answer: directory entries are under the tenant's keys
 
     @classmethod
     async def connect(cls, path: str, token: str) -> "ShmControl":
@@ -90,6 +95,7 @@ class ShmControl:
         if status:
             await ctl.close()
             raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")
+        ctl.tenant = body.decode()
         return ctl
 
     async def call(self, op: int, body: bytes) -> tuple[int, bytes]:
@@ -113,6 +119,11 @@ class ShmControl:
         """Release without waiting for an answer (none comes); the frame is queued in order."""
         self._writer.write(w.frame(w.FORGET, w.encode_u64(lease_id)))
 
+    def touch(self, keys: list[bytes], max_keys: int) -> None:
+        """Tell the daemon about blocks read through the directory (no answer comes)."""
+        for base in range(0, len(keys), max_keys):
+            self._writer.write(w.frame(w.TOUCH, w.encode_keys(keys[base: base + max_keys])))
+
     async def close(self) -> None:
         self._writer.close()
         try:
@@ -127,6 +138,7 @@ class BlockingShmControl:
 
     def __init__(self, sock: socket.socket):
         self._sock, self.lock = sock, threading.Lock()   # held across pipelined calls
+        self.tenant = ""
 
     @classmethod
     def connect(cls, path: str, token: str, timeout_s: float) -> "BlockingShmControl":
@@ -142,6 +154,7 @@ class BlockingShmControl:
         if status:
             ctl.close()
             raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")
+        ctl.tenant = body.decode()
         return ctl
 
     def call(self, op: int, body: bytes) -> tuple[int, bytes]:
@@ -183,8 +196,54 @@ class BlockingShmControl:
         """Under the caller's lock."""
         self._sock.sendall(w.frame(w.FORGET, w.encode_u64(lease_id)))
 
+    def touch(self, keys: list[bytes], max_keys: int) -> None:
+        with self.lock:
+            for base in range(0, len(keys), max_keys):
+                self._sock.sendall(w.frame(w.TOUCH, w.encode_keys(keys[base: base + max_keys])))
+
     def close(self) -> None:
         self._sock.close()
+
+
+def attach_directory(info: dict | None) -> tuple[LocalArena, DirectoryReader] | None:
+    """Map the daemon's read directory, or None (no table, not x86, or a layout we do not know:
+    every read then leases, which is correct, only slower)."""
+    if not info or not DIRECT_READS:
+        return None
+    try:
+        table = LocalArena.attach(info)
+    except ArenaUnavailable:
+        return None
+    try:
+        return table, DirectoryReader(table.view)
+    except DirectoryError:
+        table.close()
+        return None
+
+
+def read_direct(directory: DirectoryReader, arena: LocalArena, tenant: str, keys: list[bytes], take):
+    """Copy the blocks the read directory knows, with no round trip: ({i: take's result},
+    [indices to lease]). A copy whose entry changed meanwhile is thrown away and leased."""
+    got, ask, now = {}, [], time.time()
+    for i, key in enumerate(keys):
+        hit = directory.find(tenant_key(tenant, key), now)
+        if hit is not None:
+            pos, seq, offset, nbytes = hit
+            if 0 <= offset and offset + nbytes <= arena.size:
+                value = take(i, arena.view[offset: offset + nbytes])
+                if directory.unchanged(pos, seq):
+                    got[i] = value
+                    continue
+        ask.append(i)
+    return got, ask
+
+
+def merge_leased(got: dict, ask: list[int], leased: tuple[dict, list[int]]) -> tuple[dict, list[int]]:
+    """Fold a lease read of keys[ask] (indices into `ask`) into the direct reads' results."""
+    sub_got, sub_rest = leased
+    for j, value in sub_got.items():
+        got[ask[j]] = value
+    return got, [ask[j] for j in sub_rest]
 
 
 class LeasedCopies:
@@ -295,3 +354,34 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
             if not ctl.release(lease_id):
                 c.expired(done)
     return c.result()
+
+
+def _direct_first(directory, arena: LocalArena, tenant: str, keys: list[bytes], take):
+    """The directory's reads, then what is left to lease: (got, ask, keys[ask], take for those)."""
+    got, ask = read_direct(directory, arena, tenant, keys, take) if directory else ({}, list(range(len(keys))))
+    return got, ask, [keys[i] for i in ask], lambda j, view: take(ask[j], view)
+
+
+async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryReader | None, keys: list[bytes],
+                      max_keys: int, take, lease_s: float):
+    """Read `keys` out of the arena: through the directory where it knows them, leases for the
+    rest. Returns ({i: take's result}, [indices to read over HTTP]); misses are in neither."""
+    got, ask, sub, sub_take = _direct_first(directory, arena, ctl.tenant, keys, take)
+    direct = [keys[i] for i in got]
+    got, rest = merge_leased(got, ask, await read_leased(ctl, arena, sub, max_keys, sub_take, lease_s)
+                             if sub else ({}, []))
+    if direct:
+        ctl.touch(direct, max_keys)
+    return got, rest
+
+
+def read_shared_blocking(ctl: BlockingShmControl, arena: LocalArena, directory: DirectoryReader | None,
+                         keys: list[bytes], max_keys: int, take, lease_s: float):
+    """read_shared for the blocking client."""
+    got, ask, sub, sub_take = _direct_first(directory, arena, ctl.tenant, keys, take)
+    direct = [keys[i] for i in got]
+    got, rest = merge_leased(got, ask, read_leased_blocking(ctl, arena, sub, max_keys, sub_take, lease_s)
+                             if sub else ({}, []))
+    if direct:
+        ctl.touch(direct, max_keys)
+    return got, rest

@@ -6,8 +6,9 @@ and leases (the payloads are in the shared arena). Little-endian; one request, o
       LEASE    (2)  u32 n | n x (u8 key_len | key)
       RELEASE  (3)  u64 lease_id                       -> reply: u8 valid
       FORGET   (4)  u64 lease_id                       -> no reply (release, answer not wanted)
+      TOUCH    (5)  like LEASE's body                  -> no reply (blocks read through the read directory)
     reply:    u32 body_len | u16 status (0 ok, else an HTTP status) | body (error: utf-8 message)
-      HELLO    u8 0
+      HELLO    the tenant's name (utf-8): directory keys are the tenant's stored keys
       LEASE    u64 lease_id | u32 n | n x u64 offset | n x u64 nbytes | n x u8 kind   kind: 0 miss, 1 leased, 2 socket
                (columns, not records: each column is one array copy to encode and decode)
 """
@@ -18,7 +19,7 @@ import struct
 import sys
 from array import array
 
-HELLO, LEASE, RELEASE, FORGET = 1, 2, 3, 4
+HELLO, LEASE, RELEASE, FORGET, TOUCH = 1, 2, 3, 4, 5
 MISS, LEASED, SOCKET = 0, 1, 2
 MAX_BODY = 16 << 20
 _HEAD = struct.Struct("<IH")

@@ -3,7 +3,8 @@ kvstore/client.py). Most calls run the AsyncKVClient coroutine on a private even
 bulk data paths run in the calling thread instead, where the bytes move with the fewest copies:
 
     put_many ──────────────> blocking HTTP: sendmsg of frame heads + payload views (blocking_http.py)
-    get*  same host ───────> shared-memory arena: lease round trip on a blocking socket, one memcpy
+    get*  same host ───────> shared-memory arena: one memcpy, placed by the read directory (no
+                             round trip) or by a lease round trip on a blocking socket
           otherwise ───────> blocking HTTP: batch_get frames read straight into the caller's buffers
 
 A thread hand-off to the loop costs tens of microseconds and aiohttp copies payloads once more
@@ -23,7 +24,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.blocking_http import BlockingHTTP, read_exact, read_exact_into
 from kvcache.kvstore.client import (AsyncKVClient, DaemonError, _check_item, _chunks, _split_puts, fit_buffer,
                                     put_pieces, put_total)
-from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, read_leased_blocking
+from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, read_shared_blocking
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import PutResult
@@ -141,7 +142,8 @@ class KVClient:
         if shm is not None:
             c = self._client
             try:
-                got, rest = read_leased_blocking(shm, c._arena, keys, c.max_batch_blocks, from_arena, c._lease_s)
+                got, rest = read_shared_blocking(shm, c._arena, c.directory, keys, c.max_batch_blocks, from_arena,
+                                                 c._lease_s)
             except (OSError, ShmProtocolError) as e:   # degrade, never fail
                 log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
                 self._drop_shm()

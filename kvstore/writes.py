@@ -108,6 +108,7 @@ class StoreWrites:
                 self.dram.put(cached)
             except (TierFullError, ValueError) as e:
                 log.debug("write-through blocks not cached in DRAM: %s", e)
+            self._publish([w.key for w in writes], metas, self.clock())   # those not in DRAM are skipped
 
     def _admitted(self, writes: list[BlockWrite]) -> list[BlockWrite]:
         """DRAM admission of write-through puts: all, or ("second-hit") only keys refused before;
@@ -151,6 +152,7 @@ class StoreWrites:
                 raise
             self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
             return self._durable()
+        self._publish([w.key for w in writes], metas, self.clock())
         return False
 
     def _make_room(self) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from kvcache.kvstore.errors import TierFullError
+from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
@@ -54,6 +55,8 @@ class DramConfig:
                                    # block seen before (reads always admit); one-off blocks then never
                                    # evict reused ones from a small DRAM (see benchmarks/README, replay)
     admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
+    read_directory: bool = True    # with shared_memory: publish leased blocks' places so local clients
+                                   # read them again without a round trip (kvstore/shm_directory.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -103,6 +106,10 @@ class DramTier(BlockTier):
         self.arena = Arena(self._slab.capacity, shared=bool(config.shared_memory), prefault=config.prefault,
                            pin_memory=config.pin_memory)
         self.pinned = self.arena.pinned
+        self.directory_arena = self.directory = None
+        if self.arena.shared and config.read_directory:
+            self.directory_arena = Arena(table_bytes(self._slab.capacity), shared=True)
+            self.directory = Directory(self.directory_arena.view)
         self._mv = self.arena.view
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -234,6 +241,7 @@ class DramTier(BlockTier):
         if e is None or e.leases or e.pins or e.pin_until > self._clock():
             return 0
         del self._entries[key]
+        self._unpublish(key)
         write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created)
         evicted.append(EvictedBlock(key, e.dirty, write))
         self._doomed_offsets.append(e.offset)
@@ -321,6 +329,41 @@ class DramTier(BlockTier):
                     if e.doomed and e.leases == 0:
                         self._slab.free(e.offset)
 
+    def publish(self, keys: Sequence[bytes], valid_until: Sequence[float]) -> int:
+        """Enter blocks in the read directory, each valid until its time; how many. Looked up
+        under the lock: a block deleted meanwhile (even one the caller holds) is never published."""
+        if self.directory is None:
+            return 0
+        n = 0
+        with self._lock:
+            for key, until in zip(keys, valid_until):
+                e = self._entries.get(key)
+                if e is not None:
+                    self.directory.publish(key, e.offset, e.nbytes, until)
+                    n += 1
+        return n
+
+    def unpublish_all(self) -> None:
+        """Empty the read directory (retention changed: every entry's time may be wrong now)."""
+        if self.directory is not None:
+            with self._lock:
+                self.directory.clear()
+
+    def touch(self, keys: Sequence[bytes]) -> list[int | None]:
+        """A read that needed no lease (the directory): refresh recency; each block's size or None."""
+        with self._lock:
+            held = [self._entries.get(k) for k in keys]
+            if self._lru:
+                for k, e in zip(keys, held):
+                    if e is not None:
+                        self._entries.move_to_end(k)
+        return [None if e is None else e.nbytes for e in held]
+
+    def _unpublish(self, key: bytes) -> None:
+        """Under the lock, before the block's chunk can be freed (the directory's safety rests on it)."""
+        if self.directory is not None:
+            self.directory.remove(key)
+
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:
         """Zero-copy read: a memoryview into the arena, valid inside the `with` only."""
@@ -351,6 +394,8 @@ class DramTier(BlockTier):
         with self._lock:
             e = self._entries.get(key)
             if e is not None:
+                if hard_pins < e.pins or pin_until < e.pin_until:
+                    self._unpublish(key)   # it may expire sooner now: the next read leases again
                 e.pins, e.pin_until = hard_pins, pin_until
 
     def delete(self, key: bytes, placement: Placement | None = None) -> None:
@@ -358,6 +403,7 @@ class DramTier(BlockTier):
             e = self._entries.pop(key, None)
             if e is None:
                 return
+            self._unpublish(key)
             if e.leases:
                 e.doomed = True  # freed when the last lease ends
             else:
@@ -402,6 +448,11 @@ class DramTier(BlockTier):
         with self._lock:
             self._entries.clear()
             self._reserved.clear()
+            if self.directory is not None:
+                self.directory.clear()
+                self.directory = None
+        if self.directory_arena is not None:
+            self.directory_arena.close()
         if not self.arena.close():  # a caller still holds a view (e.g. a traceback): the GC frees it later
             log.warning("DRAM arena still referenced at close; it is freed when the last view goes")
 

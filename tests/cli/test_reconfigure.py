@@ -21,11 +21,14 @@ async def test_tokens_and_retention_change_live_the_rest_needs_a_restart(client)
     store = client.server.app[__import__("kvcache.cli.server", fromlist=["STORE"]).STORE]
     tokens = [{"token": ALICE, "tenant": "alice"}, {"token": CAROL, "tenant": "carol", "quota_bytes": 5000},
               {"token": ADMIN, "tenant": "ops", "admin": True}]          # BOB revoked, CAROL added
+    emptied = []
+    store.dram.unpublish_all = lambda: emptied.append(True)   # the read directory's deadlines are stale
     r = await client.post("/v1/admin/reconfigure", json=config(tokens, ttl_hours=1, dram_mib=16), headers=auth(ADMIN))
     assert r.status == 200, await r.text()
     body = await r.json()
     assert set(body["applied"]) == {"server.tokens", "retention"} and body["restart_required"] == ["dram"]
     assert store.config.retention.default.ttl_s == 3600 and store.config.dram.capacity_bytes == 8 << 20
+    assert emptied == [True]
     assert (await client.post("/v1/lookup", json={"keys": []}, headers=auth(BOB))).status == 401
     assert await register(client, CAROL)
     r = await client.put("/v1/blocks/" + "ab" * 16, data=b"x" * 6000,

@@ -302,7 +302,7 @@ def test_control_socket_rejects_bad_frames_and_unauthenticated_leases(served):
         assert call(s, w.LEASE, w.encode_keys([b"k" * 16]))[0] == 401          # no HELLO yet
         assert call(s, w.HELLO, PLAIN.encode())[0] == 403                      # not allowed to map
         assert call(s, w.HELLO, b"wrong-token-0123456789")[0] == 401
-        assert call(s, w.HELLO, SHARER.encode()) == (0, b"")
+        assert call(s, w.HELLO, SHARER.encode()) == (0, b"s")                 # its tenant: directory keys
         status, msg = call(s, w.LEASE, b"\x05\x00\x00\x00\x10abc")            # 5 keys promised, 1 short one
         assert status == 400 and b"truncated" in msg
         assert call(s, 99, b"")[0] == 400
