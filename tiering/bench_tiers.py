@@ -145,8 +145,12 @@ def _rounds(round_fn: Callable[[int], dict[str, float]], nbytes: int, repeats: i
 
 def _interleave(acc: dict[str, float], steps: dict[str, Callable[[], object]], j: int) -> None:
     """Time each step once, adding to acc; batch j starts at step j, so each op runs
-    first, middle and last equally often and bursts of noise hit all ops alike."""
+    first, middle and last equally often and bursts of noise hit all ops alike, and odd
+    batches run the cycle backwards, so each op also runs before and after each other op
+    about equally often (the first to read bytes another process just wrote pays for cold caches)."""
     names = list(steps)
+    if j % 2:
+        names.reverse()
     for name in names[j % len(names):] + names[: j % len(names)]:
         t0 = time.perf_counter()
         steps[name]()

@@ -38,12 +38,13 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert r["blocks"] == 8 and r["batches"] == 2
     served = r["daemon_gets_served_from"]   # the DRAM tier holds every block: gets never touch the disk
     assert sum(served.values()) == 16 and all("dram" in tier for tier in served)
-    assert set(r["put"]) - {"rounds_s"} == set(bench_daemon.SIDES) - {"daemon_shm"}
-    assert set(r["get"]) - {"rounds_s"} == {"memcpy", "daemon_http", "daemon_unix", "daemon_shm", "redis_tcp",
-                                            "redis_unix"}
+    assert set(r["put"]) - {"rounds_s"} == set(bench_daemon.SIDES) - {"daemon_shm", "memcpy_arena"}
+    assert set(r["get"]) - {"rounds_s"} == {"memcpy", "memcpy_arena", "daemon_http", "daemon_unix", "daemon_shm",
+                                            "redis_tcp", "redis_unix"}
     _positive(r["put"])
     _positive(r["get"])
     for name in ("daemon_get_vs_redis", "daemon_put_vs_redis", "unix_get_vs_redis", "local_get_vs_memcpy",
+                 "local_get_vs_private_memcpy",
                  "daemon_put_vs_redis_durable", "durable_put_vs_redis_memory", "shm_get_vs_redis"):
         assert on_disk[name] > 0 and on_disk["ratios_per_size"][name]["256K"] == on_disk[name]
     assert set(on_disk["targets"]) == set(bench_daemon.TARGETS)
