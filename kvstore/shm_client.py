@@ -119,10 +119,12 @@ class ShmControl:
         """Release without waiting for an answer (none comes); the frame is queued in order."""
         self._writer.write(w.frame(w.FORGET, w.encode_u64(lease_id)))
 
-    def touch(self, keys: list[bytes], max_keys: int) -> None:
-        """Tell the daemon about blocks read through the directory (no answer comes)."""
+    async def touch(self, keys: list[bytes], max_keys: int) -> None:
+        """Tell the daemon about blocks read through the directory (no answer comes). Drained:
+        a client that only ever reads through the directory awaits nothing else on this socket."""
         for base in range(0, len(keys), max_keys):
             self._writer.write(w.frame(w.TOUCH, w.encode_keys(keys[base: base + max_keys])))
+        await self._writer.drain()
 
     async def close(self) -> None:
         self._writer.close()
@@ -371,7 +373,7 @@ async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryRe
     got, rest = merge_leased(got, ask, await read_leased(ctl, arena, sub, max_keys, sub_take, lease_s)
                              if sub else ({}, []))
     if direct:
-        ctl.touch(direct, max_keys)
+        await ctl.touch(direct, max_keys)
     return got, rest
 
 

@@ -7,11 +7,13 @@
                         └─> on_evict(dirty blocks): the store demotes them to NVMe
                             *before* their chunk is reused (write-back)
 
-Landings (the daemon's bulk upload receives payloads straight into DRAM, one copy in all):
+Landings (dram_landings.py): the daemon's bulk upload receives payloads straight into free
+chunks, and put() adopts them instead of copying.
 
-    reserve(n) ──> view of a free chunk: not a block yet, never evicted, never leased
-    recv_into(view) ──> put([BlockWrite(payload=view)]) ──> the chunk is adopted, nothing copied
-    unreserve(views) ──> chunks that were not adopted (a duplicate, an error) are freed
+The read directory (kvstore/shm_directory.py), when the arena is shared: publish() enters
+blocks with their place; unlinking a block (evict, delete, unpin) removes its entry, under
+the lock, before its chunk can be freed, so local clients that copy without a lease can
+tell a reused chunk from the block.
 
 Reads are zero-copy: `view(key)` leases the chunk (it cannot be evicted or reused while the
 lease is held) and yields a memoryview into the arena; `get_into` copies straight from the
@@ -23,7 +25,6 @@ full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is avai
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 import time
@@ -36,6 +37,7 @@ from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
+from kvcache.tiering.dram_landings import DramLandings, address
 from kvcache.tiering.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ class EvictedBlock:
 EvictCallback = Callable[[list[EvictedBlock]], None]
 
 
-class DramTier(BlockTier):
+class DramTier(DramLandings, BlockTier):
     kind = Tier.DRAM
     MAX_EVICT_PER_ALLOC = 256
 
@@ -117,7 +119,7 @@ class DramTier(BlockTier):
         self._lru = config.eviction == "lru"
         self._doomed_offsets: list[int] = []
         self.evictions = 0
-        self._base = _address(self.arena.buf)
+        self._base = address(self.arena.buf)
         self._reserved: dict[int, int] = {}   # offset -> payload bytes of chunks set aside by reserve()
         self._reserved_bytes = 0
         self.adopted = 0                       # payloads put without a copy (they landed in a reserved chunk)
@@ -140,64 +142,6 @@ class DramTier(BlockTier):
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
-
-    def reserve(self, nbytes: int) -> memoryview | None:
-        """A writable view of a free chunk for a payload about to arrive, or None (no free chunk
-        below the high watermark, or max_reserved_bytes already set aside): the caller then
-        receives elsewhere and put() copies. Never evicts: that is put()'s job, off this path."""
-        if nbytes <= 0 or nbytes > self._slab.page_bytes:
-            return None
-        if not self._lock.acquire(blocking=False):   # a put may hold it for a while (demotions):
-            return None                              # receiving into staging beats waiting
-        try:
-            chunk = self._slab.chunk_size(nbytes)
-            if (self._reserved_bytes + chunk > self.max_reserved_bytes
-                    or self._slab.used_bytes + chunk > self.config.high_watermark * self._slab.capacity):
-                return None
-            off = self._slab.alloc(nbytes)
-            if off is None:
-                return None
-            self._reserved[off] = nbytes
-            self._reserved_bytes += chunk
-        finally:
-            self._lock.release()
-        return self._mv[off: off + nbytes]
-
-    def unreserve(self, views: Sequence[memoryview]) -> int:
-        """Free the reserved chunks among `views` that put() did not adopt; how many were freed."""
-        freed = 0
-        if not self._reserved:
-            return 0
-        with self._lock:
-            for v in views:
-                off = self._claim(v)
-                if off is not None:
-                    self._slab.free(off)
-                    freed += 1
-        return freed
-
-    def _adopt(self, payload, nbytes: int) -> int | None:
-        """The offset of the reserved chunk that `payload` is (all of it), or None. Under the lock."""
-        off = self._claim(payload, nbytes) if nbytes > 0 else None
-        if off is not None:
-            self.adopted += 1
-        return off
-
-    def _claim(self, buf, nbytes: int | None = None) -> int | None:
-        """Under the lock: end the reservation that `buf` starts (of `nbytes` payload bytes when
-        given) and return its offset; None when `buf` is no reserved chunk (or read-only bytes)."""
-        if not self._reserved:
-            return None
-        try:
-            off = _address(buf) - self._base
-        except TypeError:
-            return None
-        reserved = self._reserved.get(off)
-        if reserved is None or (nbytes is not None and reserved != nbytes):
-            return None
-        del self._reserved[off]
-        self._reserved_bytes -= self._slab.chunk_size(reserved)
-        return off
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
         """A chunk for `nbytes`, evicting from the LRU head in small batches if needed.
@@ -440,10 +384,6 @@ class DramTier(BlockTier):
     def usage(self) -> TierUsage:
         return TierUsage(Tier.DRAM, len(self._entries), self._slab.used_bytes, self._slab.capacity)
 
-    @property
-    def reserved_bytes(self) -> int:
-        return self._reserved_bytes
-
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
@@ -455,8 +395,3 @@ class DramTier(BlockTier):
             self.directory_arena.close()
         if not self.arena.close():  # a caller still holds a view (e.g. a traceback): the GC frees it later
             log.warning("DRAM arena still referenced at close; it is freed when the last view goes")
-
-
-def _address(buf) -> int:
-    """Address of a writable buffer's first byte (the ctypes object, and its export, die at once)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
