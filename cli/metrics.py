@@ -41,6 +41,10 @@ class _StoreCollector:
                                   value=st.persistent_counters.get("expired", 0))
         yield CounterMetricFamily("kvcache_quarantined", "Blocks that failed verification (all time)",
                                   value=st.persistent_counters.get("quarantined", 0))
+        dram = self.store.dram
+        if dram is not None and dram.directory is not None:
+            yield GaugeMetricFamily("kvcache_shm_directory_entries", "DRAM blocks that local clients can read "
+                                    "without a lease (the shared-memory read directory)", value=len(dram.directory))
 
 
 class Metrics:

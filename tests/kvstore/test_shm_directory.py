@@ -165,8 +165,20 @@ def test_reads_after_a_put_need_no_lease_and_are_accounted(served):  # noqa: F81
         assert store.dram.keys()[-6:] == [tenant_key("s", k) for k in keys]   # and refreshed their recency
         miss = make_keys(1, start=500)[0]
         assert c.get_many([keys[0], miss]) == [payload_for(keys[0]), None] and leases == [1]   # the miss asks
+        assert scrape(url, "kvcache_shm_directory_entries") == 6
         store.delete([tenant_key("s", keys[1])])                 # (deletes need an admin token)
         assert c.get(keys[1]) is None                             # not served stale from the table
+        assert scrape(url, "kvcache_shm_directory_entries") == 5
+        assert scrape(url, 'kvcache_requests_total{endpoint="shm:touch",status="200"}') >= 1
+
+
+def scrape(url: str, series: str) -> float:
+    import urllib.request
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    for line in urllib.request.urlopen(req).read().decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{series} is not in /metrics")
 
 
 def test_other_tenants_keys_are_not_found_in_the_table(served):  # noqa: F811
