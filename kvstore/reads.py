@@ -1,0 +1,194 @@
+"""The read half of BlockStore: gets, reads through the tiers, promotion and prefetch.
+
+    get_many_into(keys, outs)
+        metadata (index or `_dram_meta`), expiry ──> miss
+        DRAM  ─ memcpy out of the arena (the chunk leased while copying)
+        NVMe  ─ preadv into `out`, verify checksums and key ──> promote into DRAM
+        object─ ranged GET of one pack record, verify ──> promote into DRAM
+        corrupt ─ quarantine, miss (the caller recomputes)
+
+Lookups that find blocks only in object storage prefetch them into DRAM in the background
+(`_prefetch`); a get of such a block waits for its prefetch rather than fetching it twice.
+A mixin only to keep store.py readable: it uses BlockStore's state and is not meant to be
+used on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from kvcache.kvstore.block_format import check_layout
+from kvcache.kvstore.errors import TierFullError
+from kvcache.kvstore.types import BlockMeta, Tier
+from kvcache.tiering.base import BlockWrite, Placement
+
+log = logging.getLogger(__name__)
+
+
+def _placement(meta: BlockMeta) -> Placement:
+    return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
+
+
+class StoreReads:
+    def contains(self, key: bytes) -> bool:
+        return self.exists_many([key])[0]
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_into(self, key: bytes, out) -> int | None:
+        """Copy the payload into `out` (any writable buffer); its length, or None on a miss."""
+        meta = self._metas([key])[0]
+        if meta is None:
+            return self._miss()
+        if memoryview(out).nbytes < meta.payload_len:
+            raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+        return self._read(key, meta, out)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Batched get: one index transaction for all keys."""
+        return [payload for payload, _ in self.get_many_tiered(keys)]
+
+    def get_many_tiered(self, keys: Sequence[bytes]) -> list[tuple[bytes | None, Tier]]:
+        """Batched get that also says which tier served each block (Tier.NONE on a miss)."""
+        self._await_prefetch(keys)
+        t0, out, first = time.perf_counter(), [], None
+        for key, meta in zip(keys, self._metas(list(keys))):
+            if meta is None:
+                out.append((self._miss(), Tier.NONE))
+                continue
+            first = first or meta
+            tier, buf = meta.residency.fastest(), bytearray(meta.payload_len)
+            ok = self._read(key, meta, buf) is not None
+            out.append((bytes(buf), tier) if ok else (None, Tier.NONE))
+        hits = [t for p, t in out if p is not None]
+        self._event("get", first, "", len(keys), hits, time.perf_counter() - t0,
+                    sum(len(p) for p, _ in out if p is not None))
+        return out
+
+    def sizes_tiered(self, keys: Sequence[bytes]) -> list[tuple[int, Tier] | None]:
+        """(payload length, fastest tier) of each live block, None where absent: one index read,
+        so that a reader can size its buffers before get_many_into."""
+        return [None if m is None else (m.payload_len, m.residency.fastest()) for m in self._metas(list(keys))]
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [m is not None for m in self._metas(list(keys))]
+
+    def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
+        """Batched get_into (the engine's load path): one index transaction and one DRAM
+        lease round-trip for the whole batch; payload lengths or None per key."""
+        self._await_prefetch(keys)
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
+        metas = self._metas(list(keys))
+        for out, meta in zip(outs, metas):
+            if meta is not None and memoryview(out).nbytes < meta.payload_len:
+                raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+        result: list[int | None] = [None] * len(keys)
+        in_dram = [i for i, m in enumerate(metas) if m is not None and int(m.residency) & 1]  # Tier.DRAM
+        if in_dram:
+            now = self.clock()
+            got = self.dram.get_many_into([keys[i] for i in in_dram], [outs[i] for i in in_dram])
+            for i, n in zip(in_dram, got):
+                if n is not None:
+                    result[i] = n
+                else:  # evicted since the lookup: fall through to the other tiers
+                    metas[i].residency &= ~Tier.DRAM
+            self._touch_many([keys[i] for i, n in zip(in_dram, got) if n is not None], now)
+            self.stats_counters["hits_dram"] += sum(n is not None for n in got)
+        for i, (key, out, meta) in enumerate(zip(keys, outs, metas)):
+            if meta is None:
+                self._miss()
+            elif result[i] is None:
+                result[i] = self._read(key, meta, out)
+        if self._events_on:
+            hits = [m.residency.fastest() for m, n in zip(metas, result) if n is not None]
+            self._event("get", next((m for m in metas if m), None), "", len(keys), hits, 0.0,
+                        sum(n for n in result if n))
+        return result
+
+    def _read(self, key: bytes, meta: BlockMeta, out) -> int | None:
+        now = self.clock()
+        if int(meta.residency) & 1:   # Tier.DRAM; IntFlag `in` costs ~0.2 us, `&` ~0.5 us
+            n = self.dram.get_into(key, None, out)
+            if n is not None:
+                self.stats_counters["hits_dram"] += 1
+                self._touch(key, now)
+                return n
+        if Tier.NVME in meta.residency and self.nvme is not None:
+            header = self.nvme.read_into(key, _placement(meta), out)
+            if header is None:  # compaction may have moved it between index read and file read
+                moved = self.index.get(key)
+                if moved is not None and (moved.segment_id, moved.offset) != (meta.segment_id, meta.offset):
+                    header = self.nvme.read_into(key, _placement(moved), out)
+            if header is not None:
+                self.stats_counters["hits_nvme"] += 1
+                self._touch(key, now)
+                self._promote(key, meta, header.layout, memoryview(out).cast("B")[: header.raw_len])
+                return header.raw_len
+        if Tier.OBJECT in meta.residency and self.object is not None:
+            n = self._read_object(key, meta, out, now)
+            if n is not None:
+                return n
+        return self._miss()
+
+    def _prefetch(self, blocks: list[tuple[bytes, BlockMeta]]) -> None:
+        """A lookup found blocks only in the object tier: start copying them into DRAM now,
+        so that the gets which usually follow are served from memory."""
+        if self._prefetcher is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvcache-prefetch")
+
+        def fetch(key: bytes, meta: BlockMeta) -> None:
+            placement = self.index.object_location(key)
+            buf = bytearray(meta.payload_len)
+            n = None if placement is None else self.object.get_into(key, placement, buf)
+            if n is not None:
+                self._promote(key, meta, check_layout(None, n), memoryview(buf)[:n])
+                self.stats_counters["prefetched"] += 1
+        for key, meta in blocks:
+            if key not in self._prefetching:
+                f = self._prefetcher.submit(fetch, key, meta)
+                self._prefetching[key] = f
+                f.add_done_callback(lambda _f, k=key: self._prefetching.pop(k, None))
+
+    def _await_prefetch(self, keys: Sequence[bytes], timeout_s: float = 30.0) -> None:
+        """A get of blocks being prefetched waits for those copies instead of reading the object
+        tier a second time (the usual case: lookup, then get at once)."""
+        for f in [self._prefetching.get(k) for k in keys] if self._prefetching else ():
+            if f is not None:
+                try:
+                    f.result(timeout=timeout_s)
+                except Exception:       # a failed or slow prefetch: the get reads the tier itself
+                    pass
+
+    def _read_object(self, key: bytes, meta: BlockMeta, out, now: float) -> int | None:
+        """The object tier: a miss (never an error) when it is down; promoted to DRAM on a hit."""
+        placement = self.index.object_location(key)
+        n = None if placement is None else self.object.get_into(key, placement, out)
+        if n is not None:
+            self.stats_counters["hits_object"] += 1
+            self._touch(key, now)
+            self._promote(key, meta, check_layout(None, n), memoryview(out).cast("B")[:n])
+        return n
+
+    def _miss(self) -> None:
+        self.stats_counters["misses"] += 1
+        return None
+
+    def _promote(self, key: bytes, meta: BlockMeta, layout, payload: memoryview) -> None:
+        """Copy a block read from NVMe into DRAM (clean), keeping its pins. Best effort."""
+        if self.dram is None:
+            return
+        with self._lock:
+            if self.index.get(key) is None:  # deleted while we read it: do not resurrect it in DRAM
+                return
+            try:
+                self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created)])
+            except (TierFullError, ValueError) as e:
+                log.debug("block %s not promoted to DRAM: %s", key.hex(), e)
+                return
+            self.dram.set_pin(key, meta.hard_pins, meta.soft_pin_until)
+            self.stats_counters["promotions"] += 1
