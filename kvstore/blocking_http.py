@@ -24,7 +24,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Sequence
 
-from kvcache.kvstore.client import RETRY_STATUS, DaemonError, error_from
+from kvcache.kvstore.client_common import RETRY_STATUS, DaemonError, error_from
 
 IOV_BATCH = 512     # buffers per sendmsg (Linux allows 1024)
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)

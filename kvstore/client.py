@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -41,9 +40,11 @@ from typing import Any, Awaitable, Callable, Sequence
 import aiohttp
 
 from kvcache.kvstore import wire
-from kvcache.kvstore.block_format import check_layout
-from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.client_common import (  # noqa: F401  (the errors are re-exported: public API)
+    RETRY_STATUS, AuthError, DaemonError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
+    fit_buffer, put_pieces, put_total)
 from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_directory, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.stats import StoreStats, TierStats
@@ -51,28 +52,8 @@ from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import LookupResult, PutResult, TensorSpec, Tier
 
 log = logging.getLogger(__name__)
-RETRY_STATUS = frozenset({502, 503, 504})
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               asyncio.IncompleteReadError)
-_SMALL = 64 << 10   # frame pieces below this are coalesced into one write
-
-
-class AuthError(StoreError):
-    """The daemon refused the token (401: missing or unknown; 403: not allowed, e.g. not admin)."""
-
-    status: int | None = None
-    code: str = ""
-
-
-class QuotaExceededError(TierFullError):
-    """507 `quota_exceeded`: the put would take the token's tenant past its quota_bytes."""
-
-
-class DaemonError(StoreError):
-    """The daemon could not serve the request (5xx, unreachable, malformed reply)."""
-
-    status: int | None = None   # set, with `code`, on every error the daemon answered
-    code: str = ""
 
 
 async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
@@ -81,96 +62,6 @@ async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
     except aiohttp.ClientError:
         raw = b""
     return error_from(resp.status, resp.reason or "", resp.method, resp.url.path, raw)
-
-
-def error_from(status: int, reason: str, method: str, path: str, raw: bytes) -> StoreError:
-    """Map an error response (JSON `{"error", "message"}`) onto the store's exceptions."""
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        body = {}
-    code = body.get("error", "") if isinstance(body, dict) else ""
-    msg = body.get("message", "") if isinstance(body, dict) else ""
-    text = f"{method} {path}: HTTP {status} {code or reason}: {msg}".rstrip(": ")
-    if status in (400, 413):
-        err: StoreError = BlockFormatError(text)
-    elif status == 422:
-        err = UnknownNamespaceError(text)
-    elif status in (401, 403):
-        err = AuthError(text)
-    elif status == 507:
-        err = QuotaExceededError(text) if code == "quota_exceeded" else TierFullError(text)
-    else:
-        err = DaemonError(text)
-    err.status, err.code = status, code
-    return err
-
-
-@functools.lru_cache(maxsize=64)   # a lookup reply carries one label per block, from a handful of values
-def _tier(label: str) -> Tier:
-    t = Tier.NONE
-    for part in label.split("|"):
-        t |= Tier[part.upper()] if part and part != "none" else Tier.NONE
-    return t
-
-
-def _chunks(seq: Sequence, n: int):
-    for i in range(0, len(seq), n):
-        yield seq[i:i + n]
-
-
-def _check_item(item: PutItem) -> None:
-    if item.tenant:
-        raise ValueError("the daemon takes the tenant from the bearer token; leave PutItem.tenant empty")
-    if item.ttl_s is not None and not item.ttl_s > 0:
-        raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
-    check_layout(item.layout, memoryview(item.payload).nbytes)
-
-
-def _split_puts(items: Sequence[PutItem], max_blocks: int, max_bytes: int) -> list[list[PutItem]]:
-    """Consecutive chunks of at most `max_blocks` items and `max_bytes` payload (at least one item)."""
-    out, cur, size = [], [], 0
-    for it in items:
-        n = memoryview(it.payload).nbytes
-        if cur and (len(cur) >= max_blocks or size + n > max_bytes):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    return out + [cur] if cur else out
-
-
-def put_total(replies: list[dict]) -> PutResult:
-    """One PutResult for the batch_put replies of one put_many (durable only if every chunk was)."""
-    return PutResult(sum(r["stored"] for r in replies), sum(r["already_present"] for r in replies),
-                     bool(replies) and all(r["durable"] for r in replies), sum(r.get("rejected", 0) for r in replies))
-
-
-def fit_buffer(out, n: int) -> memoryview:
-    """`out` as bytes, checked to hold an n-byte block (ValueError otherwise)."""
-    dst = memoryview(out).cast("B")
-    if dst.nbytes < n:
-        raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-    return dst
-
-
-def put_pieces(items: Sequence[PutItem]) -> list[bytes | memoryview]:
-    """A KVB1 batch_put body as pieces: small parts joined, payloads as views (never copied)."""
-    pieces: list[bytes | memoryview] = []
-    small = bytearray(wire.stream_header(len(items)))
-    for it in items:
-        head, payload = wire.encode_put_frame(
-            wire.PutFrame(it.key, it.namespace_id, it.payload, it.layout, it.ttl_s))
-        mv = memoryview(payload).cast("B")
-        small += head
-        if mv.nbytes < _SMALL:
-            small += mv
-        else:
-            pieces += [bytes(small), mv]
-            small = bytearray()
-    if small:
-        pieces.append(bytes(small))
-    return pieces
 
 
 def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:

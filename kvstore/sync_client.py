@@ -22,8 +22,8 @@ from typing import Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.blocking_http import BlockingHTTP, read_exact, read_exact_into
-from kvcache.kvstore.client import (AsyncKVClient, DaemonError, _check_item, _chunks, _split_puts, fit_buffer,
-                                    put_pieces, put_total)
+from kvcache.kvstore.client import AsyncKVClient
+from kvcache.kvstore.client_common import DaemonError, _check_item, _chunks, _split_puts, fit_buffer, put_pieces, put_total
 from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, read_shared_blocking
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.store import PutItem
