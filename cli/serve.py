@@ -62,7 +62,8 @@ def describe(store_cfg, server_cfg) -> str:
              + (f" and unix://{server_cfg.unix_socket}" if server_cfg.unix_socket else ""),
              f"  data directory  {store_cfg.data_dir}"]
     if store_cfg.dram:
-        shm = "; shared memory for local clients" if store_cfg.dram.shared_memory else ""
+        shm = ("; shared memory for local clients" + (" (with a read directory)" if store_cfg.dram.read_directory
+                                                       else "")) if store_cfg.dram.shared_memory else ""
         lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}{shm}")
     if store_cfg.nvme:
         lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")

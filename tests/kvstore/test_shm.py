@@ -279,7 +279,7 @@ def test_real_daemon_serves_local_reads_from_shared_memory(tmp_path):
             assert c._client._arena.path.startswith(f"/proc/{d.proc.pid}/fd/")
     finally:
         out = d.stop()
-    assert "shared memory for local clients" in out and "stopped cleanly" in out
+    assert "shared memory for local clients (with a read directory)" in out and "stopped cleanly" in out
     assert not os.path.exists(f"/proc/{d.proc.pid}")
 
 
