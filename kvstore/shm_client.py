@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -119,6 +120,10 @@ class ShmControl:
         """Release without waiting for an answer (none comes); the frame is queued in order."""
         self._writer.write(w.frame(w.FORGET, w.encode_u64(lease_id)))
 
+    def alive(self) -> bool:
+        """False once the daemon closed the connection (see BlockingShmControl.alive)."""
+        return not (self._reader.at_eof() or self._writer.is_closing())
+
     async def touch(self, keys: list[bytes], max_keys: int) -> None:
         """Tell the daemon about blocks read through the directory (no answer comes). Drained:
         a client that only ever reads through the directory awaits nothing else on this socket."""
@@ -197,6 +202,17 @@ class BlockingShmControl:
     def forget(self, lease_id: int) -> None:
         """Under the caller's lock."""
         self._sock.sendall(w.frame(w.FORGET, w.encode_u64(lease_id)))
+
+    def alive(self) -> bool:
+        """False once the daemon closed the connection (it died, or dropped the session): its
+        table and arena then stay mapped here but must not be read. No wait: a zero-timeout poll."""
+        with self.lock:
+            if not select.select([self._sock], [], [], 0)[0]:
+                return True
+            try:
+                return self._sock.recv(1, socket.MSG_PEEK) != b""
+            except OSError:
+                return False
 
     def touch(self, keys: list[bytes], max_keys: int) -> None:
         with self.lock:
@@ -358,9 +374,11 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
     return c.result()
 
 
-def _direct_first(directory, arena: LocalArena, tenant: str, keys: list[bytes], take):
+def _direct_first(ctl, directory, arena: LocalArena, keys: list[bytes], take):
     """The directory's reads, then what is left to lease: (got, ask, keys[ask], take for those)."""
-    got, ask = read_direct(directory, arena, tenant, keys, take) if directory else ({}, list(range(len(keys))))
+    if directory is not None and not ctl.alive():   # a dead daemon's table: the caller reads over HTTP
+        raise ConnectionError("the daemon closed the shared-memory control socket")
+    got, ask = read_direct(directory, arena, ctl.tenant, keys, take) if directory else ({}, list(range(len(keys))))
     return got, ask, [keys[i] for i in ask], lambda j, view: take(ask[j], view)
 
 
@@ -368,7 +386,7 @@ async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryRe
                       max_keys: int, take, lease_s: float):
     """Read `keys` out of the arena: through the directory where it knows them, leases for the
     rest. Returns ({i: take's result}, [indices to read over HTTP]); misses are in neither."""
-    got, ask, sub, sub_take = _direct_first(directory, arena, ctl.tenant, keys, take)
+    got, ask, sub, sub_take = _direct_first(ctl, directory, arena, keys, take)
     direct = [keys[i] for i in got]
     got, rest = merge_leased(got, ask, await read_leased(ctl, arena, sub, max_keys, sub_take, lease_s)
                              if sub else ({}, []))
@@ -380,7 +398,7 @@ async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryRe
 def read_shared_blocking(ctl: BlockingShmControl, arena: LocalArena, directory: DirectoryReader | None,
                          keys: list[bytes], max_keys: int, take, lease_s: float):
     """read_shared for the blocking client."""
-    got, ask, sub, sub_take = _direct_first(directory, arena, ctl.tenant, keys, take)
+    got, ask, sub, sub_take = _direct_first(ctl, directory, arena, keys, take)
     direct = [keys[i] for i in got]
     got, rest = merge_leased(got, ask, read_leased_blocking(ctl, arena, sub, max_keys, sub_take, lease_s)
                              if sub else ({}, []))

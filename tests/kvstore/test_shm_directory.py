@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvcache.kvstore import shm_client, shm_directory as sd
-from kvcache.kvstore.client import KVClient
+from kvcache.kvstore.client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.base import BlockWrite
@@ -282,3 +282,28 @@ def test_a_malformed_touch_drops_the_connection_without_an_answer(served):  # no
         assert status == 0 and s.recv(n, socket.MSG_WAITALL) == b"ops"
         s.sendall(w.frame(w.TOUCH, b"\x01\x00\x00\x00\x99"))     # one key, cut short
         assert s.recv(1) == b""                                   # closed: an answer would be out of step
+
+
+def test_a_dead_daemons_table_is_never_read(tmp_path, monkeypatch):
+    """SIGKILL the daemon: its memfds live on in the client's mappings, but the client must not
+    serve blocks out of them (a restarted daemon may have lost or deleted them)."""
+    import signal
+    monkeypatch.setattr(shm_client.BlockingShmControl, "touch", lambda *a: None)   # the check, not TOUCH's EPIPE
+    from tests.cli.test_serve_process import Daemon
+    sock = tmp_path / "kv.sock"
+    d = Daemon(tmp_path / "data", "--unix-socket", str(sock))
+    try:
+        d.wait_ready()
+        wait_for(sock.exists, "no unix socket")
+        keys = make_keys(4)
+        with KVClient("http://x", unix_socket=str(sock), shared_memory="on", retries=0) as c:
+            c.register_namespace(NS)
+            put_blocks(c, keys)
+            assert c.get_many(keys) == [payload_for(k) for k in keys] and c._client.directory is not None
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait()
+            with pytest.raises(DaemonError):                # not the dead daemon's bytes
+                c.get_many(keys)
+    finally:
+        if d.proc.poll() is None:
+            d.stop()
