@@ -207,7 +207,9 @@ class BlockingShmControl:
         """False once the daemon closed the connection (it died, or dropped the session): its
         table and arena then stay mapped here but must not be read. No wait: a zero-timeout poll."""
         with self.lock:
-            if not select.select([self._sock], [], [], 0)[0]:
+            poller = select.poll()       # not select(): engines may hold more than 1,024 fds
+            poller.register(self._sock, select.POLLIN)
+            if not poller.poll(0):
                 return True
             try:
                 return self._sock.recv(1, socket.MSG_PEEK) != b""
