@@ -12,6 +12,8 @@ Not thread-safe on its own: the DRAM tier serialises calls.
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 
 _ALIGN = 4096
@@ -52,23 +54,23 @@ class SlabAllocator:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._partial: dict[int, dict[int, None]] = {c: {} for c in self.classes}
         self.used_bytes = 0
+        self._class_of: dict[int, int] = {}
 
     @property
     def capacity(self) -> int:
         return self.num_pages * self.page_bytes
 
     def chunk_size(self, nbytes: int) -> int:
+        c = self._class_of.get(nbytes)      # a cache: a namespace's blocks mostly share one size,
+        if c is not None:                   # and a put asks three times per block
+            return c
         if nbytes > self.page_bytes:
             raise ValueError(f"a {nbytes}-byte block exceeds the DRAM page size ({self.page_bytes}); "
                              "raise dram.page_bytes in the store config")
-        lo, hi = 0, len(self.classes) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.classes[mid] >= nbytes:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.classes[lo]
+        c = self.classes[bisect.bisect_left(self.classes, nbytes)]
+        if len(self._class_of) < 4096:
+            self._class_of[nbytes] = c
+        return c
 
     def alloc(self, nbytes: int) -> int | None:
         """Byte offset of a chunk holding `nbytes`, or None when no chunk of that class is free."""
