@@ -2,6 +2,7 @@
 local clients reading through it without a round trip (over build_app in a thread and the real
 `kvcache serve` process, with chunks reused under a reader's feet)."""
 
+import contextlib
 import os
 import threading
 import time
@@ -149,13 +150,20 @@ def wait_for(cond, what: str) -> None:
     raise AssertionError(what)
 
 
-def test_reads_after_a_put_need_no_lease_and_are_accounted(served):  # noqa: F811
+@contextlib.contextmanager
+def client_with_blocks(served, token: str, n: int):  # noqa: F811
+    """A daemon whose leases are counted, a shared-memory client, and n blocks it put."""
     url, store = served()
     leases = counting_leases(store)
-    with KVClient(url, SHARER, shared_memory="on") as c:
+    with KVClient(url, token, shared_memory="on") as c:
         c.register_namespace(NS)
-        keys = make_keys(6)
+        keys = make_keys(n)
         put_blocks(c, keys)
+        yield c, store, leases, keys, url
+
+
+def test_reads_after_a_put_need_no_lease_and_are_accounted(served):  # noqa: F811
+    with client_with_blocks(served, SHARER, 6) as (c, store, leases, keys, url):
         no_socket_reads(c)
         hits = store.stats_counters["hits_dram"]
         outs = [bytearray(4096) for _ in keys]
@@ -193,12 +201,7 @@ def test_other_tenants_keys_are_not_found_in_the_table(served):  # noqa: F811
 
 def test_without_direct_reads_clients_lease_every_time(served, monkeypatch):  # noqa: F811
     monkeypatch.setattr(shm_client, "DIRECT_READS", False)       # e.g. an Arm host
-    url, store = served()
-    leases = counting_leases(store)
-    with KVClient(url, ADMIN, shared_memory="on") as c:
-        c.register_namespace(NS)
-        keys = make_keys(4)
-        put_blocks(c, keys)
+    with client_with_blocks(served, ADMIN, 4) as (c, store, leases, keys, url):
         for _ in range(2):
             assert c.get_many(keys) == [payload_for(k) for k in keys]
         assert c._client.directory is None and leases == [4, 4]
