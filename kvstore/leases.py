@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore.shm_directory import HORIZON_S
+from kvcache.kvstore.types import Tier
 
 SOCKET = "socket"   # slot marker: live, but read it over the socket
 
@@ -57,8 +58,8 @@ class StoreLeases:
         cold_set, now = set(cold), self.clock()
         warm = [keys[i] for i in live if i not in cold_set]
         found = [metas[i] for i, e in zip(live, held) if e is not None]
-        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found,
-                               sum(e.nbytes for e in held if e is not None))
+        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found[0] if found else None,
+                               [m.residency.fastest() for m in found], sum(e.nbytes for e in held if e is not None))
         self._publish([keys[i] for i, e in zip(live, held) if e is not None], found, now)
         kept = tuple(e for e in held if e is not None)
         return slots, DramLease(kept, sum(e.nbytes for e in kept))
@@ -70,21 +71,21 @@ class StoreLeases:
             return 0, 0
         sizes = self.dram.touch(keys)
         found = [k for k, n in zip(keys, sizes) if n is not None]
-        metas = [m for m in self._metas(found) if m is not None] if self._events_on else []
+        # the event needs one block's metadata for its labels (an index read), not every block's
+        label = next((m for m in self._metas(found[:1]) if m is not None), None) if self._events_on and found else None
         nbytes = sum(n for n in sizes if n is not None)
-        self._count_dram_reads(found, 0, self.clock(), len(found), metas, nbytes)
+        self._count_dram_reads(found, 0, self.clock(), len(found), label, [Tier.DRAM] * len(found), nbytes)
         return len(found), nbytes
 
-    def _count_dram_reads(self, warm: list[bytes], misses: int, now: float, blocks: int, found: list,
+    def _count_dram_reads(self, warm: list[bytes], misses: int, now: float, blocks: int, label, tiers: list,
                           nbytes: int) -> None:
-        """Bookkeeping of a shared-memory read: `warm` keys were in DRAM, `found` the metadata
-        of every block the caller got (for the event's tiers)."""
+        """Bookkeeping of a shared-memory read: `warm` keys were in DRAM; the event is labelled
+        with `label`'s namespace and tenant and counts a hit per entry of `tiers`."""
         self._touch_many(warm, now)
         self.stats_counters["hits_dram"] += len(warm)
         self.stats_counters["misses"] += misses
         if self._events_on and blocks:
-            self._event("get", found[0] if found else None, "", blocks,
-                        [m.residency.fastest() for m in found], 0.0, nbytes)
+            self._event("get", label, "", blocks, tiers, 0.0, nbytes)
 
     def _publish(self, keys: Sequence[bytes], metas: Sequence, now: float) -> None:
         """Enter blocks now in DRAM in the read directory (after a lease, and right after a put,

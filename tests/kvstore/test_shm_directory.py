@@ -310,3 +310,33 @@ def test_a_dead_daemons_table_is_never_read(tmp_path, monkeypatch):
     finally:
         if d.proc.poll() is None:
             d.stop()
+
+
+def test_leases_and_touches_record_labelled_get_events(tmp_path):
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.tiering.nvme import NvmeConfig
+
+    class Sink:
+        def __init__(self):
+            self.events = []
+
+        def record(self, e):
+            self.events.append(e)
+
+        def close(self):
+            pass
+    sink = Sink()
+    cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=2 << 20, page_bytes=1 << 20, prefault=False,
+                                                     shared_memory=True), nvme=NvmeConfig(segment_bytes=4 << 20))
+    with BlockStore(cfg, events=sink) as store:
+        store.register_namespace(NS)
+        keys = make_keys(3)
+        put_blocks(store, keys)
+        slots, lease = store.lease_dram(keys + make_keys(1, start=900))
+        store.release_dram(lease)
+        assert store.touch_dram(keys[:2]) == (2, 2 * 4096)
+        leased, touched = [e for e in sink.events if e.kind == "get"]
+        assert (leased.blocks, leased.hit_blocks, leased.hits_dram, leased.namespace) == (4, 3, 3, NS.id.hex())
+        assert (touched.blocks, touched.hits_dram, touched.nbytes, touched.namespace) == (2, 2, 8192, NS.id.hex())
+        assert touched.tokens == 2 * NS.block_size
