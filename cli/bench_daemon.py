@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kvcache.cli.bench_servers import (MissingDependency, check_dependencies, daemon_config,  # noqa: F401
                                        start_daemon, start_redis)
 from kvcache.kvstore.hashing import Namespace, hash_blocks
+from kvcache.kvstore.shm_client import read_direct
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.bench_tiers import (_copy_all, _copy_each, _interleave, _load, _raw_write, _scratch_dir,
                                          machine_info, parse_sizes, size_label, write_results)
@@ -116,13 +117,10 @@ def _arena_views(client, keys) -> list[memoryview]:
     c = client._client
     if c.directory is None or c._arena is None:
         raise RuntimeError("the shared-memory read directory is not mapped")
-    views = []
-    for k in keys:
-        hit = c.directory.find(k, time.time())
-        if hit is None:
-            raise RuntimeError("a block is missing from the read directory (is DRAM large enough?)")
-        views.append(c._arena.view[hit[2]: hit[2] + hit[3]])
-    return views
+    views, missing = read_direct(c.directory, c._arena, "", keys, lambda i, view: view)   # no auth: tenant ""
+    if missing:
+        raise RuntimeError("a block is missing from the read directory (is DRAM large enough?)")
+    return [views[i] for i in range(len(keys))]
 
 
 def _redis_put(r, keys, blocks) -> None:

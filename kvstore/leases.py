@@ -57,12 +57,14 @@ class StoreLeases:
             slots[i] = SOCKET if e is None else (e.offset, e.nbytes)
         cold_set, now = set(cold), self.clock()
         warm = [keys[i] for i in live if i not in cold_set]
-        found = [metas[i] for i, e in zip(live, held) if e is not None]
-        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found[0] if found else None,
-                               [m.residency.fastest() for m in found], sum(e.nbytes for e in held if e is not None))
-        self._publish([keys[i] for i, e in zip(live, held) if e is not None], found, now)
+        got = [i for i, e in zip(live, held) if e is not None]
         kept = tuple(e for e in held if e is not None)
-        return slots, DramLease(kept, sum(e.nbytes for e in kept))
+        lease = DramLease(kept, sum(e.nbytes for e in kept))
+        found = [metas[i] for i in got]
+        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found[0] if found else None,
+                               [m.residency.fastest() for m in found], lease.nbytes)
+        self._publish([keys[i] for i in got], found, now)
+        return slots, lease
 
     def touch_dram(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Account reads a local client made through the read directory, without a lease (it

@@ -127,8 +127,7 @@ class ShmControl:
     async def touch(self, keys: list[bytes], max_keys: int) -> None:
         """Tell the daemon about blocks read through the directory (no answer comes). Drained:
         a client that only ever reads through the directory awaits nothing else on this socket."""
-        for base in range(0, len(keys), max_keys):
-            self._writer.write(w.frame(w.TOUCH, w.encode_keys(keys[base: base + max_keys])))
+        self._writer.write(w.touch_frames(keys, max_keys))
         await self._writer.drain()
 
     async def close(self) -> None:
@@ -218,8 +217,7 @@ class BlockingShmControl:
 
     def touch(self, keys: list[bytes], max_keys: int) -> None:
         with self.lock:
-            for base in range(0, len(keys), max_keys):
-                self._sock.sendall(w.frame(w.TOUCH, w.encode_keys(keys[base: base + max_keys])))
+            self._sock.sendall(w.touch_frames(keys, max_keys))
 
     def close(self) -> None:
         self._sock.close()

@@ -54,6 +54,11 @@ def encode_keys(keys) -> bytes:
     return b"".join(parts)
 
 
+def touch_frames(keys, max_keys: int) -> bytes:
+    """TOUCH requests for `keys`, at most `max_keys` a frame (the daemon's batch limit)."""
+    return b"".join(frame(TOUCH, encode_keys(keys[i: i + max_keys])) for i in range(0, len(keys), max_keys))
+
+
 def decode_keys(body: bytes, max_keys: int) -> list[bytes]:
     if len(body) < 4:
         raise ShmProtocolError("LEASE body is shorter than its key count")

@@ -26,6 +26,19 @@ class FakeClock:
 NS = Namespace("test-model@rev1", "raw/v1", 16, name="test")
 
 
+class ListSink:
+    """An event sink that keeps what the store records (BlockStore(events=ListSink()))."""
+
+    def __init__(self):
+        self.events = []
+
+    def record(self, e) -> None:
+        self.events.append(e)
+
+    def close(self) -> None:
+        pass
+
+
 def payload_for(key: bytes, n: int = 4096) -> bytes:
     """Deterministic payload derived from the key, so any mix-up shows."""
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))

@@ -57,8 +57,8 @@ class DramConfig:
                                    # block seen before (reads always admit); one-off blocks then never
                                    # evict reused ones from a small DRAM (see benchmarks/README, replay)
     admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
-    read_directory: bool = True    # with shared_memory: publish leased blocks' places so local clients
-                                   # read them again without a round trip (kvstore/shm_directory.py)
+    read_directory: bool = True    # with shared_memory: publish where put and leased blocks sit so local
+                                   # clients read them without a round trip (kvstore/shm_directory.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:

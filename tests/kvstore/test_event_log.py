@@ -12,7 +12,7 @@ import pytest
 
 from kvcache.kvstore.event_log import ParquetEventLog, event_files, read_events
 from kvcache.kvstore.events import Event
-from tests.conftest import NS, FakeClock
+from tests.conftest import NS, FakeClock, ListSink
 from tests.kvstore.event_sim import simulate
 
 
@@ -180,16 +180,7 @@ def test_a_full_miss_lookup_counts_tokens_when_the_namespace_is_named(tmp_path):
     from kvcache.kvstore.store import BlockStore
     from tests.conftest import make_keys
 
-    class Sink:
-        def __init__(self):
-            self.events = []
-
-        def record(self, e):
-            self.events.append(e)
-
-        def close(self):
-            pass
-    sink = Sink()
+    sink = ListSink()
     with BlockStore(StoreConfig(str(tmp_path)), events=sink) as store:
         store.register_namespace(NS)
         keys = make_keys(3, start=77)

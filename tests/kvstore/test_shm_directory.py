@@ -15,7 +15,7 @@ from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.base import BlockWrite
 from kvcache.tiering.dram import DramConfig, DramTier
-from tests.conftest import NS, make_keys, payload_for, put_blocks
+from tests.conftest import NS, ListSink, make_keys, payload_for, put_blocks
 from tests.kvstore.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401  (fixture)
 
 KB = 1 << 10
@@ -317,16 +317,7 @@ def test_leases_and_touches_record_labelled_get_events(tmp_path):
     from kvcache.kvstore.store import BlockStore
     from kvcache.tiering.nvme import NvmeConfig
 
-    class Sink:
-        def __init__(self):
-            self.events = []
-
-        def record(self, e):
-            self.events.append(e)
-
-        def close(self):
-            pass
-    sink = Sink()
+    sink = ListSink()
     cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=2 << 20, page_bytes=1 << 20, prefault=False,
                                                      shared_memory=True), nvme=NvmeConfig(segment_bytes=4 << 20))
     with BlockStore(cfg, events=sink) as store:
