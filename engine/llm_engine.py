@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.compiled import compile_blocks
 from kvcache.engine.kv_blocks import block_layout, layout_id
 from kvcache.engine.kv_connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
@@ -39,6 +40,7 @@ class EngineConfig:
     max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
     max_running: int = 32
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
+    compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class LLMEngine:
         ratios = [r for r in mc.compress_ratios if r > 0]
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
+        compile_blocks(model, config.compile)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))

@@ -96,11 +96,21 @@ class Attention(nn.Module):
         all N tokens; only the state-dependent work (windows, compressor pooling, index scoring,
         the softmax over keys) runs per request."""
         pos_all = torch.cat(positions)
+        q, kv, pre = self.inputs(x, pos_all, rope)
+        return self.output(self.core(q, kv, positions, states, rope, shared, pre), pos_all, rope, x.dtype)
+
+    def inputs(self, x: torch.Tensor, pos_all: torch.Tensor, rope: RotaryTables):
+        """The token-wise half (no state; what a compiled block fuses): (q [1, N, H, D], the K = V
+        rows kv [1, N, D], this layer's history inputs `pre`)."""
         qr, q, kv = self.qkv(x, pos_all, rope)
-        pre = self.project_history(x, qr, pos_all, rope)
-        if len(positions) > 1 and len(pos_all) == len(positions):     # a pure decode step
-            return self.output(self._decode_batch(q, kv, positions, states, rope, shared, pre), pos_all, rope,
-                               x.dtype)
+        return q, kv, self.project_history(x, qr, pos_all, rope)
+
+    def core(self, q, kv, positions: list[torch.Tensor], states: list[AttentionState], rope: RotaryTables,
+             shared: list, pre: dict) -> torch.Tensor:
+        """The state-dependent half: each request's new rows into its state, then the softmax over
+        the keys its queries see; [1, N, H, D] before the output projection."""
+        if len(q[0]) == len(positions):                                  # a pure decode step
+            return self._decode_batch(q, kv, positions, states, rope, shared, pre)
         starts = [0]
         for pos in positions:
             starts.append(starts[-1] + len(pos))
@@ -118,7 +128,7 @@ class Attention(nn.Module):
             sl = slice(starts[i], starts[i + 1])
             part = {k: v[:, sl] for k, v in pre.items()}
             out[:, sl] = self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part)
-        return self.output(out, pos_all, rope, x.dtype)
+        return out
 
     def _decode_batch(self, q, kv, positions, states, rope, shared, pre) -> torch.Tensor:
         """One new token per request: histories (decode_histories) and full windows

@@ -10,11 +10,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
+
+SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair (see MoE.routed)
+
+
+@dataclass
+class Routed:
+    """Routed experts of a batch: their output [N, d], or (pairs mode) each token's slots in
+    ascending expert order [N, k] and the pairs' (w1, w3, w2) weights, token-major."""
+    out: torch.Tensor | None
+    order: torch.Tensor | None
+    weights: list[torch.Tensor]
 
 
 class Expert(nn.Module):
@@ -28,9 +41,13 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        return swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    gate = F.linear(x, w1).clamp(max=limit)
+    up = F.linear(x, w3).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
 
 
 def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
@@ -90,19 +107,60 @@ class MoE(nn.Module):
         self.reduce = None                           # sums the ranks' partial outputs (engine/parallel.py)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat, token_ids)
+        routed = self.sum_pairs(flat, weights, self.routed(flat, weights, ids))
+        return self.combine(routed, self.shared(flat)).reshape(x.shape)
+
+    def shared(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The always-on expert's output [N, d] (None on EP ranks that do not hold it)."""
+        return self.shared_experts(flat) if self.shared_on_this_rank else None
+
+    def routed(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Routed:
+        """What sum_k weights_k expert_k(x) needs. One token (a batch-1 decode step): its experts'
+        weights, summed later by `sum_pairs` (pure, so a compiled block fuses it; one token so
+        that no weight is passed twice, which a compiled graph would have to guard on). More:
+        computed here, tokens grouped by expert, one matmul per active expert (not per token).
+        Either way each token adds its terms in ascending expert order, whatever else is in the
+        batch. Data-dependent: this part stays eager."""
+        rows = ids.tolist()
+        if self.local_experts is None and len(rows) <= SMALL_TOKENS:
+            order = [sorted(range(len(row)), key=row.__getitem__) for row in rows]
+            ws = [w for row, o in zip(rows, order) for k in o
+                  for w in (self.experts[row[k]].w1.weight, self.experts[row[k]].w3.weight,
+                            self.experts[row[k]].w2.weight)]
+            return Routed(None, torch.tensor(order), ws)
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for t, row in enumerate(rows):
+            for k, e in enumerate(row):
+                tok, slot = groups.setdefault(e, ([], []))
+                tok.append(t)
+                slot.append(k)
         out = torch.zeros_like(flat)
-        # group tokens by expert: one matmul per active expert, not per (token, expert)
-        for e in torch.unique(ids).tolist():
+        for e in sorted(groups):
             if self.local_experts is not None and e not in self.local_experts:
                 continue
-            tok, slot = torch.where(ids == e)
+            tok, slot = (torch.tensor(v) for v in groups[e])
             y = self.experts[e](flat[tok]) * weights[tok, slot, None].to(flat.dtype)
             out.index_add_(0, tok, y)
-        if self.shared_on_this_rank:
-            out = out + self.shared_experts(flat)
-        if self.reduce is not None:
-            out = self.reduce(out)
-        return out.reshape(shape)
+        return Routed(out, None, [])
+
+    def sum_pairs(self, flat: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
+        """The routed sum [N, d] of `routed` (its output, or its pairs' experts summed here)."""
+        if routed.out is not None:
+            return routed.out
+        weights = weights.gather(1, routed.order).to(flat.dtype)
+        k, ws, limit = weights.shape[1], routed.weights, self.experts[0].limit
+        rows = []
+        for t in range(len(ws) // (3 * k)):
+            acc = torch.zeros_like(flat[t:t + 1])
+            for j in range(k):
+                w1, w3, w2 = ws[3 * (t * k + j): 3 * (t * k + j) + 3]
+                acc = acc + swiglu(flat[t:t + 1], w1, w3, w2, limit) * weights[t, j]
+            rows.append(acc)
+        return torch.cat(rows)
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """routed + shared, summed over the ranks under expert/tensor parallelism."""
+        out = routed if shared is None else routed + shared
+        return out if self.reduce is None else self.reduce(out)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvcache.engine.compiled import phase
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.attention import Attention, AttentionState, attend_segments
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
@@ -54,17 +55,49 @@ class Block(nn.Module):
         hc_params(self, "hc_attn", c.hc_mult, c.hidden_size)
         hc_params(self, "hc_ffn", c.hc_mult, c.hidden_size)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: AttentionState, rope: RotaryTables,
-                token_ids: torch.Tensor, attend=None) -> torch.Tensor:
-        """h [B, T, n, d] streams -> streams. `attend` replaces the attention call (DSpark blocks)."""
+    def forward(self, h: torch.Tensor, positions, states, rope: RotaryTables, token_ids: torch.Tensor,
+                attend=None) -> torch.Tensor:
+        """h [B, T, n, d] streams -> streams. `positions`/`states`: one request's, or lists (a
+        flattened batch). `attend` replaces the attention call (DSpark blocks). Phases: see
+        engine/compiled.py."""
+        pos_list = positions if isinstance(positions, list) else [positions]
+        pos_all = torch.cat(pos_list)
+        x, post, comb, inputs = phase(self, "attn_in", h, pos_all, rope, attend is None)
+        if attend is None:
+            q, kv, pre = inputs
+            st_list = states if isinstance(states, list) else [states]
+            out = self.attn.core(q, kv, pos_list, st_list, rope, [None] * len(pos_list), pre)
+        else:
+            out = attend_segments(attend, x, positions, states, rope)
+        h, post, comb, flat, weights, ids, shared = phase(self, "ffn_in", out, h, post, comb, pos_all, rope,
+                                                          token_ids, attend is None)
+        return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, shared, h, post, comb)
+
+    def attn_in(self, h, pos_all, rope, inputs: bool):
+        """(attention input x, post, comb, (q, kv, history inputs) if `inputs`)."""
         c = self.c
         pre, post, comb = hc_mix(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
-        out = attend_segments(attend or self.attn, self.attn_norm(collapse(h, pre)), positions, state, rope)
+        x = self.attn_norm(collapse(h, pre))
+        return x, post, comb, self.attn.inputs(x, pos_all, rope) if inputs else None
+
+    def ffn_in(self, out, h, post, comb, pos_all, rope, token_ids, project: bool):
+        """Attention output (projected here if `project`) into the streams, then the MoE's
+        token-wise inputs: (streams, post, comb, x [N, d], gate weights, expert ids, shared expert)."""
+        c = self.c
+        if project:
+            out = self.attn.output(out, pos_all, rope, h.dtype)
         h = expand(out, h, post, comb)
         pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)
-        return expand(self.ffn(self.ffn_norm(collapse(h, pre)), token_ids), h, post, comb)
+        flat = self.ffn_norm(collapse(h, pre)).flatten(0, -2)
+        weights, ids = self.ffn.gate(flat, token_ids)
+        return h, post, comb, flat, weights, ids, self.ffn.shared(flat)
+
+    def ffn_out(self, routed, flat, weights, shared, h, post, comb):
+        """The MoE's output (routed experts summed, plus the shared one) into the streams."""
+        out = self.ffn.combine(self.ffn.sum_pairs(flat, weights, routed), shared)
+        return expand(out.view(h.shape[:-2] + h.shape[-1:]), h, post, comb)
 
 
 def _head_params(module: nn.Module, c: ModelConfig) -> None:

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvcache.engine.compiled import phase
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import AttentionState, attend_segments
+from kvcache.engine.layers.attention import attend_segments
 from kvcache.engine.layers.attention41 import SharedAttention
 from kvcache.engine.layers.engram import DEAD, Engram, hash_geometry
 from kvcache.engine.layers.hyper import collapse, expand, hc_mix, hc_params
@@ -55,15 +56,44 @@ class Block41(nn.Module):
         return hc_mix(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                       getattr(self, f"hc_{site}_scale"), c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
-    def forward(self, h, pre_in, positions, state: AttentionState, rope, token_ids, shared, attend=None):
-        """streams [B, T, n, d], the previous site's pre (None: take stream 0) -> (streams, this FFN site's pre)."""
+    def forward(self, h, pre_in, positions, states, rope, token_ids, shared, attend=None):
+        """streams [B, T, n, d], the previous site's pre (None: take stream 0) -> (streams, this FFN
+        site's pre). Phases: see engine/compiled.py."""
+        pos_list = positions if isinstance(positions, list) else [positions]
+        pos_all = torch.cat(pos_list)
+        x, pre_a, post, comb, inputs = phase(self, "attn_in", h, pre_in, pos_all, rope, attend is None)
+        if attend is None:
+            q, kv, pre = inputs
+            st_list, sh_list = (states, shared) if isinstance(positions, list) else ([states], [shared])
+            out = self.attn.core(q, kv, pos_list, st_list, rope, sh_list, pre)
+        else:
+            out = attend_segments(attend, x, positions, states, rope, shared)
+        h, pre_f, post, comb, flat, weights, ids, sh = phase(self, "ffn_in", out, h, pre_a, post, comb, pos_all,
+                                                             rope, token_ids, attend is None)
+        return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, sh, h, post, comb), pre_f
+
+    def attn_in(self, h, pre_in, pos_all, rope, inputs: bool):
+        """(attention input x, this attention site's pre, post, comb, (q, kv, history inputs) if `inputs`)."""
         pre_a, post_a, comb_a = self.mix(h, "attn")
-        x = h[..., 0, :] if pre_in is None else collapse(h, pre_in)
-        out = attend_segments(attend or self.attn, self.attn_norm(x), positions, state, rope, shared)
+        x = self.attn_norm(h[..., 0, :] if pre_in is None else collapse(h, pre_in))
+        return x, pre_a, post_a, comb_a, self.attn.inputs(x, pos_all, rope) if inputs else None
+
+    def ffn_in(self, out, h, pre_a, post_a, comb_a, pos_all, rope, token_ids, project: bool):
+        """Attention output (projected here if `project`) into the streams, then the MoE's
+        token-wise inputs: (streams, the FFN site's pre, post, comb, x [N, d], gate weights,
+        expert ids, shared expert)."""
+        if project:
+            out = self.attn.output(out, pos_all, rope, h.dtype)
         h = expand(out, h, post_a, comb_a)
         pre_f, post_f, comb_f = self.mix(h, "ffn")
-        h = expand(self.ffn(self.ffn_norm(collapse(h, pre_a)), token_ids), h, post_f, comb_f)
-        return h, pre_f
+        flat = self.ffn_norm(collapse(h, pre_a)).flatten(0, -2)
+        weights, ids = self.ffn.gate(flat, token_ids)
+        return h, pre_f, post_f, comb_f, flat, weights, ids, self.ffn.shared(flat)
+
+    def ffn_out(self, routed, flat, weights, shared, h, post, comb):
+        """The MoE's output (routed experts summed, plus the shared one) into the streams."""
+        out = self.ffn.combine(self.ffn.sum_pairs(flat, weights, routed), shared)
+        return expand(out.view(h.shape[:-2] + h.shape[-1:]), h, post, comb)
 
 
 class DeepseekV41ForCausalLM(nn.Module):

@@ -1,0 +1,73 @@
+"""Compiled blocks: the token-wise phases of every block fused by torch.compile (`compile = true`).
+
+A decode step at batch 1 is a few hundred tiny ops per layer; in eager PyTorch their dispatch,
+not their arithmetic, is most of the step. Each block splits into phases at the points where
+per-request state is touched:
+
+    streams ─┬─ attn_in  (compiled) mHC mix, norm, q / kv / history projections, RoPE
+             │  attention core (eager) windows, compressors, index top-k, softmax over keys
+             ├─ ffn_in   (compiled) output projection, expand, mHC mix, norm, gate, shared expert
+             │  routed experts (eager) data-dependent: one matmul per active expert
+             └─ ffn_out  (compiled) combine, expand ─> streams
+
+The phases are the blocks' own methods (`Block.attn_in` ...): eager and compiled run the same
+code. Compiled functions are made once per block class and shared by every layer of that class
+(dynamo guards on a block's structure, e.g. its attention kind, not on which layer it is).
+Shapes: the first two token counts seen compile static graphs, later counts share one dynamic
+graph; the inductor cache (TORCHINDUCTOR_CACHE_DIR) keeps them across restarts.
+
+CPU needs a C++ compiler (inductor writes C++); CUDA uses Triton. Tensor and expert parallelism
+are not compiled (their all-reduces sit inside the phases): `compile_blocks` refuses them.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from torch import nn
+
+PHASES = ("attn_in", "ffn_in", "ffn_out")
+RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
+
+
+def phase(block: nn.Module, name: str, *args):
+    """Run one phase of `block`: its compiled function when the block is compiled, else the method."""
+    compiled = block.__dict__.get("compiled")
+    return compiled[name](block, *args) if compiled else getattr(block, name)(*args)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` that has phases (backbone layers and drafter blocks)."""
+    return [m for m in model.modules() if all(callable(getattr(m, p, None)) for p in PHASES)]
+
+
+def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
+    """Compile (or, with enabled=False, un-compile) `model`'s blocks; returns how many blocks."""
+    found = blocks(model)
+    if not enabled:
+        for blk in found:
+            blk.__dict__.pop("compiled", None)
+        return len(found)
+    _check(model)
+    import torch
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           16 * RECOMPILE_LIMIT)
+    per_class: dict[type, dict] = {}
+    for blk in found:
+        fns = per_class.get(type(blk))
+        if fns is None:
+            fns = per_class[type(blk)] = {p: torch.compile(getattr(type(blk), p)) for p in PHASES}
+        blk.__dict__["compiled"] = fns
+    return len(found)
+
+
+def _check(model: nn.Module) -> None:
+    if any(getattr(m, "reduce", None) is not None for m in model.modules()):
+        raise ValueError("compiled blocks do not support tensor or expert parallelism yet: "
+                         "run --tp / --ep without --compile")
+    device = next(model.parameters()).device
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        raise RuntimeError("compiling on CPU needs a C++ compiler (inductor writes C++): install g++ "
+                           "(apt install build-essential) or run without compile")

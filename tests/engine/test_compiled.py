@@ -1,0 +1,73 @@
+"""Compiled blocks (engine/compiled.py): same tokens and logits as eager, graphs really compiled,
+the MoE's pair-by-pair sum equal to the grouped one, clear refusals."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcache.engine.compiled import blocks, compile_blocks
+from kvcache.engine.layers.moe import MoE
+from kvcache.engine.llm import LLM
+from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.models import build_model
+from kvcache.engine.sampling import SamplingParams
+from tests.engine.tiny import randomize, v4_config, v41_config
+
+CONFIG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
+
+
+def _generate(model, prompts, compile_: bool):
+    """Greedy tokens and every sampled position's logits, by request and position."""
+    llm = LLM(model=model, config=dataclasses.replace(CONFIG, compile=compile_))
+    seen = {}
+    llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((req.prompt[0], pos), logits.clone())
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    return [o[0].token_ids for o in outs], seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [lambda: v4_config(num_nextn_predict_layers=0),
+                                  lambda: v41_config(512, num_nextn_predict_layers=0)], ids=["v4", "v41"])
+def test_compiled_blocks_match_eager(make):
+    """Prompts of different lengths: mixed prefill + decode steps, batched decodes (experts
+    grouped) and a lone decode at the end (experts pair by pair); greedy tokens equal, logits close."""
+    torch._dynamo.reset()
+    model = randomize(build_model(make()), 3).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [[5 + i] + torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate((40, 7, 23, 1))]
+    eager_tokens, eager_logits = _generate(model, prompts, False)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    tokens, logits = _generate(model, prompts, True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before     # really compiled, not eager
+    assert all(blk.__dict__.get("compiled") for blk in blocks(model))
+    assert tokens == eager_tokens
+    assert logits.keys() == eager_logits.keys()
+    for key, ref in eager_logits.items():
+        torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
+    compile_blocks(model, False)                      # and back: a later eager engine runs eager
+    assert not any(blk.__dict__.get("compiled") for blk in blocks(model))
+
+
+def test_moe_pairs_equal_grouped(monkeypatch):
+    """A token's routed sum is the same whether its experts run pair by pair or grouped."""
+    moe = randomize(MoE(v4_config(), hashed=False), 2).eval()
+    x = torch.randn(6, moe.gate.weight.shape[1])
+    with torch.no_grad():
+        monkeypatch.setattr("kvcache.engine.layers.moe.SMALL_TOKENS", 6)
+        small = moe(x)                                # 12 pairs, summed pair by pair
+        assert moe.routed(x, *moe.gate(x, None)).out is None
+        monkeypatch.setattr("kvcache.engine.layers.moe.SMALL_TOKENS", 0)
+        grouped = moe(x)
+        assert moe.routed(x, *moe.gate(x, None)).out is not None
+        monkeypatch.undo()
+        one_by_one = torch.cat([moe(x[i:i + 1]) for i in range(6)])
+    torch.testing.assert_close(small, grouped, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(one_by_one, grouped, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_refuses_parallel_models():
+    model = build_model(v4_config())
+    model.layers[0].ffn.reduce = lambda t: t          # what engine/parallel.shard sets
+    with pytest.raises(ValueError, match="without --compile"):
+        compile_blocks(model)
