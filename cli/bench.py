@@ -110,7 +110,7 @@ def run_cold_warm(args) -> int:
 ENGINE_EPILOG = """targets (reported): decode_tokens_per_s_vs_hf_b1 >= 3, decode_tokens_per_s_vs_hf_b8 >= 10 (v4-small)
 examples:
   kvcache bench engine
-  kvcache bench engine --configs v4-tiny --batches 1,8 --prompt-tokens 64 --output-tokens 8
+  kvcache bench engine --configs v4-tiny --batches 1,8 --prompt-tokens 64 --output-tokens 8 --eager
 """
 
 
@@ -122,13 +122,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=default_out_dir, metavar="DIR")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and a "
+                   "minute or two of compiling per config on 2 cores); 'ours' is then the eager engine")
 
 
 def run_engine(args) -> int:
     from kvcache.engine.bench_engine import format_table, run
     doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
               [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
-              args.output_tokens, args.seed, progress=not args.no_progress)
+              args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager)
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}")
     return 0

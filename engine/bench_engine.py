@@ -6,7 +6,9 @@ engine against transformers' `generate` on the same V4 weights, in the same run.
         prefill  = the run with max_tokens 1        (ours: LLM.generate; transformers: generate)
         decode   = full run - prefill               decode tokens/s = batch x (output - 1) / decode
         TTFT, TPOT from the engine's request metrics
-    ratios: decode_tokens_per_s_vs_hf_b{batch} (ours / transformers), per config
+    ours = the engine with compiled blocks (engine/compiled.py) after a warm-up run that compiles;
+    ours_eager = the same engine uncompiled, in the same run
+    ratios: decode_tokens_per_s_vs_hf_b{batch} (ours / transformers; `_eager`: uncompiled), per config
     ceiling: the memory-bandwidth bound on decode tokens/s at each batch (engine/roofline.py), and
     the highest ratio against transformers that bound allows (max_decode_ratio_vs_hf_b{batch})
 """
@@ -30,20 +32,22 @@ from kvcache.engine.roofline import ceiling, read_bandwidth
 from kvcache.engine.sampling import SamplingParams
 
 
-def _ours(model, prompts: list[list[int]], out_tokens: int, block: int) -> dict:
+def _ours(model, prompts: list[list[int]], out_tokens: int, block: int, compile_: bool) -> dict:
     cfg = EngineConfig(block_size=block, num_blocks=max(64, len(prompts) * (len(prompts[0]) + out_tokens) // block + 8),
-                       max_tokens_per_step=max(512, len(prompts[0])), max_running=len(prompts))
+                       max_tokens_per_step=max(512, len(prompts[0])), max_running=len(prompts), compile=compile_)
 
     def run(n):
         llm = LLM(model=model, config=cfg)
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - t, outs
+    warmup_s, _ = run(3) if compile_ else (0.0, None)     # compiles the step shapes the timed runs use
     prefill_s, _ = run(1)
     total_s, outs = run(out_tokens)
     ttft = statistics.median(o[0].metrics.ttft_s for o in outs)
     tpot = statistics.median(o[0].metrics.tpot_s(out_tokens) or 0 for o in outs)
-    return {"prefill_s": prefill_s, "total_s": total_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3}
+    return {"prefill_s": prefill_s, "total_s": total_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
+            "compile_warmup_s": warmup_s}
 
 
 def _theirs(hf, prompts: list[list[int]], out_tokens: int) -> dict:
@@ -65,7 +69,7 @@ def _rates(r: dict, batch: int, prompt: int, out_tokens: int) -> dict:
 
 
 def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: int, seed: int, bar=None,
-                 bandwidth: float | None = None) -> dict:
+                 bandwidth: float | None = None, compile_: bool = True) -> dict:
     config = ModelConfig.load(os.path.join(CONFIG_DIR, f"{name}.json"))
     model = random_weights(build_model(config), seed).eval()
     hf = hf_twin(model, config)
@@ -74,10 +78,13 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
     out = {}
     for b in batches:
         prompts = torch.randint(3, config.vocab_size, (b, prompt_tokens), generator=g).tolist()
-        ours = _rates(_ours(model, prompts, out_tokens, block), b, prompt_tokens, out_tokens)
+        eager = _rates(_ours(model, prompts, out_tokens, block, False), b, prompt_tokens, out_tokens)
+        ours = _rates(_ours(model, prompts, out_tokens, block, True), b, prompt_tokens, out_tokens) if compile_ \
+            else eager
         theirs = _rates(_theirs(hf, prompts, out_tokens), b, prompt_tokens, out_tokens)
-        out[f"b{b}"] = {"ours": ours, "transformers": theirs,
+        out[f"b{b}"] = {"ours": ours, "ours_eager": eager, "transformers": theirs,
                         "decode_ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+                        "decode_ratio_eager": eager["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
                         "prompt_ratio": ours["prompt_tokens_per_s"] / theirs["prompt_tokens_per_s"]}
         if bandwidth:
             top = ceiling(model, b, bandwidth)
@@ -89,38 +96,44 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
 
 
 def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int = 128, out_tokens: int = 32,
-        seed: int = 0, progress: bool = True) -> dict:
+        seed: int = 0, progress: bool = True, compile_: bool = True) -> dict:
+    """compile_=False: "ours" is the eager engine (no C++ compiler, or a quick look)."""
     from tqdm import tqdm
     from kvcache.tiering.bench_tiers import machine_info, write_results
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()
     bandwidth = read_bandwidth()
     with tqdm(total=len(configs) * len(batches), desc="engine benchmark", unit="run", disable=not progress) as bar:
-        results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar, bandwidth) for n in configs}
+        results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar, bandwidth, compile_)
+                   for n in configs}
     doc = {"benchmark": "engine_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "elapsed_s": time.perf_counter() - started,
            "machine": {**machine_info(out_dir), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
            "config": {"configs": configs, "batches": batches, "prompt_tokens": prompt_tokens,
                       "output_tokens": out_tokens, "seed": seed, "dtype": "float32 (CPU)", "sampling": "greedy",
+                      "ours": ("EngineConfig(compile=True) after a warm-up run that compiles (compile_warmup_s); "
+                               "ours_eager: the same engine uncompiled") if compile_ else "the eager engine (--eager)",
                       "baseline": "transformers DeepseekV4ForCausalLM.generate, same weights, eager attention"},
            "results": results, "targets": {"decode_tokens_per_s_vs_hf_b1": 3.0, "decode_tokens_per_s_vs_hf_b8": 10.0}}
     ref = "v4-small" if "v4-small" in results else configs[-1]
     for b in (1, 8):
         if f"b{b}" in results[ref]:
             doc[f"decode_tokens_per_s_vs_hf_b{b}"] = results[ref][f"b{b}"]["decode_ratio"]
+            doc[f"decode_tokens_per_s_vs_hf_b{b}_eager"] = results[ref][f"b{b}"]["decode_ratio_eager"]
             doc[f"max_decode_ratio_vs_hf_b{b}"] = results[ref][f"b{b}"]["max_decode_ratio_vs_hf"]
     write_results(doc, out_dir, "engine_throughput")
     return doc
 
 
 def format_table(doc: dict) -> str:
-    lines = ["decode tokens/s (ours | transformers | ratio), prompt tokens/s ratio, TTFT / TPOT (ours):"]
+    lines = ["decode tokens/s (ours compiled | transformers | ratio; eager ratio), prompt tokens/s ratio, "
+             "TTFT / TPOT (ours compiled):"]
     for name, r in doc["results"].items():
         for b, row in r.items():
             o, t = row["ours"], row["transformers"]
             lines.append(f"  {name:<9} {b:>4}  {o['decode_tokens_per_s']:8.1f} | {t['decode_tokens_per_s']:8.1f} | "
-                         f"{row['decode_ratio']:5.2f}x   prompt {row['prompt_ratio']:5.2f}x   "
-                         f"TTFT {o['ttft_ms']:7.0f} ms  TPOT {o['tpot_ms']:6.1f} ms")
+                         f"{row['decode_ratio']:5.2f}x; eager {row['decode_ratio_eager']:5.2f}x   prompt "
+                         f"{row['prompt_ratio']:5.2f}x   TTFT {o['ttft_ms']:7.0f} ms  TPOT {o['tpot_ms']:6.1f} ms")
     for k, target in doc["targets"].items():
         if k in doc:
             top = doc.get(k.replace("decode_tokens_per_s_vs_hf", "max_decode_ratio_vs_hf"))

@@ -77,6 +77,8 @@ def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = kv("generate", "--model", str(d), "--prompt", "hi", "--top-p", "0", check=False)
     assert r.returncode == 2 and "top_p" in r.stderr
+    r = kv("generate", "--model", str(d), "--prompt", "hi", "--compile", "--tp", "2", check=False)
+    assert r.returncode == 2 and "--compile does not support tensor" in r.stderr
 
 
 def test_generate_with_two_tensor_parallel_ranks_matches_one(tmp_path):

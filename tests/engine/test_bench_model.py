@@ -33,9 +33,11 @@ def test_codec_benchmark_on_model_kv(tmp_path):
 
 def test_engine_benchmark_tiny(tmp_path):
     from kvcache.engine.bench_engine import format_table, run as run_engine
-    doc = run_engine(["v4-tiny"], [1, 2], str(tmp_path), prompt_tokens=16, out_tokens=3, progress=False)
+    doc = run_engine(["v4-tiny"], [1, 2], str(tmp_path), prompt_tokens=16, out_tokens=3, progress=False,
+                     compile_=False)     # compiled engines: tests/engine/test_compiled.py
     row = doc["results"]["v4-tiny"]["b2"]
     assert row["ours"]["decode_tokens_per_s"] > 0 and row["transformers"]["decode_tokens_per_s"] > 0
+    assert doc["decode_tokens_per_s_vs_hf_b1_eager"] > 0 and "eager" in format_table(doc)
     assert doc["decode_tokens_per_s_vs_hf_b1"] > 0 and "PASS" in format_table(doc) or "MISS" in format_table(doc)
     assert (tmp_path / "engine_throughput-latest.json").exists()
     top = row["ceiling"]           # the bandwidth bound: above what was measured, and reported as a ratio
