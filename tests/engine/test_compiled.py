@@ -27,11 +27,16 @@ def _generate(model, prompts, compile_: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [lambda: v4_config(num_nextn_predict_layers=0),
-                                  lambda: v41_config(512, num_nextn_predict_layers=0)], ids=["v4", "v41"])
-def test_compiled_blocks_match_eager(make):
+@pytest.mark.parametrize("make,backend", [(lambda: v4_config(num_nextn_predict_layers=0), "inductor"),
+                                          (lambda: v41_config(512, num_nextn_predict_layers=0), "aot_eager")],
+                         ids=["v4", "v41"])
+def test_compiled_blocks_match_eager(make, backend, monkeypatch):
     """Prompts of different lengths: mixed prefill + decode steps, batched decodes (experts
-    grouped) and a lone decode at the end (experts pair by pair); greedy tokens equal, logits close."""
+    grouped) and a lone decode at the end (experts pair by pair); greedy tokens equal, logits close.
+    CI time: Python graph launchers (C++ ones take twice as long to compile; the benchmark uses
+    them), and V4.1's phases traced by dynamo but not code-generated (inductor is V4's test)."""
+    monkeypatch.setattr("kvcache.engine.compiled.OPTIONS", {})
+    monkeypatch.setattr("kvcache.engine.compiled.BACKEND", backend)
     torch._dynamo.reset()
     model = randomize(build_model(make()), 3).eval()
     g = torch.Generator().manual_seed(1)
