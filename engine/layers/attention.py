@@ -13,6 +13,8 @@ it can see, so memory stays O(block x (window + block + entries)), never O(T^2).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -23,6 +25,15 @@ from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 QUERY_BLOCK = 256
+
+
+@dataclass
+class Attended:
+    """What Attention.core returns: the attention output [1, N, H, D], or (a decode step) the
+    keys [B, S, D] and bias [B, S] its single queries attend over."""
+    out: torch.Tensor | None
+    keys: torch.Tensor | None
+    bias: torch.Tensor | None
 
 
 class AttentionState:
@@ -97,7 +108,8 @@ class Attention(nn.Module):
         the softmax over keys) runs per request."""
         pos_all = torch.cat(positions)
         q, kv, pre = self.inputs(x, pos_all, rope)
-        return self.output(self.core(q, kv, positions, states, rope, shared, pre), pos_all, rope, x.dtype)
+        out = self.attended(q, self.core(q, kv, positions, states, rope, shared, pre))
+        return self.output(out, pos_all, rope, x.dtype)
 
     def inputs(self, x: torch.Tensor, pos_all: torch.Tensor, rope: RotaryTables):
         """The token-wise half (no state; what a compiled block fuses): (q [1, N, H, D], the K = V
@@ -106,11 +118,12 @@ class Attention(nn.Module):
         return q, kv, self.project_history(x, qr, pos_all, rope)
 
     def core(self, q, kv, positions: list[torch.Tensor], states: list[AttentionState], rope: RotaryTables,
-             shared: list, pre: dict) -> torch.Tensor:
+             shared: list, pre: dict) -> Attended:
         """The state-dependent half: each request's new rows into its state, then the softmax over
-        the keys its queries see; [1, N, H, D] before the output projection."""
+        the keys its queries see, or (a pure decode step) just those keys: `attended` runs that
+        softmax, pure, so that a compiled block fuses it."""
         if len(q[0]) == len(positions):                                  # a pure decode step
-            return self._decode_batch(q, kv, positions, states, rope, shared, pre)
+            return Attended(None, *self._decode_keys(q, kv, positions, states, rope, shared, pre))
         starts = [0]
         for pos in positions:
             starts.append(starts[-1] + len(pos))
@@ -128,12 +141,22 @@ class Attention(nn.Module):
             sl = slice(starts[i], starts[i + 1])
             part = {k: v[:, sl] for k, v in pre.items()}
             out[:, sl] = self._attend_request(q[:, sl], kv[:, sl], pos, states[i], rope, shared[i], part)
-        return out
+        return Attended(out, None, None)
+
+    def attended(self, q: torch.Tensor, core: Attended) -> torch.Tensor:
+        """The attention output [1, N, H, D] (before the output projection) of what `core` returned."""
+        if core.out is not None:
+            return core.out
+        return self.attend(q[0][:, None], core.keys, core.bias[:, None, :])[:, 0][None]
 
     def _decode_batch(self, q, kv, positions, states, rope, shared, pre) -> torch.Tensor:
+        """A decode step's attention output [1, B, H, D] (core + attended in one)."""
+        return self.attended(q, Attended(None, *self._decode_keys(q, kv, positions, states, rope, shared, pre)))
+
+    def _decode_keys(self, q, kv, positions, states, rope, shared, pre) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per request: histories (decode_histories) and full windows
         (_slide_full_windows) update for the whole batch, the rest per request; then one padded
-        softmax for the whole batch: keys [B, window + chosen entries, D]."""
+        softmax for the whole batch over (keys [B, S = window + chosen entries, D], bias [B, S])."""
         B = len(positions)
         rows, biases = [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
@@ -156,12 +179,14 @@ class Attention(nn.Module):
             rows.append(keys)
             biases.append(bias)
         S = max(r.shape[0] for r in rows)
-        K = torch.zeros((B, S, self.head_dim))
-        M = torch.full((B, S), float("-inf"))
-        for i, (r, b) in enumerate(zip(rows, biases)):
-            K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
-        out = self.attend(q[0][:, None], K, M[:, None, :])                          # [B, 1, H, D]
-        return out[:, 0][None]                                                     # [1, B, H, D]
+        if all(r.shape[0] == S for r in rows):                                     # no padding needed
+            K, M = torch.stack(rows), torch.stack(biases)
+        else:
+            K = torch.zeros((B, S, self.head_dim))
+            M = torch.full((B, S), float("-inf"))
+            for i, (r, b) in enumerate(zip(rows, biases)):
+                K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
+        return K, M
 
     def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
         B, T = q.shape[:2]
@@ -198,10 +223,11 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """softmax with the sink in the denominator: q [B, Tq, H, D], keys [B, S, D], bias [B, Tq, S]."""
-        scores = torch.einsum("bthd,bsd->bhts", q, keys) * self.head_dim ** -0.5 + bias[:, None]
+        keys = keys[:, None]                                                           # [B, 1, S, D]
+        scores = torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2)) * self.head_dim ** -0.5 + bias[:, None]
         sink = self.attn_sink.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
-        return torch.einsum("bhts,bsd->bthd", probs, keys)
+        return torch.matmul(probs, keys).transpose(1, 2)                               # [B, Tq, H, D]
 
     def output(self, out: torch.Tensor, positions: torch.Tensor, rope: RotaryTables, dtype) -> torch.Tensor:
         """Inverse RoPE on the rope dims, then the grouped output projection."""

@@ -68,9 +68,9 @@ class Block(nn.Module):
             st_list = states if isinstance(states, list) else [states]
             out = self.attn.core(q, kv, pos_list, st_list, rope, [None] * len(pos_list), pre)
         else:
-            out = attend_segments(attend, x, positions, states, rope)
-        h, post, comb, flat, weights, ids, shared = phase(self, "ffn_in", out, h, post, comb, pos_all, rope,
-                                                          token_ids, attend is None)
+            q, out = None, attend_segments(attend, x, positions, states, rope)
+        h, post, comb, flat, weights, ids, shared = phase(self, "ffn_in", out, q, h, post, comb, pos_all, rope,
+                                                          token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, shared, h, post, comb)
 
     def attn_in(self, h, pos_all, rope, inputs: bool):
@@ -81,12 +81,13 @@ class Block(nn.Module):
         x = self.attn_norm(collapse(h, pre))
         return x, post, comb, self.attn.inputs(x, pos_all, rope) if inputs else None
 
-    def ffn_in(self, out, h, post, comb, pos_all, rope, token_ids, project: bool):
-        """Attention output (projected here if `project`) into the streams, then the MoE's
-        token-wise inputs: (streams, post, comb, x [N, d], gate weights, expert ids, shared expert)."""
+    def ffn_in(self, out, q, h, post, comb, pos_all, rope, token_ids):
+        """Attention into the streams (`out`: what attn.core returned for queries q, finished and
+        projected here; q None: an output already projected), then the MoE's token-wise inputs:
+        (streams, post, comb, x [N, d], gate weights, expert ids, shared expert)."""
         c = self.c
-        if project:
-            out = self.attn.output(out, pos_all, rope, h.dtype)
+        if q is not None:
+            out = self.attn.output(self.attn.attended(q, out), pos_all, rope, h.dtype)
         h = expand(out, h, post, comb)
         pre, post, comb = hc_mix(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, c.hc_sinkhorn_iters,
                                  c.hc_eps, c.rms_norm_eps)

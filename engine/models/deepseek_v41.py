@@ -67,9 +67,9 @@ class Block41(nn.Module):
             st_list, sh_list = (states, shared) if isinstance(positions, list) else ([states], [shared])
             out = self.attn.core(q, kv, pos_list, st_list, rope, sh_list, pre)
         else:
-            out = attend_segments(attend, x, positions, states, rope, shared)
-        h, pre_f, post, comb, flat, weights, ids, sh = phase(self, "ffn_in", out, h, pre_a, post, comb, pos_all,
-                                                             rope, token_ids, attend is None)
+            q, out = None, attend_segments(attend, x, positions, states, rope, shared)
+        h, pre_f, post, comb, flat, weights, ids, sh = phase(self, "ffn_in", out, q, h, pre_a, post, comb, pos_all,
+                                                             rope, token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, sh, h, post, comb), pre_f
 
     def attn_in(self, h, pre_in, pos_all, rope, inputs: bool):
@@ -78,12 +78,12 @@ class Block41(nn.Module):
         x = self.attn_norm(h[..., 0, :] if pre_in is None else collapse(h, pre_in))
         return x, pre_a, post_a, comb_a, self.attn.inputs(x, pos_all, rope) if inputs else None
 
-    def ffn_in(self, out, h, pre_a, post_a, comb_a, pos_all, rope, token_ids, project: bool):
-        """Attention output (projected here if `project`) into the streams, then the MoE's
-        token-wise inputs: (streams, the FFN site's pre, post, comb, x [N, d], gate weights,
-        expert ids, shared expert)."""
-        if project:
-            out = self.attn.output(out, pos_all, rope, h.dtype)
+    def ffn_in(self, out, q, h, pre_a, post_a, comb_a, pos_all, rope, token_ids):
+        """Attention into the streams (`out`: what attn.core returned for queries q, finished and
+        projected here; q None: an output already projected), then the MoE's token-wise inputs:
+        (streams, the FFN site's pre, post, comb, x [N, d], gate weights, expert ids, shared expert)."""
+        if q is not None:
+            out = self.attn.output(self.attn.attended(q, out), pos_all, rope, h.dtype)
         h = expand(out, h, post_a, comb_a)
         pre_f, post_f, comb_f = self.mix(h, "ffn")
         flat = self.ffn_norm(collapse(h, pre_a)).flatten(0, -2)
