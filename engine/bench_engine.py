@@ -41,7 +41,7 @@ def _ours(model, prompts: list[list[int]], out_tokens: int, block: int, compile_
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         return time.perf_counter() - t, outs
-    warmup_s, _ = run(3) if compile_ else (0.0, None)     # compiles the step shapes the timed runs use
+    warmup_s, _ = run(out_tokens) if compile_ else (0.0, None)    # compiles every step shape the timed runs use
     prefill_s, _ = run(1)
     total_s, outs = run(out_tokens)
     ttft = statistics.median(o[0].metrics.ttft_s for o in outs)

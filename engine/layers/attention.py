@@ -123,7 +123,12 @@ class Attention(nn.Module):
         the keys its queries see, or (a pure decode step) just those keys: `attended` runs that
         softmax, pure, so that a compiled block fuses it."""
         if len(q[0]) == len(positions):                                  # a pure decode step
-            return Attended(None, *self._decode_keys(q, kv, positions, states, rope, shared, pre))
+            keys, bias = self._decode_keys(q, kv, positions, states, rope, shared, pre)
+            # the key count grows as history does: compiled blocks take it as a dynamic size at
+            # once rather than compiling for two sizes first
+            torch._dynamo.maybe_mark_dynamic(keys, 1)
+            torch._dynamo.maybe_mark_dynamic(bias, 1)
+            return Attended(None, keys, bias)
         starts = [0]
         for pos in positions:
             starts.append(starts[-1] + len(pos))
