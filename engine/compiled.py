@@ -74,5 +74,5 @@ def _check(model: nn.Module) -> None:
                          "run --tp / --ep without --compile")
     device = next(model.parameters()).device
     if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-        raise RuntimeError("compiling on CPU needs a C++ compiler (inductor writes C++): install g++ "
+        raise ValueError("compiling on CPU needs a C++ compiler (inductor writes C++): install g++ "
                            "(apt install build-essential) or run without compile")

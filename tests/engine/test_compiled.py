@@ -76,3 +76,9 @@ def test_compile_refuses_parallel_models():
     model.layers[0].ffn.reduce = lambda t: t          # what engine/parallel.shard sets
     with pytest.raises(ValueError, match="without --compile"):
         compile_blocks(model)
+
+
+def test_compile_without_a_cpp_compiler_says_what_to_install(monkeypatch):
+    monkeypatch.setattr("kvcache.engine.compiled.shutil.which", lambda name: None)
+    with pytest.raises(ValueError, match="install g\\+\\+"):
+        compile_blocks(build_model(v4_config()))
