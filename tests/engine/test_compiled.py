@@ -54,6 +54,31 @@ def test_compiled_blocks_match_eager(make, backend, monkeypatch):
     assert not any(blk.__dict__.get("compiled") for blk in blocks(model))
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_exact_prefix_reuse_stays_bit_identical_compiled(tmp_path, monkeypatch):
+    """A warm request resumed from the store's blocks and snapshot (compiled) gives the cold
+    compiled run's logits bit for bit. Runs after the V4 test above: same graphs, little compiling."""
+    from tests.engine.test_prefix_cache import CFG as CACHE_CFG, _tapped, cached, open_store, prompts, run
+    monkeypatch.setattr("kvcache.engine.compiled.OPTIONS", {})
+    model = randomize(build_model(v4_config(num_nextn_predict_layers=0)), 1).eval()
+    P, Qs = prompts(7, n_questions=2)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=dataclasses.replace(cached("exact"), compile=True), store=store) as first:
+        run(first, [P + Qs[0]])                                           # fills the store
+    cold_logits, warm_logits = {}, {}
+    plain = LLM(model=model, config=dataclasses.replace(CACHE_CFG, compile=True))
+    _tapped(plain, cold_logits, 1)
+    plain.generate([P + Qs[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    with LLM(model=model, config=dataclasses.replace(cached("exact"), compile=True), store=store) as warm:
+        _tapped(warm, warm_logits, 1)
+        _, usage = run(warm, [P + Qs[1]])
+    store.close()
+    assert usage[0].cached_tokens == {"dram": 96}
+    assert cold_logits.keys() == warm_logits.keys()
+    assert all(torch.equal(cold_logits[k], warm_logits[k]) for k in cold_logits)
+
+
 def test_moe_pairs_equal_grouped(monkeypatch):
     """A token's routed sum is the same whether its experts run pair by pair or grouped."""
     moe = randomize(MoE(v4_config(), hashed=False), 2).eval()
