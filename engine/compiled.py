@@ -13,8 +13,10 @@ per-request state is touched:
 The phases are the blocks' own methods (`Block.attn_in` ...): eager and compiled run the same
 code. Compiled functions are made once per block class and shared by every layer of that class
 (dynamo guards on a block's structure, e.g. its attention kind, not on which layer it is).
-Shapes: the first two token counts seen compile static graphs, later counts share one dynamic
-graph; the inductor cache (TORCHINDUCTOR_CACHE_DIR) keeps them across restarts.
+Shapes: a batch-1 step has its own graphs, other token counts share one dynamic graph (the
+first count seen also gets a static one). An engine with `compile = true` meets them all at start
+(`warm_up`: a few scratch requests), so no request waits for a compile; the inductor cache
+(TORCHINDUCTOR_CACHE_DIR) keeps them across restarts.
 
 CPU needs a C++ compiler (inductor writes C++); CUDA uses Triton. Tensor and expert parallelism
 are not compiled (their all-reduces sit inside the phases): `compile_blocks` refuses them.
@@ -66,6 +68,17 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
                                                                     options=OPTIONS if BACKEND == "inductor" else None) for p in PHASES}
         blk.__dict__["compiled"] = fns
     return len(found)
+
+
+def warm_up(run, block_size: int, vocab_size: int) -> None:
+    """Meet every graph variant a serving engine needs before the first real request (a compile
+    takes seconds to a minute on 2 CPU cores): `run(prompts, max_tokens)` generates on a scratch
+    engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
+    1 tokens (batch-1: experts summed in the graph), a prefill of another size (dynamic)."""
+    def ids(n: int, seed: int) -> list[int]:
+        return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]
+    run([ids(block_size + 3, 1), ids(5, 2), ids(2, 3)], [4, 3, 2])
+    run([ids(7, 4)], [2])
 
 
 def _check(model: nn.Module) -> None:

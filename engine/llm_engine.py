@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool
-from kvcache.engine.compiled import compile_blocks
+from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
 from kvcache.engine.kv_blocks import block_layout, layout_id
 from kvcache.engine.kv_connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
@@ -41,6 +41,7 @@ class EngineConfig:
     max_running: int = 32
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
     compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
+    compile_warmup: bool = True      # with compile: compile every phase variant at start, not mid-request
 
 
 @dataclass
@@ -71,6 +72,23 @@ class LLMEngine:
         if self.cache is not None:
             self.scheduler._cut = self.cache.cut
             self.scheduler.on_finish = self.cache.on_finish
+        if config.compile and config.compile_warmup:
+            self._warm_up_compiled()
+
+    def _warm_up_compiled(self) -> None:
+        """Run compiled_warmup's requests on a scratch engine (same model, no cache, its own small
+        pool): the compiled graphs it leaves behind serve this engine's steps."""
+        cfg = dataclasses.replace(self.config, cache=None, compile_warmup=False, num_blocks=16, max_running=4)
+        scratch = LLMEngine(self.model, None, cfg)
+
+        def run(prompts: list[list[int]], max_tokens: list[int]) -> None:
+            for p, n in zip(prompts, max_tokens):
+                scratch.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            while scratch.has_work():
+                scratch.step()
+        t = time.perf_counter()
+        compiled_warmup(run, self.config.block_size, self.model.config.vocab_size)
+        log.info("compiled blocks ready in %.1f s", time.perf_counter() - t)
 
     def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
         if cfg is None:

@@ -17,13 +17,18 @@ from tests.engine.tiny import randomize, v4_config, v41_config
 CONFIG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
 
 
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def _generate(model, prompts, compile_: bool):
-    """Greedy tokens and every sampled position's logits, by request and position."""
+    """Greedy tokens, every sampled position's logits (by request and position), and how many
+    graphs were compiled while generating (the engine compiles at start)."""
     llm = LLM(model=model, config=dataclasses.replace(CONFIG, compile=compile_))
-    seen = {}
+    seen, before = {}, _graphs()
     llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((req.prompt[0], pos), logits.clone())
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    return [o[0].token_ids for o in outs], seen
+    return [o[0].token_ids for o in outs], seen, _graphs() - before
 
 
 @pytest.mark.slow
@@ -41,10 +46,11 @@ def test_compiled_blocks_match_eager(make, backend, monkeypatch):
     model = randomize(build_model(make()), 3).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [[5 + i] + torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate((40, 7, 23, 1))]
-    eager_tokens, eager_logits = _generate(model, prompts, False)
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    tokens, logits = _generate(model, prompts, True)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before     # really compiled, not eager
+    eager_tokens, eager_logits, _ = _generate(model, prompts, False)
+    before = _graphs()
+    tokens, logits, while_serving = _generate(model, prompts, True)
+    assert _graphs() > before                         # really compiled, not eager
+    assert while_serving == 0                         # all of it at engine start (warm_up), none mid-request
     assert all(blk.__dict__.get("compiled") for blk in blocks(model))
     assert tokens == eager_tokens
     assert logits.keys() == eager_logits.keys()
