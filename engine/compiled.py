@@ -34,6 +34,7 @@ RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) 
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
 OPTIONS = {"cpp_wrapper": True}
 BACKEND = "inductor"
+_COMPILED: dict[tuple, dict] = {}
 
 
 def phase(block: nn.Module, name: str, *args):
@@ -55,19 +56,24 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
             blk.__dict__.pop("compiled", None)
         return len(found)
     _check(model)
-    import torch
     import torch._dynamo
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            16 * RECOMPILE_LIMIT)
-    per_class: dict[type, dict] = {}
     for blk in found:
-        fns = per_class.get(type(blk))
-        if fns is None:
-            fns = per_class[type(blk)] = {p: torch.compile(getattr(type(blk), p), backend=BACKEND,
-                                                                    options=OPTIONS if BACKEND == "inductor" else None) for p in PHASES}
-        blk.__dict__["compiled"] = fns
+        blk.__dict__["compiled"] = _compiled_phases(type(blk))
     return len(found)
+
+
+def _compiled_phases(cls: type) -> dict:
+    """One compiled function per phase and block class, made once per process (and backend): every
+    engine and every layer of the class share them, and with them dynamo's compiled graphs."""
+    import torch
+    key = (cls, BACKEND, tuple(sorted(OPTIONS.items())))
+    if key not in _COMPILED:
+        options = OPTIONS if BACKEND == "inductor" else None
+        _COMPILED[key] = {p: torch.compile(getattr(cls, p), backend=BACKEND, options=options) for p in PHASES}
+    return _COMPILED[key]
 
 
 def warm_up(run, block_size: int, vocab_size: int) -> None:

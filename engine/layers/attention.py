@@ -337,17 +337,22 @@ def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> t
     return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(batch, -1, -1)
 
 
-def attend_segments(call, x: torch.Tensor, positions, states, rope: RotaryTables, shared=None) -> torch.Tensor:
-    """Attention over a flattened batch: `positions`/`states`/`shared` are lists (one entry per request,
-    whose tokens sit contiguously in x [1, N, d]), or a single request's values. Token-wise layers
-    run on the whole batch; only attention and its state are per request."""
+def core_or_attend(attn: Attention, attend, x: torch.Tensor, inputs, positions, states, rope: RotaryTables,
+                   shared=None):
+    """The stateful middle of a phased block (engine/compiled.py) over a flattened batch
+    (`positions`/`states`/`shared`: lists, one entry per request, whose tokens sit contiguously in
+    x [1, N, d]) or one request's values: (q, attn.core's Attended) for the `inputs` attn_in made,
+    or with `attend` (a DSpark block's own attention, called per request) (None, its projected
+    output)."""
     if not isinstance(positions, list):
-        return call(x, positions, states, rope, shared)
-    if isinstance(call, Attention):
-        return call.forward_batch(x, positions, states, rope, shared or [None] * len(positions))
+        positions, states, shared = [positions], [states], [shared]
+    shared = shared if shared is not None else [None] * len(positions)
+    if attend is None:
+        q, kv, pre = inputs
+        return q, attn.core(q, kv, positions, states, rope, shared, pre)
     outs, a = [], 0
     for i, pos in enumerate(positions):
         b = a + len(pos)
-        outs.append(call(x[:, a:b], pos, states[i], rope, None if shared is None else shared[i]))
+        outs.append(attend(x[:, a:b], pos, states[i], rope, shared[i]))
         a = b
-    return torch.cat(outs, 1)
+    return None, torch.cat(outs, 1)

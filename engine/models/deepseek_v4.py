@@ -21,7 +21,7 @@ from torch import nn
 
 from kvcache.engine.compiled import phase
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import Attention, AttentionState, attend_segments
+from kvcache.engine.layers.attention import Attention, AttentionState, core_or_attend
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
@@ -60,15 +60,9 @@ class Block(nn.Module):
         """h [B, T, n, d] streams -> streams. `positions`/`states`: one request's, or lists (a
         flattened batch). `attend` replaces the attention call (DSpark blocks). Phases: see
         engine/compiled.py."""
-        pos_list = positions if isinstance(positions, list) else [positions]
-        pos_all = torch.cat(pos_list)
+        pos_all = torch.cat(positions if isinstance(positions, list) else [positions])
         x, post, comb, inputs = phase(self, "attn_in", h, pos_all, rope, attend is None)
-        if attend is None:
-            q, kv, pre = inputs
-            st_list = states if isinstance(states, list) else [states]
-            out = self.attn.core(q, kv, pos_list, st_list, rope, [None] * len(pos_list), pre)
-        else:
-            q, out = None, attend_segments(attend, x, positions, states, rope)
+        q, out = core_or_attend(self.attn, attend, x, inputs, positions, states, rope)
         h, post, comb, flat, weights, ids, shared = phase(self, "ffn_in", out, q, h, post, comb, pos_all, rope,
                                                           token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, shared, h, post, comb)

@@ -27,7 +27,7 @@ from torch import nn
 
 from kvcache.engine.compiled import phase
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import attend_segments
+from kvcache.engine.layers.attention import core_or_attend
 from kvcache.engine.layers.attention41 import SharedAttention
 from kvcache.engine.layers.engram import DEAD, Engram, hash_geometry
 from kvcache.engine.layers.hyper import collapse, expand, hc_mix, hc_params
@@ -59,15 +59,9 @@ class Block41(nn.Module):
     def forward(self, h, pre_in, positions, states, rope, token_ids, shared, attend=None):
         """streams [B, T, n, d], the previous site's pre (None: take stream 0) -> (streams, this FFN
         site's pre). Phases: see engine/compiled.py."""
-        pos_list = positions if isinstance(positions, list) else [positions]
-        pos_all = torch.cat(pos_list)
+        pos_all = torch.cat(positions if isinstance(positions, list) else [positions])
         x, pre_a, post, comb, inputs = phase(self, "attn_in", h, pre_in, pos_all, rope, attend is None)
-        if attend is None:
-            q, kv, pre = inputs
-            st_list, sh_list = (states, shared) if isinstance(positions, list) else ([states], [shared])
-            out = self.attn.core(q, kv, pos_list, st_list, rope, sh_list, pre)
-        else:
-            q, out = None, attend_segments(attend, x, positions, states, rope, shared)
+        q, out = core_or_attend(self.attn, attend, x, inputs, positions, states, rope, shared)
         h, pre_f, post, comb, flat, weights, ids, sh = phase(self, "ffn_in", out, q, h, pre_a, post, comb, pos_all,
                                                              rope, token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, sh, h, post, comb), pre_f
