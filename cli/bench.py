@@ -124,13 +124,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and a "
                    "minute or two of compiling per config on 2 cores); 'ours' is then the eager engine")
+    p.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16 weights for "
+                   "both engines; results in engine_throughput_<device>-*.json)")
 
 
 def run_engine(args) -> int:
     from kvcache.engine.bench_engine import format_table, run
     doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
               [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
-              args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager)
+              args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
+              device=args.device)
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}")
     return 0

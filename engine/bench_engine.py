@@ -8,6 +8,7 @@ engine against transformers' `generate` on the same V4 weights, in the same run.
         TTFT, TPOT from the engine's request metrics
     ours = the engine with compiled blocks (engine/compiled.py) after a warm-up run that compiles;
     ours_eager = the same engine uncompiled, in the same run
+    device: cpu (fp32) or cuda / npu (bf16 weights, both engines; results file engine_throughput_<device>)
     ratios: decode_tokens_per_s_vs_hf_b{batch} (ours / transformers; `_eager`: uncompiled), per config
     ceiling: the memory-bandwidth bound on decode tokens/s at each batch (engine/roofline.py), and
     the highest ratio against transformers that bound allows (max_decode_ratio_vs_hf_b{batch})
@@ -25,6 +26,7 @@ import torch
 from kvcache.engine.bench_model import CONFIG_DIR, hf_twin
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
+from kvcache.engine.device import Placement, select, synchronize
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model
@@ -40,7 +42,7 @@ def _ours(model, prompts: list[list[int]], out_tokens: int, block: int, compile_
         llm = LLM(model=model, config=cfg)
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - t, outs
+        return time.perf_counter() - t, outs        # (tokens reach the host each step: no sync needed)
     t0 = time.perf_counter()
     if compile_:              # the first engine compiles at start (warm_up); one full run meets every step shape
         run(out_tokens)
@@ -50,19 +52,31 @@ def _ours(model, prompts: list[list[int]], out_tokens: int, block: int, compile_
     ttft = statistics.median(o[0].metrics.ttft_s for o in outs)
     tpot = statistics.median(o[0].metrics.tpot_s(out_tokens) or 0 for o in outs)
     return {"prefill_s": prefill_s, "total_s": total_s, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
-            "compile_warmup_s": warmup_s}
+            "compile_warmup_s": warmup_s, "tokens": [o[0].token_ids for o in outs]}
 
 
 def _theirs(hf, prompts: list[list[int]], out_tokens: int) -> dict:
-    ids = torch.tensor(prompts)
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=device)
 
     def run(n):
         t = time.perf_counter()
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids),
                         pad_token_id=0)
+        synchronize(device)
         return time.perf_counter() - t
     return {"prefill_s": run(1), "total_s": run(out_tokens)}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]] | None) -> float | None:
+    """The share of token positions where two greedy runs agree, up to the first difference per request."""
+    if b is None:
+        return None
+    same = 0
+    for x, y in zip(a, b):
+        same += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+    return same / max(sum(len(x) for x in a), 1)
 
 
 def _rates(r: dict, batch: int, prompt: int, out_tokens: int) -> dict:
@@ -72,10 +86,12 @@ def _rates(r: dict, batch: int, prompt: int, out_tokens: int) -> dict:
 
 
 def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: int, seed: int, bar=None,
-                 bandwidth: float | None = None, compile_: bool = True) -> dict:
+                 bandwidth: float | None = None, compile_: bool = True,
+                 place: Placement = Placement("cpu", torch.float32)) -> dict:
     config = ModelConfig.load(os.path.join(CONFIG_DIR, f"{name}.json"))
     model = random_weights(build_model(config), seed).eval()
-    hf = hf_twin(model, config)
+    hf = hf_twin(model, config).to(place.device, place.dtype)        # the same weights, same precision
+    model = model.to(place.device, place.dtype)
     block = max(r for r in config.compress_ratios if r > 0)
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -84,11 +100,15 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
         eager = _rates(_ours(model, prompts, out_tokens, block, False), b, prompt_tokens, out_tokens)
         ours = _rates(_ours(model, prompts, out_tokens, block, True), b, prompt_tokens, out_tokens) if compile_ \
             else eager
+        # compiled kernels round differently from eager ones: in fp32 the greedy tokens agree, in
+        # bf16 a near tie can part them; the share that agrees is reported, not assumed
+        agree = _agreement(ours.pop("tokens"), eager.pop("tokens") if ours is not eager else None)
         theirs = _rates(_theirs(hf, prompts, out_tokens), b, prompt_tokens, out_tokens)
         out[f"b{b}"] = {"ours": ours, "ours_eager": eager, "transformers": theirs,
                         "decode_ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
                         "decode_ratio_eager": eager["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
-                        "prompt_ratio": ours["prompt_tokens_per_s"] / theirs["prompt_tokens_per_s"]}
+                        "prompt_ratio": ours["prompt_tokens_per_s"] / theirs["prompt_tokens_per_s"],
+                        "greedy_tokens_compiled_eq_eager": agree}
         if bandwidth:
             top = ceiling(model, b, bandwidth)
             out[f"b{b}"]["ceiling"] = top
@@ -99,21 +119,24 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
 
 
 def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int = 128, out_tokens: int = 32,
-        seed: int = 0, progress: bool = True, compile_: bool = True) -> dict:
+        seed: int = 0, progress: bool = True, compile_: bool = True, device: str = "cpu") -> dict:
     """compile_=False: "ours" is the eager engine (no C++ compiler, or a quick look)."""
     from tqdm import tqdm
     from kvcache.tiering.bench_tiers import machine_info, write_results
     os.makedirs(out_dir, exist_ok=True)
+    place = select(device)
     started = time.perf_counter()
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device=place.device)
     with tqdm(total=len(configs) * len(batches), desc="engine benchmark", unit="run", disable=not progress) as bar:
-        results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar, bandwidth, compile_)
+        results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar, bandwidth, compile_, place)
                    for n in configs}
     doc = {"benchmark": "engine_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "elapsed_s": time.perf_counter() - started,
-           "machine": {**machine_info(out_dir), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+           "machine": {**machine_info(out_dir), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                       "accelerator": _accelerator(place.device)},
            "config": {"configs": configs, "batches": batches, "prompt_tokens": prompt_tokens,
-                      "output_tokens": out_tokens, "seed": seed, "dtype": "float32 (CPU)", "sampling": "greedy",
+                      "output_tokens": out_tokens, "seed": seed, "device": place.device,
+                      "dtype": f"{str(place.dtype).removeprefix('torch.')} weights", "sampling": "greedy",
                       "ours": ("EngineConfig(compile=True) after a warm-up run that compiles (compile_warmup_s); "
                                "ours_eager: the same engine uncompiled") if compile_ else "the eager engine (--eager)",
                       "baseline": "transformers DeepseekV4ForCausalLM.generate, same weights, eager attention"},
@@ -124,8 +147,16 @@ def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int
             doc[f"decode_tokens_per_s_vs_hf_b{b}"] = results[ref][f"b{b}"]["decode_ratio"]
             doc[f"decode_tokens_per_s_vs_hf_b{b}_eager"] = results[ref][f"b{b}"]["decode_ratio_eager"]
             doc[f"max_decode_ratio_vs_hf_b{b}"] = results[ref][f"b{b}"]["max_decode_ratio_vs_hf"]
-    write_results(doc, out_dir, "engine_throughput")
+    kind = place.device.split(":")[0]
+    write_results(doc, out_dir, "engine_throughput" if kind == "cpu" else f"engine_throughput_{kind}")
     return doc
+
+
+def _accelerator(device: str) -> str | None:
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(torch.device(device))
+        return f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, CUDA {torch.version.cuda}"
+    return None if device == "cpu" else device
 
 
 def format_table(doc: dict) -> str:

@@ -33,6 +33,8 @@ RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) 
 # A graph's launcher in C++ rather than Python: a v4-small batch-1 step spent 13 of its ~23 ms in
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
 OPTIONS = {"cpp_wrapper": True}
+# CUDA: Triton kernels with inductor's default (Python) launchers
+ACCELERATOR_OPTIONS: dict = {}
 BACKEND = "inductor"
 _COMPILED: dict[tuple, dict] = {}
 
@@ -60,18 +62,19 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            16 * RECOMPILE_LIMIT)
+    options = OPTIONS if next(model.parameters()).device.type == "cpu" else ACCELERATOR_OPTIONS
     for blk in found:
-        blk.__dict__["compiled"] = _compiled_phases(type(blk))
+        blk.__dict__["compiled"] = _compiled_phases(type(blk), options)
     return len(found)
 
 
-def _compiled_phases(cls: type) -> dict:
-    """One compiled function per phase and block class, made once per process (and backend): every
-    engine and every layer of the class share them, and with them dynamo's compiled graphs."""
+def _compiled_phases(cls: type, options: dict) -> dict:
+    """One compiled function per phase and block class, made once per process (and backend and
+    options): every engine and every layer of the class share them, and with them dynamo's graphs."""
     import torch
-    key = (cls, BACKEND, tuple(sorted(OPTIONS.items())))
+    key = (cls, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
-        options = OPTIONS if BACKEND == "inductor" else None
+        options = options if BACKEND == "inductor" else None
         _COMPILED[key] = {p: torch.compile(getattr(cls, p), backend=BACKEND, options=options) for p in PHASES}
     return _COMPILED[key]
 

@@ -18,6 +18,15 @@ from dataclasses import dataclass
 import torch
 
 
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work (timing); nothing to wait for on the CPU."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "npu":
+        torch.npu.synchronize(device)
+
+
 @dataclass(frozen=True)
 class Placement:
     device: str           # "cpu", "cuda:0", "npu:0"

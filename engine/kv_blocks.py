@@ -36,7 +36,7 @@ def layout_id(pool: KVPool) -> str:
 def encode_block(pool: KVPool, block_id: int) -> bytes:
     """The payload of one pool block (every history lane's rows for it)."""
     parts = [t[block_id].contiguous().view(torch.uint8).reshape(-1) for _, t in sorted(pool.lanes.items())]
-    return torch.cat(parts).numpy().tobytes() if parts else b""
+    return torch.cat(parts).cpu().numpy().tobytes() if parts else b""
 
 
 def decode_block(pool: KVPool, block_id: int, payload) -> None:
@@ -48,7 +48,7 @@ def decode_block(pool: KVPool, block_id: int, payload) -> None:
     pos = 0
     for _, t in sorted(pool.lanes.items()):
         n = t[0].numel() * t.element_size()
-        t[block_id] = raw[pos: pos + n].view(t.dtype).view(t.shape[1:])
+        t[block_id] = raw[pos: pos + n].view(t.dtype).view(t.shape[1:]).to(t.device)
         pos += n
 
 
@@ -62,8 +62,9 @@ def decode_blocks(pool: KVPool, block_ids: list[int], payloads: list) -> None:
             raise ValueError(f"a stored block of {memoryview(p).nbytes} bytes does not fit this pool's layout "
                              f"({want} bytes)")
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), want)
-    index, pos = torch.tensor(block_ids, dtype=torch.long), 0
+    pos = 0
     for _, t in sorted(pool.lanes.items()):
         n = t[0].numel() * t.element_size()
-        t[index] = raw[:, pos: pos + n].contiguous().view(t.dtype).view(len(payloads), *t.shape[1:])
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        t[index] = raw[:, pos: pos + n].contiguous().view(t.dtype).view(len(payloads), *t.shape[1:]).to(t.device)
         pos += n

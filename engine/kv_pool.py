@@ -24,13 +24,21 @@ from kvcache.engine.layers.history import PagedRows, SlotRows
 
 
 class KVPool:
-    def __init__(self, model, num_blocks: int, block_size: int, slots: int = 64, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, num_blocks: int, block_size: int, slots: int = 64, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        """Block lanes in `dtype` (default: the model's weight dtype: fp32 on CPU, bf16 on an
+        accelerator) on `device` (default: the model's). Slot lanes stay fp32: windows and carries
+        are small, and keeping the fp32 rows the model computed means a token sees the same keys
+        whether its neighbours came in the same chunk (fresh) or an earlier one (from the slot),
+        which chunked prefill and exact prefix reuse rely on."""
+        weight = model.embed.weight
+        dtype, device = dtype or weight.dtype, device or weight.device
         self.block_size = block_size
         self.lanes: dict[tuple[int, str], torch.Tensor] = {}
         self.slot_lanes: dict[tuple[int, str], torch.Tensor] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
         for i, blk in enumerate(model.layers):
-            self._slot_lanes_for(i, blk.attn, slots, dtype)
+            self._slot_lanes_for(i, blk.attn, slots, torch.float32, device)
         for i, blk in enumerate(model.layers):
             a = blk.attn
             ratio = getattr(a, "ratio", 0)
@@ -40,14 +48,14 @@ class KVPool:
             if block_size % ratio:
                 raise ValueError(f"block_size {block_size} is not a multiple of layer {i}'s compress ratio {ratio}")
             rows = block_size // ratio
-            self.lanes[(i, "entries")] = torch.zeros((num_blocks, rows, a.head_dim), dtype=dtype)
+            self.lanes[(i, "entries")] = torch.zeros((num_blocks, rows, a.head_dim), dtype=dtype, device=device)
             index_dim = _index_dim(a)
             if index_dim:
-                self.lanes[(i, "index")] = torch.zeros((num_blocks, rows, index_dim), dtype=dtype)
+                self.lanes[(i, "index")] = torch.zeros((num_blocks, rows, index_dim), dtype=dtype, device=device)
 
-    def _slot_lanes_for(self, i: int, a, slots: int, dtype) -> None:
+    def _slot_lanes_for(self, i: int, a, slots: int, dtype, device) -> None:
         def lane(name, rows, width):
-            self.slot_lanes[(i, name)] = torch.zeros((slots, max(rows, 1), width), dtype=dtype)
+            self.slot_lanes[(i, name)] = torch.zeros((slots, max(rows, 1), width), dtype=dtype, device=device)
         lane("window", a.window - 1, a.head_dim)
         comp = a.compressor
         if comp is None:
@@ -81,8 +89,8 @@ class KVPool:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy block contents in every lane (a forked request's own copy of a partial block)."""
         if src:
-            s, d = torch.tensor(src), torch.tensor(dst)
             for lane in self.lanes.values():
+                s, d = torch.tensor(src, device=lane.device), torch.tensor(dst, device=lane.device)
                 lane[d] = lane[s]
 
     @property

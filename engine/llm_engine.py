@@ -181,7 +181,7 @@ class LLMEngine:
                 req.state = self.cache.state_for(req, view) if req.resume is not None else self.model.new_state(view)
             states.append(req.state)
         with torch.no_grad():
-            return self.model.step([torch.tensor(ch.tokens) for ch in chunks], states)
+            return self.model.step([torch.tensor(ch.tokens, device="cpu") for ch in chunks], states)
 
     def _view(self, req: Request):
         """The request's pool view, taking it a slot for its windows and carry."""
@@ -200,6 +200,7 @@ class LLMEngine:
             self.cache.forget(req)
 
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
         sampled, now = {}, time.perf_counter()
         for i, ch in enumerate(out.chunks):
             req = ch.request

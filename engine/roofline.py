@@ -28,13 +28,17 @@ from torch import nn
 from kvcache.engine.layers.moe import MoE
 
 
-def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a streaming read (best of `repeats`)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3, device: str = "cpu") -> float:
+    """Bytes per second of a streaming read of `device`'s memory (best of `repeats`; on an
+    accelerator 4 GiB, far past its L2 cache)."""
+    if device != "cpu":
+        nbytes = max(nbytes, 4 << 30)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    float(x.sum())                                  # first touch, kernel load
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        float(x.sum())
+        float(x.sum())                              # float(): waits for the device
         best = min(best, time.perf_counter() - t)
     return nbytes / best
 

@@ -79,11 +79,11 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, seen: list[int], ge
     for tok, b in p.logit_bias.items():
         logits[tok] += b
     if p.repetition_penalty != 1.0 and seen:
-        ids = torch.tensor(sorted(set(seen)))
+        ids = torch.tensor(sorted(set(seen)), device=logits.device)
         vals = logits[ids]
         logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and generated:
-        ids, counts = torch.unique(torch.tensor(generated), return_counts=True)
+        ids, counts = torch.unique(torch.tensor(generated, device=logits.device), return_counts=True)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
     return logits
 
@@ -109,5 +109,5 @@ def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, 
     kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
     cdf = torch.cumsum(kept, 0) / kept.sum()
     u = uniform(p.seed, position, stream)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)[0])
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device), right=True)[0])
     return int(order[min(idx, len(order) - 1)])

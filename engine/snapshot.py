@@ -17,8 +17,9 @@ import torch
 _CARRY = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate", "pending")
 
 
-def _clone(t):
-    return None if t is None else t.detach().clone()
+def _clone(t, device=None):
+    """A copy of t (on `device` when given: a snapshot decoded from the store lives on the host)."""
+    return None if t is None else t.detach().to(device, copy=True) if device is not None else t.detach().clone()
 
 
 def _part(comp) -> dict | None:
@@ -40,7 +41,7 @@ def capture(state) -> dict:
                        for st in state.layers]}
 
 
-def _restore_part(comp, snap: dict | None) -> None:
+def _restore_part(comp, snap: dict | None, device) -> None:
     if comp is None or snap is None:
         return
     comp.count = snap["count"]
@@ -50,18 +51,20 @@ def _restore_part(comp, snap: dict | None) -> None:
         comp.keys._count = snap["keys"]
     for name in _CARRY:
         if name in snap:
-            setattr(comp, name, _clone(snap[name]))
+            setattr(comp, name, _clone(snap[name], device))
 
 
 def restore(model, view, snap: dict):
     """A new ModelState over the request's pool view (whose blocks already hold the history rows)."""
     state = model.new_state(view)
     state.length = snap["length"]
-    state.extra = {k: _clone(v) if isinstance(v, torch.Tensor) else v for k, v in snap["extra"].items()}
+    # `extra` (the Engram token history) is host-side state; the layers' tensors go to the model's device
+    state.extra = {k: _clone(v, "cpu") if isinstance(v, torch.Tensor) else v for k, v in snap["extra"].items()}
+    device = model.embed.weight.device
     for st, part in zip(state.layers, snap["layers"]):
-        st.window = _clone(part["window"])
-        _restore_part(st.compressor, part["compressor"])
-        _restore_part(st.index, part["index"])
+        st.window = _clone(part["window"], device)
+        _restore_part(st.compressor, part["compressor"], device)
+        _restore_part(st.index, part["index"], device)
     return state
 
 
@@ -83,7 +86,8 @@ def at_boundary(model, view, start: int, loaded: int, block_size: int, tokens: l
                     comp.count, comp.floor = start * rows.per_block // block_size, rows._count
     n = getattr(model.config, "engram_max_ngram_size", 0) or 0
     if n > 1 and getattr(model.config, "engram_layer_ids", None):
-        state.extra["engram_ids"] = torch.tensor([tokens[max(0, start - (n - 1)): start]], dtype=torch.long)
+        state.extra["engram_ids"] = torch.tensor([tokens[max(0, start - (n - 1)): start]], dtype=torch.long,
+                                                 device="cpu")
     return state
 
 
@@ -96,7 +100,7 @@ def encode(snap: dict) -> bytes:
 
     def walk(x, path: str):
         if isinstance(x, torch.Tensor):
-            tensors[path] = x.contiguous()
+            tensors[path] = x.contiguous().cpu()
             return {"$t": path}
         if isinstance(x, dict):
             return {k: walk(v, f"{path}.{k}") for k, v in x.items()}

@@ -136,7 +136,7 @@ class Attention(nn.Module):
         single = single if len(single) > 1 else []
         out = q.new_empty(q.shape)
         if single:                     # a mixed step: its decoding requests still share one softmax
-            tok = torch.tensor([starts[i] for i in single])
+            tok = torch.tensor([starts[i] for i in single], device=q.device)
             out[:, tok] = self._decode_batch(q[:, tok], kv[:, tok], [positions[i] for i in single],
                                              [states[i] for i in single], rope, [shared[i] for i in single],
                                              {k: v[:, tok] for k, v in pre.items()})
@@ -173,7 +173,7 @@ class Attention(nn.Module):
                 mine = torch.cat([prev, kv[:, i:i + 1]], 1)[:, -self.window:]    # the rows this token sees
                 st.window = mine[:, -(self.window - 1):] if self.window > 1 else mine[:, :0]
             entries, chosen = histories[i]
-            keys, bias = mine[0], torch.zeros(mine.shape[1])
+            keys, bias = mine[0], mine.new_zeros(mine.shape[1])
             if entries is not None and entries.shape[1]:
                 c = chosen(0, 1)[0, 0]
                 if c.is_floating_point():                                          # a bias over all entries
@@ -187,8 +187,8 @@ class Attention(nn.Module):
         if all(r.shape[0] == S for r in rows):                                     # no padding needed
             K, M = torch.stack(rows), torch.stack(biases)
         else:
-            K = torch.zeros((B, S, self.head_dim))
-            M = torch.full((B, S), float("-inf"))
+            K = rows[0].new_zeros((B, S, self.head_dim))
+            M = biases[0].new_full((B, S), float("-inf"))
             for i, (r, b) in enumerate(zip(rows, biases)):
                 K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
         return K, M
@@ -264,8 +264,9 @@ class Attention(nn.Module):
                 full.append(i)
         seen: list = [None] * len(states)
         if full:
-            slots = torch.tensor([slot_of(states[i], "window").slot for i in full])
-            rows = torch.cat([lane[slots, : W - 1].to(kv.dtype), kv[0, torch.tensor(full), None]], 1)   # [F, W, D]
+            slots = torch.tensor([slot_of(states[i], "window").slot for i in full], device=lane.device)
+            mine = torch.tensor(full, device=kv.device)
+            rows = torch.cat([lane[slots, : W - 1].to(kv.dtype), kv[0, mine, None]], 1)   # [F, W, D]
             lane[slots, : W - 1] = rows[:, 1:].to(lane.dtype)
             for j, i in enumerate(full):
                 seen[i] = rows[j: j + 1]

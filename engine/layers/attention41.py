@@ -76,7 +76,8 @@ class SharedAttention(Attention):
         if self.is_kv_source:
             src: SourceState = state.compressor
             latents = self.compressor.latents_from(pre["rows"], src)
-            keys = self.indexer.k_norm(self.indexer.wk(latents)) if self.is_index_source else None
+            wk = self.indexer.wk if self.is_index_source else None
+            keys = self.indexer.k_norm(wk(latents.to(wk.weight.dtype))) if wk is not None else None
             emit(src, latents, keys, self.ratio, rope)
             shared["kv"] = (src.entries, src.index_keys, self.ratio)
         if "kv" not in shared:

@@ -124,9 +124,10 @@ class Compressor(nn.Module):
             self._close_windows(kv, gate, [states[i] for i in closing], closing, lanes, rope, out)
         if fast:
             bufs = [(slot_of(states[i], "buf_kv"), slot_of(states[i], "buf_gate")) for i in fast]
-            rows, at = torch.tensor(fast), torch.tensor([a.n for a, _ in bufs])
-            lanes[0][torch.tensor([a.slot for a, _ in bufs]), at] = kv[0, rows].to(lanes[0].dtype)
-            lanes[1][torch.tensor([g.slot for _, g in bufs]), at] = gate[0, rows].to(lanes[1].dtype)
+            dev = lanes[0].device
+            rows, at = torch.tensor(fast, device=kv.device), torch.tensor([a.n for a, _ in bufs], device=dev)
+            lanes[0][torch.tensor([a.slot for a, _ in bufs], device=dev), at] = kv[0, rows].to(lanes[0].dtype)
+            lanes[1][torch.tensor([g.slot for _, g in bufs], device=dev), at] = gate[0, rows].to(lanes[1].dtype)
             for (a, g), i in zip(bufs, fast):
                 a.n += 1
                 g.n += 1
@@ -155,14 +156,16 @@ class Compressor(nn.Module):
         slots, softmax, norm and RoPE as one absorb() each, on a [closing, 1, slots, c*d] batch."""
         m, d = self.ratio, self.head_dim
         bufs = [(slot_of(st, "buf_kv"), slot_of(st, "buf_gate")) for st in states]
-        idx = torch.tensor(rows_at)
-        slot_kv, slot_gate = torch.tensor([a.slot for a, _ in bufs]), torch.tensor([g.slot for _, g in bufs])
+        dev = lanes[0].device
+        idx = torch.tensor(rows_at, device=kv.device)
+        slot_kv = torch.tensor([a.slot for a, _ in bufs], device=dev)
+        slot_gate = torch.tensor([g.slot for _, g in bufs], device=dev)
         win_kv = torch.cat([lanes[0][slot_kv, : m - 1].to(kv.dtype), kv[0, idx, None]], 1)[:, None]     # [C, 1, m, c*d]
         win_gate = torch.cat([lanes[1][slot_gate, : m - 1].to(gate.dtype), gate[0, idx, None]], 1)[:, None]
         win_gate = win_gate + self.ape.float()
         if self.overlap:
             win_kv, win_gate = self._overlap_slots(win_kv, win_gate, states)
-        cos, sin = rope.cos_sin(torch.tensor([st.count * m for st in states]), "compress")
+        cos, sin = rope.cos_sin(torch.tensor([st.count * m for st in states], device=kv.device), "compress")
         new = self._pool(win_kv, win_gate, cos[:, None], sin[:, None])              # [C, 1, d]
         for j, (st, (a, g)) in enumerate(zip(states, bufs)):
             if st.rows is None:
@@ -180,12 +183,14 @@ class Compressor(nn.Module):
         carry = [(slot_of(st, "overlap_kv"), slot_of(st, "overlap_gate")) for st in states]
         have = [j for j, (ok, _) in enumerate(carry) if ok.n]
         ok_lane, og_lane = carry[0][0].lane, carry[0][1].lane
+        dev = ok_lane.device
         if have:
-            h = torch.tensor(have)
-            slots_kv[h, 0, :m] = ok_lane[torch.tensor([carry[j][0].slot for j in have]), :m].to(slots_kv.dtype)
-            slots_gate[h, 0, :m] = og_lane[torch.tensor([carry[j][1].slot for j in have]), :m].to(slots_gate.dtype)
-        ok_lane[torch.tensor([ok.slot for ok, _ in carry]), :m] = win_kv[:, -1, :, :d].to(ok_lane.dtype)
-        og_lane[torch.tensor([og.slot for _, og in carry]), :m] = win_gate[:, -1, :, :d].to(og_lane.dtype)
+            h = torch.tensor(have, device=slots_kv.device)
+            slots_kv[h, 0, :m] = ok_lane[torch.tensor([carry[j][0].slot for j in have], device=dev), :m].to(slots_kv.dtype)
+            slots_gate[h, 0, :m] = og_lane[torch.tensor([carry[j][1].slot for j in have], device=dev), :m].to(
+                slots_gate.dtype)
+        ok_lane[torch.tensor([ok.slot for ok, _ in carry], device=dev), :m] = win_kv[:, -1, :, :d].to(ok_lane.dtype)
+        og_lane[torch.tensor([og.slot for _, og in carry], device=dev), :m] = win_gate[:, -1, :, :d].to(og_lane.dtype)
         for ok, og in carry:
             ok.n = og.n = m
         return slots_kv, slots_gate
@@ -266,8 +271,8 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.einsum("bhd,bnd->bhn", q[0], K)) * self.head_dim ** -0.5
         index = (scores * w[0][..., None]).sum(1)                                   # [B, N]
         visible = (torch.cat(positions) + 1) // self.ratio                          # [B]
-        limit = torch.minimum(visible, torch.tensor(lens))
-        index = index.masked_fill(torch.arange(N)[None, :] >= limit[:, None], float("-inf"))
+        limit = torch.minimum(visible, torch.tensor(lens, device=visible.device))
+        index = index.masked_fill(torch.arange(N, device=index.device)[None, :] >= limit[:, None], float("-inf"))
         top = torch.sort(index, dim=-1, descending=True, stable=True).indices
         out = []
         for r in range(B):

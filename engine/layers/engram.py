@@ -29,6 +29,7 @@ from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.norm import rms
 
 DEAD = -1
+SIGMOID_1E3 = float(torch.sigmoid(torch.tensor(1e-3, device="cpu")))   # the gate where q . k is exactly 0
 
 
 def _is_prime(n: int) -> bool:
@@ -116,7 +117,7 @@ class Engram(nn.Module):
     def rows(self, values: torch.Tensor, mults: torch.Tensor, primes: torch.Tensor,
              offsets: torch.Tensor) -> torch.Tensor:
         """values [B, T, n_max] (compressed ids of p, p-1, ...; pads already in) -> table rows [B, T, cols]."""
-        r = torch.zeros(values.shape[:2], dtype=torch.int64)
+        r = torch.zeros(values.shape[:2], dtype=torch.int64, device=values.device)
         cols = []
         for s in range(self.n_max):
             r = r ^ (values[..., s] * mults[s])
@@ -133,6 +134,6 @@ class Engram(nn.Module):
         dot = (rms(streams, self.eps) * self.q_weight.float() * rms(keys, self.eps) * self.k_weight.float()).sum(-1)
         dot = dot / d ** 0.5
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
-        gate = torch.where(dot == 0, torch.full_like(gate, torch.sigmoid(torch.tensor(1e-3)).item()), gate)
+        gate = torch.where(dot == 0, torch.full_like(gate, SIGMOID_1E3), gate)
         gate = gate * alive[..., None].float()
         return (streams.float() + gate[..., None] * value[..., None, :]).to(streams.dtype)

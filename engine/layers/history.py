@@ -23,7 +23,7 @@ class DenseRows:
         return self._rows.shape[1]
 
     def append(self, rows: torch.Tensor) -> None:
-        self._rows = torch.cat([self._rows, rows.float()], 1)
+        self._rows = torch.cat([self._rows.to(rows.device), rows.float()], 1)
 
     def view(self) -> torch.Tensor:
         return self._rows
@@ -45,18 +45,20 @@ class PagedRows:
         n = rows.shape[1]
         if n == 0:
             return
-        idx = torch.arange(self._count, self._count + n)
-        blocks = idx // self.per_block
-        if int(blocks[-1]) >= len(self.table):
-            raise RuntimeError(f"history row {int(idx[-1])} needs block {int(blocks[-1])} but the request holds "
+        last = self._count + n - 1
+        if last // self.per_block >= len(self.table):
+            raise RuntimeError(f"history row {last} needs block {last // self.per_block} but the request holds "
                                f"{len(self.table)}: the scheduler reserves blocks before the step runs")
-        table = torch.tensor(self.table, dtype=torch.long)
-        self.lane[table[blocks], idx % self.per_block] = rows[0].to(self.lane.dtype)
+        # the rows' flat addresses in the lane, worked out on the host: one copy to the device
+        idx = torch.arange(self._count, self._count + n, device="cpu")
+        table = torch.tensor(self.table, dtype=torch.long, device="cpu")
+        flat = (table[idx // self.per_block] * self.per_block + idx % self.per_block).to(self.lane.device)
+        self.lane.view(-1, self.dim)[flat] = rows[0].to(self.lane.dtype)
         self._count += n
 
     def view(self) -> torch.Tensor:
         nb = -(-self._count // self.per_block)
-        pages = self.lane[torch.tensor(self.table[:nb], dtype=torch.long)]
+        pages = self.lane[torch.tensor(self.table[:nb], dtype=torch.long, device=self.lane.device)]
         return pages.reshape(-1, self.dim)[: self._count][None].float()
 
     def clone(self, table: list[int] | None = None) -> "PagedRows":

@@ -102,7 +102,7 @@ def emit(state: SourceState, latents: torch.Tensor, keys: torch.Tensor | None, r
         state.keys = DenseRows(keys.shape[-1])
     if n == 0:
         return
-    pos = (torch.arange(n) + state.count) * ratio
+    pos = (torch.arange(n, device=latents.device) + state.count) * ratio
     cos, sin = rope.cos_sin(pos, "compress")
     skip = min(n, max(0, state.floor - state.count))       # loaded from the cache: keep those
     if skip < n:

@@ -129,18 +129,20 @@ class MoE(nn.Module):
             ws = [w for row, o in zip(rows, order) for k in o
                   for w in (self.experts[row[k]].w1.weight, self.experts[row[k]].w3.weight,
                             self.experts[row[k]].w2.weight)]
-            return Routed(None, torch.tensor(order), ws)
+            return Routed(None, torch.tensor(order, device=flat.device), ws)
         groups: dict[int, tuple[list[int], list[int]]] = {}
         for t, row in enumerate(rows):
             for k, e in enumerate(row):
                 tok, slot = groups.setdefault(e, ([], []))
                 tok.append(t)
                 slot.append(k)
+        experts = [e for e in sorted(groups) if self.local_experts is None or e in self.local_experts]
+        sizes = [len(groups[e][0]) for e in experts]
+        # every expert's token and slot indices in one host-to-device copy each, then split
+        toks = torch.tensor([t for e in experts for t in groups[e][0]], dtype=torch.long, device=flat.device).split(sizes)
+        slots = torch.tensor([k for e in experts for k in groups[e][1]], dtype=torch.long, device=flat.device).split(sizes)
         out = torch.zeros_like(flat)
-        for e in sorted(groups):
-            if self.local_experts is not None and e not in self.local_experts:
-                continue
-            tok, slot = (torch.tensor(v) for v in groups[e])
+        for e, tok, slot in zip(experts, toks, slots):
             y = self.experts[e](flat[tok]) * weights[tok, slot, None].to(flat.dtype)
             out.index_add_(0, tok, y)
         return Routed(out, None, [])

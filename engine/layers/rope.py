@@ -43,11 +43,24 @@ class RotaryTables:
         self.dim = r
         self.freqs = {"main": inv_freq(r, config.rope_theta, None),
                       "compress": inv_freq(r, config.compress_rope_theta, config.yarn)}
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}    # the tables copied to each device once
 
     def cos_sin(self, positions: torch.Tensor, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., dim // 2] (fp32)."""
-        f = positions.to(torch.float32)[..., None] * self.freqs[table].to(positions.device)
-        return f.cos(), f.sin()
+        return _cos_sin(positions, self._freqs(table, positions.device))
+
+    def _freqs(self, table: str, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.freqs[table]
+        key = (table, device)
+        if key not in self._on:
+            self._on[key] = self.freqs[table].to(device)
+        return self._on[key]
+
+
+def _cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    f = positions.to(torch.float32)[..., None] * freqs
+    return f.cos(), f.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

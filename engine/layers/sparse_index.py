@@ -44,7 +44,7 @@ class SparseIndexer(nn.Module):
     def scores_from(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                     ratio: int) -> torch.Tensor:
         s = (torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * w[..., None]).sum(2)
-        hidden = torch.arange(keys.shape[1])[None, :] >= ((positions + 1) // ratio)[:, None]
+        hidden = torch.arange(keys.shape[1], device=s.device)[None, :] >= ((positions + 1) // ratio)[:, None]
         return s.masked_fill(hidden, float("-inf"))
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def top_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     go to the older entry, whatever the tensor's width: a stable sort, not topk, so a query picks
     the same entries in one prefill, in chunks, or token by token."""
     B, T, N = scores.shape
-    out = torch.full((B, T, k), -1, dtype=torch.long)
+    out = torch.full((B, T, k), -1, dtype=torch.long, device=scores.device)
     if N == 0:
         return out
     kk = min(k, N)
@@ -74,7 +74,7 @@ def candidate_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, bl
     """Bool [B, T, N]: entries inside each query's candidate blocks (HSI, candidate source only)."""
     B, T, N = scores.shape
     n_blocks = -(-N // block)
-    padded = torch.full((B, T, n_blocks * block), float("-inf"))
+    padded = scores.new_full((B, T, n_blocks * block), float("-inf"))
     padded[..., :N] = scores
     block_scores = padded.view(B, T, n_blocks, block).amax(-1)              # -inf: nothing visible
     visible = (positions + 1) // ratio
@@ -86,6 +86,6 @@ def candidate_mask(scores: torch.Tensor, positions: torch.Tensor, ratio: int, bl
     kk = min(top_blocks, n_blocks)
     vals, keep = torch.sort(block_scores, dim=-1, descending=True, stable=True)
     vals, keep = vals[..., :kk], keep[..., :kk]
-    chosen = torch.zeros((B, T, n_blocks), dtype=torch.bool)
+    chosen = torch.zeros((B, T, n_blocks), dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, keep, vals > float("-inf"))
     return chosen.repeat_interleave(block, -1)[..., :N]

@@ -183,7 +183,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
         """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
         h, positions, _ = self.run(chunks, states)
-        ends = torch.tensor([len(ch) for ch in chunks]).cumsum(0) - 1
+        ends = torch.tensor([len(ch) for ch in chunks], device=h.device).cumsum(0) - 1
         return self.logits(h[:, ends])[0]
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, state: ModelState,
@@ -196,12 +196,17 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 def batch_inputs(embed: nn.Embedding, config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState]):
     """(tokens [1, N], positions per request, hc streams [1, N, n, d]) of a flattened batch, checked."""
-    tokens = torch.cat(chunks)[None]
+    # checked on the host before anything reaches the device: no device sync, and a bad id is
+    # rejected before any compute
+    tokens = torch.cat([ch.cpu() for ch in chunks])[None]
     check_ids(tokens, config.vocab_size)
-    positions = [torch.arange(st.length, st.length + len(ch)) for st, ch in zip(states, chunks)]
-    for pos in positions:
-        if len(pos) and int(pos[-1]) >= config.max_position_embeddings:
-            raise ValueError(f"position {int(pos[-1])} exceeds max_position_embeddings {config.max_position_embeddings}")
+    for st, ch in zip(states, chunks):
+        if len(ch) and st.length + len(ch) - 1 >= config.max_position_embeddings:
+            raise ValueError(f"position {st.length + len(ch) - 1} exceeds max_position_embeddings "
+                             f"{config.max_position_embeddings}")
+    device = embed.weight.device
+    tokens = tokens.to(device, non_blocking=True)
+    positions = [torch.arange(st.length, st.length + len(ch), device=device) for st, ch in zip(states, chunks)]
     return tokens, positions, embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
 
 

@@ -136,13 +136,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         state.extra["engram_ids"] = full[:, -(c.engram_max_ngram_size - 1):] if c.engram_max_ngram_size > 1 \
             else full[:, :0]
         T, back = token_ids.shape[1], full.shape[1] - token_ids.shape[1]
-        comp = torch.from_numpy(self.token_map)[full]
+        comp = torch.from_numpy(self.token_map)[full]         # all on the host: one copy to the device later
         if c.image_token_id is not None:
             comp = torch.where(full == c.image_token_id, torch.full_like(comp, DEAD), comp)
         pad = int(self.token_map[c.engram_pad_token_id])
-        values, blocked = [], torch.zeros(full.shape[0], T, dtype=torch.bool)
+        values, blocked = [], torch.zeros(full.shape[0], T, dtype=torch.bool, device="cpu")
         for s in range(c.engram_max_ngram_size):
-            idx = torch.arange(T) + back - s
+            idx = torch.arange(T, device="cpu") + back - s
             v = comp[:, idx.clamp(min=0)]
             blocked = blocked | (idx < 0)[None, :] | (v == DEAD)
             values.append(torch.where(blocked, torch.full_like(v, pad), v))
@@ -158,19 +158,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         tokens, positions, h = batch_inputs(self.embed, c, chunks, states)
         values = alive = None
         if c.engram_layer_ids:
-            parts = [self._engram_inputs(ch[None], st) for ch, st in zip(chunks, states)]
-            values, alive = torch.cat([v for v, _ in parts], 1), torch.cat([a for _, a in parts], 1)
+            parts = [self._engram_inputs(ch.cpu()[None], st) for ch, st in zip(chunks, states)]
+            # engram rows are hashed on the host (values stay there); each layer's rows go over once
+            values = torch.cat([v for v, _ in parts], 1)
+            alive = torch.cat([a for _, a in parts], 1).to(h.device, non_blocking=True)
         pre, shared, taps = None, [{} for _ in chunks], {}
         for i, (blk) in enumerate(self.layers):
             if i == self.decoder_start and self.prefill_keep_tokens is not None:
                 keep = self._kept_rows(positions, shared)
                 h, pre, tokens = h[:, keep], pre[:, keep], tokens[:, keep]
-                values = None if values is None else values[:, keep]
+                values = None if values is None else values[:, keep.cpu()]
                 alive = None if alive is None else alive[:, keep]
             if hasattr(blk, "engram"):
                 g = self._engram_geometry
                 rows = blk.engram.rows(values, g[0][blk.engram.slot], g[1][blk.engram.slot], g[2][blk.engram.slot])
-                h = blk.engram(h, rows, alive)
+                h = blk.engram(h, rows.to(h.device, non_blocking=True), alive)
             h, pre = blk(h, pre, positions, [st.layers[i] for st in states], self.rope, tokens, shared)
             if i in collect:
                 taps[i] = h
@@ -184,7 +186,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         keep, idx, start = self.prefill_keep_tokens, [], 0
         for k, pos in enumerate(positions):
             n = min(len(pos), keep)
-            idx.append(torch.arange(start + len(pos) - n, start + len(pos)))
+            idx.append(torch.arange(start + len(pos) - n, start + len(pos), device=pos.device))
             start += len(pos)
             positions[k] = pos[-n:]
             for key in ("topk", "candidates"):
@@ -207,5 +209,5 @@ class DeepseekV41ForCausalLM(nn.Module):
     def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
         """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
         hidden, positions, _ = self.run(chunks, states)
-        ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
+        ends = torch.tensor([len(p) for p in positions], device=hidden.device).cumsum(0) - 1
         return self.head(hidden[0, ends]).float()
