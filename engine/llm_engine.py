@@ -24,6 +24,7 @@ from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
 from kvcache.engine.kv_blocks import block_layout, layout_id
 from kvcache.engine.kv_connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
+from kvcache.engine.layers.stacked_experts import stack_experts
 from kvcache.engine.prefix_cache import CacheUsage, PrefixCache
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
@@ -42,6 +43,9 @@ class EngineConfig:
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
     compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
     compile_warmup: bool = True      # with compile: compile every phase variant at start, not mid-request
+    # routed experts summed on the device (layers/stacked_experts.py), no host round trip per
+    # layer; None: on for accelerators, off on the CPU (where the host path is faster)
+    device_experts: bool | None = None
 
 
 @dataclass
@@ -61,6 +65,7 @@ class LLMEngine:
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         compile_blocks(model, config.compile)
+        stack_experts(model, self._device_experts(model, config))
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))
@@ -74,6 +79,15 @@ class LLMEngine:
             self.scheduler.on_finish = self.cache.on_finish
         if config.compile and config.compile_warmup:
             self._warm_up_compiled()
+
+    @staticmethod
+    def _device_experts(model, config: EngineConfig) -> bool:
+        expert_parallel = any(getattr(m, "local_experts", None) is not None for m in model.modules())
+        if config.device_experts is None:
+            return next(model.parameters()).device.type != "cpu" and not expert_parallel
+        if config.device_experts and expert_parallel:
+            raise ValueError("device_experts does not support expert parallelism (--ep)")
+        return config.device_experts
 
     def _warm_up_compiled(self) -> None:
         """Run compiled_warmup's requests on a scratch engine (same model, no cache, its own small

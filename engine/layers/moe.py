@@ -24,10 +24,12 @@ SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair 
 @dataclass
 class Routed:
     """Routed experts of a batch: their output [N, d], or (pairs mode) each token's slots in
-    ascending expert order [N, k] and the pairs' (w1, w3, w2) weights, token-major."""
+    ascending expert order [N, k] and the pairs' (w1, w3, w2) weights, token-major, or
+    (stacked experts) the expert ids [N, k], summed on the device by `sum_pairs`."""
     out: torch.Tensor | None
     order: torch.Tensor | None
     weights: list[torch.Tensor]
+    ids: torch.Tensor | None = None
 
 
 class Expert(nn.Module):
@@ -105,6 +107,7 @@ class MoE(nn.Module):
         self.local_experts: set[int] | None = None   # expert parallelism: the experts on this rank
         self.shared_on_this_rank = True
         self.reduce = None                           # sums the ranks' partial outputs (engine/parallel.py)
+        self.stacked = None                          # StackedExperts (layers/stacked_experts.py) on accelerators
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -122,7 +125,10 @@ class MoE(nn.Module):
         that no weight is passed twice, which a compiled graph would have to guard on). More:
         computed here, tokens grouped by expert, one matmul per active expert (not per token).
         Either way each token adds its terms in ascending expert order, whatever else is in the
-        batch. Data-dependent: this part stays eager."""
+        batch. Data-dependent: this part stays eager. With stacked experts: nothing here, the
+        device sums them (no host round trip)."""
+        if self.stacked is not None:
+            return Routed(None, None, [], ids)
         rows = ids.tolist()
         if self.local_experts is None and len(rows) <= SMALL_TOKENS:
             order = [sorted(range(len(row)), key=row.__getitem__) for row in rows]
@@ -151,6 +157,8 @@ class MoE(nn.Module):
         """The routed sum [N, d] of `routed` (its output, or its pairs' experts summed here)."""
         if routed.out is not None:
             return routed.out
+        if routed.ids is not None:
+            return self.stacked(flat, weights, routed.ids)
         weights = weights.gather(1, routed.order).to(flat.dtype)
         k, ws, limit = weights.shape[1], routed.weights, self.experts[0].limit
         rows = []

@@ -39,13 +39,16 @@ def _generate(llm, ps, params):
     return [[c.token_ids for c in o] for o in outs]
 
 
+@pytest.mark.parametrize("device_experts", [False, True])
 @torch.no_grad()
-def test_mixed_batch_makes_no_tensor_on_the_default_device(model):
-    """Prefill chunks, mixed and batched decode steps, sampling with penalties and bias, n = 2."""
+def test_mixed_batch_makes_no_tensor_on_the_default_device(model, device_experts):
+    """Prefill chunks, mixed and batched decode steps, sampling with penalties and bias, n = 2;
+    routed experts on the host and on the device (the accelerator default)."""
     ps = _prompts(1)
-    want = _generate(LLM(model=model, config=CFG), ps, MIXED)
+    cfg = dataclasses.replace(CFG, device_experts=device_experts)
+    want = _generate(LLM(model=model, config=cfg), ps, MIXED)
     with torch.device("meta"):
-        got = _generate(LLM(model=model, config=CFG), ps, MIXED)
+        got = _generate(LLM(model=model, config=cfg), ps, MIXED)
     assert got == want
 
 

@@ -1,0 +1,101 @@
+"""Routed experts summed on the device, with no host round trip (accelerators).
+
+The host path (MoE.routed) reads the chosen expert ids back (`ids.tolist()`: a device sync per
+layer) and runs one matmul per active expert from Python. On a GPU at small batches that is
+launch- and sync-bound. Here the experts' weights sit in three stacked tensors and the whole
+routed sum is a handful of tensor ops that a compiled block fuses:
+
+    pairs (token t, slot j) = N * k, sorted by expert id        argsort, counts per expert (no sync)
+    h = x[pair's token] @ W1s[e], W3s[e] -> clamped SwiGLU -> @ W2s[e]
+          one grouped matmul per projection (torch._grouped_mm), or where the device has none,
+          a batched matmul over each pair's gathered weights
+    y[t] = sum over t's slots in ascending expert id of weight * h   (the host path's order)
+
+The experts keep their own parameters as views into the stacked tensors (no second copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StackedExperts(nn.Module):
+    """w1s, w3s [E, d, inter] and w2s [E, inter, d]: the routed experts' weights, transposed."""
+
+    def __init__(self, experts: nn.ModuleList):
+        super().__init__()
+        w = experts[0].w1.weight
+        inter, d = w.shape
+        self.limit = experts[0].limit
+        for name, shape in (("w1s", (inter, d)), ("w3s", (inter, d)), ("w2s", (d, inter))):
+            stacked = torch.empty((len(experts), shape[1], shape[0]), dtype=w.dtype, device=w.device)
+            for e, ex in enumerate(experts):
+                lin = getattr(ex, name[:2])
+                stacked[e].copy_(lin.weight.detach().t())
+                lin.weight = nn.Parameter(stacked[e].t(), requires_grad=False)   # a view: one copy in memory
+            self.register_buffer(name, stacked, persistent=False)
+        self.grouped = _grouped_mm_works(self.w1s)
+
+    def forward(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d]."""
+        N, k = ids.shape
+        pair_ids = ids.reshape(-1)
+        order = torch.argsort(pair_ids, stable=True)                              # pairs by expert
+        x = flat[order // k]
+        sorted_ids = pair_ids[order]
+        offs = None
+        if self.grouped:
+            counts = (pair_ids[:, None] == torch.arange(self.w1s.shape[0], device=ids.device)).sum(0)
+            offs = counts.cumsum(0).to(torch.int32)
+        gate = self._mm(x, self.w1s, offs, sorted_ids).clamp(max=self.limit)
+        up = self._mm(x, self.w3s, offs, sorted_ids).clamp(min=-self.limit, max=self.limit)
+        h = self._mm(F.silu(gate) * up, self.w2s, offs, sorted_ids)
+        h = h * weights.reshape(-1)[order, None].to(h.dtype)
+        pairs = torch.empty_like(h)
+        pairs[order] = h                                                          # back to (token, slot)
+        pairs = pairs.view(N, k, -1)
+        slots = torch.argsort(ids, dim=1, stable=True)                            # ascending expert id
+        out = pairs[torch.arange(N, device=ids.device), slots[:, 0]]
+        for j in range(1, k):
+            out = out + pairs[torch.arange(N, device=ids.device), slots[:, j]]
+        return out
+
+    @staticmethod
+    def _mm(x: torch.Tensor, stacked: torch.Tensor, offs, sorted_ids: torch.Tensor) -> torch.Tensor:
+        if offs is not None:
+            return torch._grouped_mm(x, stacked, offs=offs)
+        return torch.bmm(x[:, None, :], stacked[sorted_ids])[:, 0]
+
+
+def _grouped_mm_works(stacked: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs for this device, dtype and layout (and agrees with bmm): it
+    exists on recent PyTorch for bf16 (its shape function, which torch.compile traces with,
+    refuses other dtypes) on CPU and Hopper-class GPUs, not everywhere."""
+    if not hasattr(torch, "_grouped_mm") or stacked.dtype != torch.bfloat16:
+        return False
+    try:
+        x = torch.ones((3, stacked.shape[1]), dtype=stacked.dtype, device=stacked.device)
+        offs = torch.tensor([1, 3] + [3] * (stacked.shape[0] - 2), dtype=torch.int32, device=stacked.device)
+        got = torch._grouped_mm(x, stacked, offs=offs)
+        want = torch.cat([x[:1] @ stacked[0], x[1:] @ stacked[1]])
+        return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def stack_experts(model: nn.Module, enabled: bool = True) -> int:
+    """Give every MoE of `model` stacked experts (routed sums on the device), or with
+    enabled=False take them away again (the host path; the experts' weights stay where they
+    are); returns how many MoEs. Not under expert parallelism (a rank holds some experts only)."""
+    from kvcache.engine.layers.moe import MoE
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        if not enabled:
+            m.stacked = None
+        elif m.stacked is None:
+            if m.local_experts is not None:
+                raise ValueError("stacked experts do not support expert parallelism")
+            m.stacked = StackedExperts(m.experts)
+    return len(moes)

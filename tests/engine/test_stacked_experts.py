@@ -1,0 +1,80 @@
+"""Routed experts summed on the device (engine/layers/stacked_experts.py): the same sums as the
+host path, one copy of the weights, greedy tokens unchanged through the engine, clear refusals."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from kvcache.engine.layers.moe import MoE
+from kvcache.engine.layers.stacked_experts import stack_experts
+from kvcache.engine.llm import LLM
+from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.models import build_model
+from kvcache.engine.sampling import SamplingParams
+from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)
+from tests.engine.tiny import randomize, v4_config
+
+CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
+
+
+def _moe(dtype=torch.float32):
+    return randomize(MoE(v4_config(), hashed=False), 2).eval().to(dtype)
+
+
+@torch.no_grad()
+def test_stacked_sum_equals_the_host_path():
+    """fp32 (batched matmuls over gathered weights): within fp32 rounding of the host path, for
+    one token (the host's pair-by-pair path) and many (grouped by expert)."""
+    host = _moe()
+    dev = copy.deepcopy(host)
+    assert stack_experts(dev) == 1 and not dev.stacked.grouped
+    for n in (1, 2, 7):
+        x = torch.randn(n, host.gate.weight.shape[1])
+        torch.testing.assert_close(dev(x), host(x), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_stacked_bf16_uses_grouped_matmuls_when_present():
+    host = _moe(torch.bfloat16)
+    dev = copy.deepcopy(host)
+    stack_experts(dev)
+    assert dev.stacked.grouped == hasattr(torch, "_grouped_mm")
+    x = torch.randn(9, host.gate.weight.shape[1]).to(torch.bfloat16)
+    torch.testing.assert_close(dev(x).float(), host(x).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_experts_keep_one_copy_of_their_weights_and_unstack():
+    moe = _moe()
+    before = moe.experts[5].w2.weight.detach().clone()
+    stack_experts(moe)
+    w = moe.experts[5].w2.weight
+    assert w.data_ptr() == moe.stacked.w2s[5].data_ptr()          # a view, not a second copy
+    assert torch.equal(w, before)
+    assert "stacked.w1s" not in moe.state_dict()                   # checkpoints keep the experts' names
+    stack_experts(moe, enabled=False)
+    assert moe.stacked is None and torch.equal(moe.experts[5].w2.weight, before)
+
+
+@torch.no_grad()
+def test_engine_with_device_experts_gives_the_same_tokens(model):
+    g = torch.Generator().manual_seed(1)
+    ps = [[5 + i] + torch.randint(3, 300, (n,), generator=g).tolist() for i, n in enumerate((40, 7, 23, 1))]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def tokens(device_experts: bool):
+        llm = LLM(model=model, config=dataclasses.replace(CFG, device_experts=device_experts))
+        return [o[0].token_ids for o in llm.generate(ps, greedy)]
+    host = tokens(False)
+    assert tokens(True) == host
+    assert tokens(False) == host                     # and back to the host path
+
+
+def test_device_experts_refuse_expert_parallelism():
+    model = build_model(v4_config(num_nextn_predict_layers=0))
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.local_experts = {0, 1}                 # what engine/parallel.shard sets under --ep
+    with pytest.raises(ValueError, match="expert parallelism"):
+        LLM(model=model, config=dataclasses.replace(CFG, device_experts=True))
