@@ -20,7 +20,7 @@ from torch import nn
 
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import SlotField, clone_field, make_rows, slot_of
+from kvcache.engine.layers.history import PagedRows, SlotField, clone_field, make_rows, padded_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -164,8 +164,10 @@ class Attention(nn.Module):
         softmax for the whole batch over (keys [B, S = window + chosen entries, D], bias [B, S])."""
         B = len(positions)
         rows, biases = [], []
-        histories = self.decode_histories(pre, positions, states, rope, shared)
         seen = self._slide_full_windows(kv, states)
+        if all(s is not None for s in seen) and self._paged_histories(states):
+            return self._decode_keys_paged(torch.cat(seen), pre, positions, states, rope)
+        histories = self.decode_histories(pre, positions, states, rope, shared)
         for i, (pos, st) in enumerate(zip(positions, states)):
             mine = seen[i]
             if mine is None:
@@ -192,6 +194,39 @@ class Attention(nn.Module):
             for i, (r, b) in enumerate(zip(rows, biases)):
                 K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
         return K, M
+
+    def _paged_histories(self, states) -> bool:
+        """Whether every request's history is pool pages of the same lanes (the engine's case),
+        so that _decode_keys_paged can read them all with one gather per lane."""
+        if type(self).decode_histories is not Attention.decode_histories:      # V4.1: shared history
+            return False
+        comps = [] if self.compressor is None else [[st.compressor for st in states]]
+        if self.indexer is not None:
+            comps.append([st.index for st in states])
+        return all(isinstance(c.rows, PagedRows) and c.rows.lane is cs[0].rows.lane for cs in comps for c in cs)
+
+    def _decode_keys_paged(self, window: torch.Tensor, pre, positions, states, rope):
+        """_decode_keys with no per-request work once the windows have slid (window [B, W, D]):
+        the compressors absorb every row, each lane's pages are read padded in one gather, HCA
+        masks what each query may not see yet, CSA's indexer picks top-k for all at once. The
+        same keys and masks as the per-request path, with -inf padding where a request has fewer."""
+        zeros = window.new_zeros(window.shape[:2])
+        if self.compressor is None:
+            return window, zeros
+        self.compressor.absorb_many(pre["kv"], pre["gate"], [st.compressor for st in states], rope, views=False)
+        entries, lens = padded_rows([st.compressor.rows for st in states])
+        pos, n = torch.cat(positions), entries.shape[1]
+        if self.indexer is None:                                               # HCA: every closed window
+            limit = torch.minimum((pos + 1) // self.ratio, torch.tensor(lens, device=pos.device))
+            hidden = torch.arange(n, device=pos.device)[None, :] >= limit[:, None]
+            bias = torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf"))
+            return torch.cat([window, entries], 1), torch.cat([zeros, bias], 1)
+        self.indexer.compressor.absorb_many(pre["ikv"], pre["igate"], [st.index for st in states], rope, views=False)
+        keys, key_lens = padded_rows([st.index.rows for st in states])
+        ids = self.indexer.select_padded(pre["iq"][0], pre["iw"][0], pos, keys, key_lens)        # [B, k], -1 none
+        picked = entries.gather(1, ids.clamp(min=0)[..., None].expand(-1, -1, entries.shape[-1]))
+        bias = torch.zeros(ids.shape, device=ids.device).masked_fill(ids < 0, float("-inf"))
+        return torch.cat([window, picked], 1), torch.cat([zeros, bias], 1)
 
     def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
         B, T = q.shape[:2]

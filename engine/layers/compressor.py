@@ -100,12 +100,14 @@ class Compressor(nn.Module):
         return apply_rope(self.norm((kv * torch.softmax(gate, dim=2)).sum(2)), cos, sin)
 
     def absorb_many(self, kv: torch.Tensor, gate: torch.Tensor, states: list[CompressorState],
-                    rope: RotaryTables) -> list[torch.Tensor]:
+                    rope: RotaryTables, views: bool = True) -> list[torch.Tensor] | None:
         """absorb() for a decode step: row i of kv, gate [1, B, c*d] is request i's one new token.
         Rows that leave their window open (m - 1 of every m steps) go into the requests' buffer
         slots with one indexed write per lane; rows that close one are pooled together
         (_close_windows); states without slots in the batch's lanes take absorb().
-        Same states and entries as B absorb() calls, which cost two slot rewrites each."""
+        Same states and entries as B absorb() calls, which cost two slot rewrites each.
+        Returns every state's entries so far, or with views=False nothing (the caller reads the
+        states' rows itself, e.g. all requests' pages in one gather)."""
         fast, closing, slow, lanes = [], [], [], None
         for i, st in enumerate(states):
             a, g = slot_of(st, "buf_kv"), slot_of(st, "buf_gate")
@@ -119,9 +121,8 @@ class Compressor(nn.Module):
                     closing.append(i)
                     continue
             slow.append(i)
-        out: list[torch.Tensor | None] = [None] * len(states)
         if closing:
-            self._close_windows(kv, gate, [states[i] for i in closing], closing, lanes, rope, out)
+            self._close_windows(kv, gate, [states[i] for i in closing], closing, lanes, rope)
         if fast:
             bufs = [(slot_of(states[i], "buf_kv"), slot_of(states[i], "buf_gate")) for i in fast]
             dev = lanes[0].device
@@ -131,13 +132,11 @@ class Compressor(nn.Module):
             for (a, g), i in zip(bufs, fast):
                 a.n += 1
                 g.n += 1
-                st = states[i]
-                if st.rows is None:
-                    st.rows = DenseRows(self.head_dim)
-                out[i] = st.rows.view()
+                if states[i].rows is None:
+                    states[i].rows = DenseRows(self.head_dim)
         for i in slow:
-            out[i] = self.absorb(kv[:, i:i + 1], gate[:, i:i + 1], states[i], rope)
-        return out
+            self.absorb(kv[:, i:i + 1], gate[:, i:i + 1], states[i], rope)
+        return [st.rows.view() for st in states] if views else None
 
     def _closes_in_slots(self, st: CompressorState, first: CompressorState | None) -> bool:
         """A closing row can join the batched pooling: its overlap carry (CSA) is slot-backed too,
@@ -151,7 +150,7 @@ class Compressor(nn.Module):
         return first is None or (ok.lane is slot_of(first, "overlap_kv").lane
                                  and og.lane is slot_of(first, "overlap_gate").lane)
 
-    def _close_windows(self, kv, gate, states: list[CompressorState], rows_at: list[int], lanes, rope, out) -> None:
+    def _close_windows(self, kv, gate, states: list[CompressorState], rows_at: list[int], lanes, rope) -> None:
         """absorb() for requests whose new row closes their window, pooled together: the same
         slots, softmax, norm and RoPE as one absorb() each, on a [closing, 1, slots, c*d] batch."""
         m, d = self.ratio, self.head_dim
@@ -174,7 +173,6 @@ class Compressor(nn.Module):
                 st.rows.append(new[j: j + 1])
             st.count += 1
             a.n = g.n = 0
-            out[rows_at[j]] = st.rows.view()
 
     def _overlap_slots(self, win_kv, win_gate, states: list[CompressorState]):
         """_overlap for one closing window per state, carries read from and written to their slots."""
@@ -264,20 +262,23 @@ class Indexer(nn.Module):
         w [1, B, H]) over its own keys [1, N_r, dI], scored in one padded einsum. The same ids as
         select_from per request: padding scores -inf and sorts after every real entry (stable)."""
         B, lens = len(keys), [k.shape[1] for k in keys]
-        N = max(lens)
-        K = q.new_zeros((B, N, self.head_dim))
+        K = q.new_zeros((B, max(lens), self.head_dim))
         for r, k in enumerate(keys):
             K[r, : lens[r]] = k[0]
-        scores = torch.relu(torch.einsum("bhd,bnd->bhn", q[0], K)) * self.head_dim ** -0.5
-        index = (scores * w[0][..., None]).sum(1)                                   # [B, N]
-        visible = (torch.cat(positions) + 1) // self.ratio                          # [B]
-        limit = torch.minimum(visible, torch.tensor(lens, device=visible.device))
+        ids = self.select_padded(q[0], w[0], torch.cat(positions), K, lens)
+        return [ids[r, : min(self.topk, lens[r])][None, None] for r in range(B)]
+
+    def select_padded(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                      lens: list[int]) -> torch.Tensor:
+        """One query per request (q [B, H, dI], w [B, H] at positions [B]) over its keys, padded
+        (keys [B, N, dI], request r's first lens[r] real): top-k ids [B, min(topk, N)], -1 = none
+        (not visible yet, or past the request's keys)."""
+        N = keys.shape[1]
+        scores = torch.relu(torch.einsum("bhd,bnd->bhn", q, keys)) * self.head_dim ** -0.5
+        index = (scores * w[..., None]).sum(1)                                       # [B, N]
+        limit = torch.minimum((positions + 1) // self.ratio, torch.tensor(lens, device=positions.device))
         index = index.masked_fill(torch.arange(N, device=index.device)[None, :] >= limit[:, None], float("-inf"))
-        top = torch.sort(index, dim=-1, descending=True, stable=True).indices
-        out = []
-        for r in range(B):
-            t = top[r, : min(self.topk, lens[r])]
-            out.append(torch.where(t >= visible[r], torch.full_like(t, -1), t)[None, None])
-        return out
+        top = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, N)]
+        return torch.where(top >= limit[:, None], torch.full_like(top, -1), top)
 
 

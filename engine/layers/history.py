@@ -66,6 +66,22 @@ class PagedRows:
         return PagedRows(self.lane, self.table if table is None else table, self._count)
 
 
+def padded_rows(rows: list[PagedRows]) -> tuple[torch.Tensor, list[int]]:
+    """Several requests' rows in one lane as one tensor [B, N, dim] (fp32) read with one gather,
+    and each request's count; rows past a request's count are zeros."""
+    first = rows[0]
+    pb = first.per_block
+    nb = max(-(-r.count // pb) for r in rows)
+    table = [r.table[:nb] + [0] * (nb - len(r.table[:nb])) for r in rows]
+    pages = first.lane[torch.tensor(table, dtype=torch.long, device=first.lane.device)]
+    out = pages.reshape(len(rows), nb * pb, first.dim).float()
+    counts = [r.count for r in rows]
+    if any(c < nb * pb for c in counts):             # another request's (or stale) rows: zeroed
+        pad = torch.arange(nb * pb, device=out.device)[None, :] >= torch.tensor(counts, device=out.device)[:, None]
+        out = out.masked_fill(pad[..., None], 0.0)
+    return out, counts
+
+
 def make_rows(dim: int, lanes, kind: str):
     """PagedRows from the pool view `lanes(kind)` when given, else DenseRows."""
     return DenseRows(dim) if lanes is None else lanes(kind)

@@ -38,42 +38,20 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post = 2 * torch.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = mixes[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n)
     comb = torch.softmax(comb, dim=-1) + hc_eps
-    sinkhorn = sinkhorn_elementwise if torch.compiler.is_compiling() else sinkhorn_batched
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
-def sinkhorn_batched(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Columns once, then (iters - 1) x (rows, columns) over comb [.., n, n]: 2 * iters - 1 small
-    reductions, which is what eager PyTorch runs fastest."""
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Columns once, then (iters - 1) x (rows, columns) over comb [.., n, n]. A compiled graph
+    makes each normalisation a kernel of its own (~40 per site on a GPU). Traced elementwise
+    (the n * n entries as separate tensors) inductor fuses all of them into one, bit-identical,
+    but the graph grows ~16x and compiling a site takes ~18 s longer on 2 cores: not worth it
+    until the whole decode step is one graph."""
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return comb
-
-
-def sinkhorn_elementwise(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The same Sinkhorn on the n * n entries as separate [..] tensors: only elementwise ops, so a
-    compiled graph fuses all 2 * iters - 1 normalisations into one kernel (as reductions each
-    would be a kernel of its own: ~40 launches per site, ~600 per v4-small step on a GPU).
-    Sums run in index order, as eager's do (tests/engine/test_hyper.py checks they agree)."""
-    n = comb.shape[-1]
-    c = [[comb[..., i, j] for j in range(n)] for i in range(n)]
-
-    def normalise(by_rows: bool) -> None:
-        for a in range(n):
-            line = [(a, b) if by_rows else (b, a) for b in range(n)]
-            total = c[line[0][0]][line[0][1]]
-            for i, j in line[1:]:
-                total = total + c[i][j]
-            total = total + eps
-            for i, j in line:
-                c[i][j] = c[i][j] / total
-    normalise(by_rows=False)
-    for _ in range(iters - 1):
-        normalise(by_rows=True)
-        normalise(by_rows=False)
-    return torch.stack([torch.stack(row, -1) for row in c], -2)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
