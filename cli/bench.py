@@ -111,6 +111,7 @@ ENGINE_EPILOG = """targets (reported): decode_tokens_per_s_vs_hf_b1 >= 3, decode
 examples:
   kvcache bench engine
   kvcache bench engine --configs v4-tiny --batches 1,8 --prompt-tokens 64 --output-tokens 8 --eager
+  kvcache bench engine --device cuda --configs v4-small --batches 1,8      # on a GPU, bf16
 """
 
 
