@@ -83,10 +83,10 @@ class Attention(nn.Module):
     def new_state(self, view=None) -> AttentionState:
         """`view` (engine/kv_pool.PoolView, for this layer) puts history rows in the pool's blocks and
         the window and compressor carry in the request's pool slot; None: dense tensors."""
-        lanes = None if view is None else view.rows
+        lanes, dev = None if view is None else view.rows, self.attn_sink.device
         st = AttentionState(
-            compressor=CompressorState(rows=make_rows(self.head_dim, lanes, "entries")) if self.compressor else None,
-            index=CompressorState(rows=make_rows(self.indexer.head_dim, lanes, "index")) if self.indexer else None)
+            compressor=CompressorState(rows=make_rows(self.head_dim, lanes, "entries", dev)) if self.compressor else None,
+            index=CompressorState(rows=make_rows(self.indexer.head_dim, lanes, "index", dev)) if self.indexer else None)
         if view is not None:
             view.attach(st, "window")
             if st.compressor is not None:

@@ -49,8 +49,9 @@ class SharedAttention(Attention):
         lanes = None if view is None else view.rows
         st = AttentionState()
         if self.is_kv_source:
-            keys = make_rows(self.indexer.wk.out_features, lanes, "index") if self.is_index_source else None
-            st.compressor = SourceState(rows=make_rows(self.head_dim, lanes, "entries"), keys=keys)
+            dev = self.attn_sink.device
+            keys = make_rows(self.indexer.wk.out_features, lanes, "index", dev) if self.is_index_source else None
+            st.compressor = SourceState(rows=make_rows(self.head_dim, lanes, "entries", dev), keys=keys)
         if view is not None:
             view.attach(st, "window")
             if self.is_kv_source and self.ratio == 2:

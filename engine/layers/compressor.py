@@ -86,13 +86,13 @@ class Compressor(nn.Module):
             cos, sin = rope.cos_sin(torch.arange(n_w, device=kv.device) * m + state.count * m, "compress")
             new = self._pool(kv, gate, cos, sin)                                 # [B, n_w, d]
             if state.rows is None:
-                state.rows = DenseRows(d)
+                state.rows = DenseRows(d, device=kv.device)
             skip = min(n_w, max(0, state.floor - state.count))     # loaded from the cache: keep those
             if skip < n_w:
                 state.rows.append(new[:, skip:])
             state.count += n_w
         if state.rows is None:
-            state.rows = DenseRows(d)
+            state.rows = DenseRows(d, device=kv.device)
         return state.rows.view()
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ class Compressor(nn.Module):
                 a.n += 1
                 g.n += 1
                 if states[i].rows is None:
-                    states[i].rows = DenseRows(self.head_dim)
+                    states[i].rows = DenseRows(self.head_dim, device=kv.device)
         for i in slow:
             self.absorb(kv[:, i:i + 1], gate[:, i:i + 1], states[i], rope)
         return [st.rows.view() for st in states] if views else None
@@ -168,7 +168,7 @@ class Compressor(nn.Module):
         new = self._pool(win_kv, win_gate, cos[:, None], sin[:, None])              # [C, 1, d]
         for j, (st, (a, g)) in enumerate(zip(states, bufs)):
             if st.rows is None:
-                st.rows = DenseRows(d)
+                st.rows = DenseRows(d, device=kv.device)
             if st.floor <= st.count:          # below the floor: the entry was loaded from the cache
                 st.rows.append(new[j: j + 1])
             st.count += 1

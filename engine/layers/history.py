@@ -14,9 +14,9 @@ import torch
 
 
 class DenseRows:
-    def __init__(self, dim: int, rows: torch.Tensor | None = None):
+    def __init__(self, dim: int, rows: torch.Tensor | None = None, device=None):
         self.dim = dim
-        self._rows = rows if rows is not None else torch.zeros((1, 0, dim))
+        self._rows = rows if rows is not None else torch.zeros((1, 0, dim), device=device or "cpu")
 
     @property
     def count(self) -> int:
@@ -82,9 +82,9 @@ def padded_rows(rows: list[PagedRows]) -> tuple[torch.Tensor, list[int]]:
     return out, counts
 
 
-def make_rows(dim: int, lanes, kind: str):
-    """PagedRows from the pool view `lanes(kind)` when given, else DenseRows."""
-    return DenseRows(dim) if lanes is None else lanes(kind)
+def make_rows(dim: int, lanes, kind: str, device=None):
+    """PagedRows from the pool view `lanes(kind)` when given, else DenseRows (on `device`)."""
+    return DenseRows(dim, device=device) if lanes is None else lanes(kind)
 
 
 class SlotRows:

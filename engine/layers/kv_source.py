@@ -97,9 +97,9 @@ def emit(state: SourceState, latents: torch.Tensor, keys: torch.Tensor | None, r
     """Rotate new latents and index keys at their group's first position and append them."""
     n = latents.shape[1]
     if state.rows is None:
-        state.rows = DenseRows(latents.shape[-1])
+        state.rows = DenseRows(latents.shape[-1], device=latents.device)
     if keys is not None and state.keys is None:
-        state.keys = DenseRows(keys.shape[-1])
+        state.keys = DenseRows(keys.shape[-1], device=keys.device)
     if n == 0:
         return
     pos = (torch.arange(n, device=latents.device) + state.count) * ratio

@@ -127,7 +127,7 @@ class MoE(nn.Module):
         Either way each token adds its terms in ascending expert order, whatever else is in the
         batch. Data-dependent: this part stays eager. With stacked experts: nothing here, the
         device sums them (no host round trip)."""
-        if self.stacked is not None:
+        if self.stacked is not None and self.local_experts is None:
             return Routed(None, None, [], ids)
         rows = ids.tolist()
         if self.local_experts is None and len(rows) <= SMALL_TOKENS:

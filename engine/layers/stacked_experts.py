@@ -8,7 +8,7 @@ routed sum is a handful of tensor ops that a compiled block fuses:
     pairs (token t, slot j) = N * k, sorted by expert id        argsort, counts per expert (no sync)
     h = x[pair's token] @ W1s[e], W3s[e] -> clamped SwiGLU -> @ W2s[e]
           one grouped matmul per projection (torch._grouped_mm), or where the device has none,
-          a batched matmul over each pair's gathered weights
+          batched matmuls over the pairs' gathered weights, GATHER_BYTES at a time
     y[t] = sum over t's slots in ascending expert id of weight * h   (the host path's order)
 
 The experts keep their own parameters as views into the stacked tensors (no second copy).
@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GATHER_BYTES = 256 << 20      # without grouped matmuls: weights gathered per chunk of pairs, at most this much
 
 
 class StackedExperts(nn.Module):
@@ -36,7 +38,13 @@ class StackedExperts(nn.Module):
                 stacked[e].copy_(lin.weight.detach().t())
                 lin.weight = nn.Parameter(stacked[e].t(), requires_grad=False)   # a view: one copy in memory
             self.register_buffer(name, stacked, persistent=False)
-        self.grouped = _grouped_mm_works(self.w1s)
+        self.grouped = grouped_mm_works(w.dtype, w.device, d, inter)
+
+    def stale(self, experts: nn.ModuleList) -> bool:
+        """Whether the experts' parameters stopped being views into the stacks (the model was moved
+        or cast since, which converts each parameter on its own): then the stacks are rebuilt."""
+        return any(getattr(ex, name[:2]).weight.data_ptr() != getattr(self, name)[e].data_ptr()
+                   for e in (0, len(experts) - 1) for ex in (experts[e],) for name in ("w1s", "w3s", "w2s"))
 
     def forward(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d]."""
@@ -66,23 +74,37 @@ class StackedExperts(nn.Module):
     def _mm(x: torch.Tensor, stacked: torch.Tensor, offs, sorted_ids: torch.Tensor) -> torch.Tensor:
         if offs is not None:
             return torch._grouped_mm(x, stacked, offs=offs)
-        return torch.bmm(x[:, None, :], stacked[sorted_ids])[:, 0]
+        step = max(1, GATHER_BYTES // (stacked[0].numel() * stacked.element_size()))   # pairs per chunk
+        return torch.cat([torch.bmm(x[s:s + step, None, :], stacked[sorted_ids[s:s + step]])[:, 0]
+                          for s in range(0, x.shape[0], step)])
 
 
-def _grouped_mm_works(stacked: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs for this device, dtype and layout (and agrees with bmm): it
-    exists on recent PyTorch for bf16 (its shape function, which torch.compile traces with,
+def grouped_mm_works(dtype: torch.dtype, device, dim: int, inter: int) -> bool:
+    """Whether torch._grouped_mm runs for this device, dtype and shape (and agrees with plain
+    matmuls): recent PyTorch has it for bf16 (its shape function, which torch.compile traces with,
     refuses other dtypes) on CPU and Hopper-class GPUs, not everywhere."""
-    if not hasattr(torch, "_grouped_mm") or stacked.dtype != torch.bfloat16:
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
         return False
     try:
-        x = torch.ones((3, stacked.shape[1]), dtype=stacked.dtype, device=stacked.device)
-        offs = torch.tensor([1, 3] + [3] * (stacked.shape[0] - 2), dtype=torch.int32, device=stacked.device)
-        got = torch._grouped_mm(x, stacked, offs=offs)
-        want = torch.cat([x[:1] @ stacked[0], x[1:] @ stacked[1]])
+        w = torch.linspace(-1, 1, 2 * dim * inter, device=device).view(2, dim, inter).to(dtype)
+        x = torch.ones((3, dim), dtype=dtype, device=device)
+        got = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32, device=device))
+        want = torch.cat([x[:1] @ w[0], x[1:] @ w[1]])
         return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+def device_experts_pay(model: nn.Module) -> bool:
+    """The engine's default: off the CPU, and only where grouped matmuls exist (the gathered
+    fallback reads every pair's expert weights, too much for big batches); not under expert
+    parallelism."""
+    from kvcache.engine.layers.moe import MoE
+    moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    if moe is None or moe.local_experts is not None:
+        return False
+    w = moe.experts[0].w1.weight
+    return w.device.type != "cpu" and grouped_mm_works(w.dtype, w.device, w.shape[1], w.shape[0])
 
 
 def stack_experts(model: nn.Module, enabled: bool = True) -> int:
@@ -94,7 +116,7 @@ def stack_experts(model: nn.Module, enabled: bool = True) -> int:
     for m in moes:
         if not enabled:
             m.stacked = None
-        elif m.stacked is None:
+        elif m.stacked is None or m.stacked.stale(m.experts):
             if m.local_experts is not None:
                 raise ValueError("stacked experts do not support expert parallelism")
             m.stacked = StackedExperts(m.experts)

@@ -36,6 +36,43 @@ def test_stacked_sum_equals_the_host_path():
 
 
 @torch.no_grad()
+def test_gathered_weights_are_read_in_bounded_chunks(monkeypatch):
+    """Without grouped matmuls the pairs' weights are gathered GATHER_BYTES at a time (a 512-token
+    prefill of a big model would otherwise gather tens of GiB at once): same sums in chunks."""
+    host = _moe()
+    dev = copy.deepcopy(host)
+    stack_experts(dev)
+    per_expert = dev.stacked.w1s[0].numel() * 4
+    monkeypatch.setattr("kvcache.engine.layers.stacked_experts.GATHER_BYTES", 3 * per_expert)   # 3 pairs a chunk
+    x = torch.randn(7, host.gate.weight.shape[1])
+    torch.testing.assert_close(dev(x), host(x), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_stacks_are_rebuilt_after_the_model_is_cast():
+    """.to() converts each expert parameter on its own, so they stop being views into the stacks:
+    stacking again rebuilds them from the experts (no stale weights, no second copy kept)."""
+    moe = _moe()
+    stack_experts(moe)
+    moe.to(torch.float64)
+    assert moe.stacked.stale(moe.experts)
+    stack_experts(moe)
+    assert not moe.stacked.stale(moe.experts) and moe.stacked.w2s.dtype == torch.float64
+    x = torch.randn(4, moe.gate.weight.shape[1], dtype=torch.float64)
+    ref = copy.deepcopy(moe)
+    stack_experts(ref, enabled=False)
+    torch.testing.assert_close(moe(x), ref(x))
+
+
+def test_device_experts_are_off_by_default_on_the_cpu():
+    from kvcache.engine.layers.stacked_experts import device_experts_pay
+    model = build_model(v4_config(num_nextn_predict_layers=0))
+    assert not device_experts_pay(model)
+    LLM(model=model, config=CFG)
+    assert all(m.stacked is None for m in model.modules() if isinstance(m, MoE))
+
+
+@torch.no_grad()
 def test_stacked_bf16_uses_grouped_matmuls_when_present():
     host = _moe(torch.bfloat16)
     dev = copy.deepcopy(host)
