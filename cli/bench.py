@@ -127,6 +127,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
                    "minute or two of compiling per config on 2 cores); 'ours' is then the eager engine")
     p.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16 weights for "
                    "both engines; results in engine_throughput_<device>-*.json)")
+    p.add_argument("--device-experts", choices=("auto", "on", "off"), default="auto",
+                   help="routed experts summed on the device (EngineConfig.device_experts; auto: where grouped "
+                   "matmuls exist, off on the CPU)")
 
 
 def run_engine(args) -> int:
@@ -134,7 +137,7 @@ def run_engine(args) -> int:
     doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
               [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
               args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
-              device=args.device)
+              device=args.device, device_experts={"auto": None, "on": True, "off": False}[args.device_experts])
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}")
     return 0

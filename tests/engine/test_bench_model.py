@@ -59,3 +59,15 @@ def test_roofline_counts_the_experts_a_batch_selects():
     assert many == total - embed.numel() * embed.element_size() + min(10_000, embed.shape[0]) * embed.shape[1] * 4
     top = ceiling(model, 8, 10e9)
     assert abs(top["max_decode_tokens_per_s"] - 8 * 10e9 / eight) < 1e-6
+
+
+def test_decode_profile_counts_a_steps_ops(tmp_path):
+    """benchmarks/decode_profile.py at a tiny size on the CPU: host ops counted per step (no
+    launches or device time without a device), the report written and readable."""
+    from kvcache.engine.bench_decode_profile import format_report, run as run_profile
+    doc = run_profile("v4-tiny", "cpu", 2, 3, False, None, str(tmp_path))
+    on_disk = json.loads((tmp_path / "decode_profile_cpu-latest.json").read_text())
+    r = on_disk["results"]
+    assert r["tpot_ms"] > 0 and r["aten_calls_per_step"] > 100 and r["launches_per_step"] == 0
+    assert any(op["op"] == "aten::mm" for op in r["top_host_ops"])
+    assert "v4-tiny b2 on cpu (eager)" in format_report(doc)
