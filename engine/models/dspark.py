@@ -89,8 +89,9 @@ def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[Attention
     """h_i [B, block, d] for the block [anchor, noise...] placed at positions start, start+1, ..."""
     c = model.config
     size, noise = int(c.extra.get("dspark_block_size", 5)), int(c.extra.get("dspark_noise_token_id", 0))
-    ids = torch.cat([anchor[:, None], torch.full((anchor.shape[0], size - 1), noise, dtype=torch.long)], 1)
-    positions = torch.arange(start, start + size)
+    dev = anchor.device
+    ids = torch.cat([anchor[:, None], torch.full((anchor.shape[0], size - 1), noise, dtype=torch.long, device=dev)], 1)
+    positions = torch.arange(start, start + size, device=dev)
     h = model.embed(ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
     pre = None
     for stage, st in zip(model.mtp, states):
@@ -112,9 +113,10 @@ def _block_attention(attn, rope):
         _, q, kv = attn.qkv(x, positions, rope)
         ctx = state.window if state.window is not None else kv.new_zeros((kv.shape[0], 0, kv.shape[-1]))
         first = int(positions[0]) - ctx.shape[1]
-        delta = positions[:, None] - (torch.arange(ctx.shape[1]) + first)[None, :]
-        ctx_bias = torch.zeros(delta.shape).masked_fill((delta <= 0) | (delta >= attn.window), float("-inf"))
-        bias = torch.cat([ctx_bias, torch.zeros(len(positions), len(positions))], 1).expand(x.shape[0], -1, -1)
+        dev = x.device
+        delta = positions[:, None] - (torch.arange(ctx.shape[1], device=dev) + first)[None, :]
+        ctx_bias = torch.zeros(delta.shape, device=dev).masked_fill((delta <= 0) | (delta >= attn.window), float("-inf"))
+        bias = torch.cat([ctx_bias, torch.zeros(len(positions), len(positions), device=dev)], 1).expand(x.shape[0], -1, -1)
         out = attn.attend(q, torch.cat([ctx, kv], 1), bias)
         return attn.output(out, positions, rope, x.dtype)
     return run
@@ -125,7 +127,8 @@ def heads(model, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor
     last = model.mtp[-1]
     transition, e = last.markov_head.bias(prev)
     logits = model.head(last.norm(hidden)).float() + transition.float()
-    conf = torch.sigmoid(last.confidence_head.proj(torch.cat([hidden, e], -1).float()))[..., 0]
+    proj = last.confidence_head.proj
+    conf = torch.sigmoid(proj(torch.cat([hidden, e], -1).to(proj.weight.dtype)).float())[..., 0]
     return logits, conf
 
 

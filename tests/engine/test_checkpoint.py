@@ -162,3 +162,9 @@ def test_v4_0731_dspark_drafter_loads_and_runs(tmp_path):
         results.append(greedy_draft(m, ids[:, -1], 24, state.drafter))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     assert results[0][0].shape == (1, 5) and ((results[0][1] > 0) & (results[0][1] < 1)).all()
+    state = model.new_state()                    # the drafter makes no tensor on torch's default device
+    _, positions, taps = model.streams_at(ids, state, collect=(3, 4, 5))
+    with torch.device("meta"):                   # (tests/engine/test_device_placement.py explains the check)
+        write_context(model, taps, positions, state.drafter)
+        tokens, confidence = greedy_draft(model, ids[:, -1], 24, state.drafter)
+    assert torch.equal(tokens, results[0][0]) and torch.equal(confidence, results[0][1])
