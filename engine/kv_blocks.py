@@ -62,9 +62,8 @@ def decode_blocks(pool: KVPool, block_ids: list[int], payloads: list) -> None:
             raise ValueError(f"a stored block of {memoryview(p).nbytes} bytes does not fit this pool's layout "
                              f"({want} bytes)")
     raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), want)
-    pos = 0
+    pos, index = 0, torch.tensor(block_ids, dtype=torch.long, device=pool.device)
     for _, t in sorted(pool.lanes.items()):
         n = t[0].numel() * t.element_size()
-        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
         t[index] = raw[:, pos: pos + n].contiguous().view(t.dtype).view(len(payloads), *t.shape[1:]).to(t.device)
         pos += n

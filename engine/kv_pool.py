@@ -33,7 +33,7 @@ class KVPool:
         which chunked prefill and exact prefix reuse rely on."""
         weight = model.embed.weight
         dtype, device = dtype or weight.dtype, device or weight.device
-        self.block_size = block_size
+        self.block_size, self.device = block_size, torch.device(device)
         self.lanes: dict[tuple[int, str], torch.Tensor] = {}
         self.slot_lanes: dict[tuple[int, str], torch.Tensor] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
@@ -89,8 +89,8 @@ class KVPool:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy block contents in every lane (a forked request's own copy of a partial block)."""
         if src:
+            s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
             for lane in self.lanes.values():
-                s, d = torch.tensor(src, device=lane.device), torch.tensor(dst, device=lane.device)
                 lane[d] = lane[s]
 
     @property

@@ -66,7 +66,8 @@ class LLMEngine:
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
         compile_blocks(model, config.compile)
-        stack_experts(model, self._device_experts(model, config))
+        # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
+        stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))
@@ -80,15 +81,6 @@ class LLMEngine:
             self.scheduler.on_finish = self.cache.on_finish
         if config.compile and config.compile_warmup:
             self._warm_up_compiled()
-
-    @staticmethod
-    def _device_experts(model, config: EngineConfig) -> bool:
-        expert_parallel = any(getattr(m, "local_experts", None) is not None for m in model.modules())
-        if config.device_experts is None:
-            return device_experts_pay(model)
-        if config.device_experts and expert_parallel:
-            raise ValueError("device_experts does not support expert parallelism (--ep)")
-        return config.device_experts
 
     def _warm_up_compiled(self) -> None:
         """Run compiled_warmup's requests on a scratch engine (same model, no cache, its own small

@@ -19,7 +19,9 @@ _CARRY = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate", "pending")
 
 def _clone(t, device=None):
     """A copy of t (on `device` when given: a snapshot decoded from the store lives on the host)."""
-    return None if t is None else t.detach().to(device, copy=True) if device is not None else t.detach().clone()
+    if t is None:
+        return None
+    return t.detach().clone() if device is None else t.detach().to(device, copy=True)
 
 
 def _part(comp) -> dict | None:

@@ -162,11 +162,10 @@ class Attention(nn.Module):
         """One new token per request: histories (decode_histories) and full windows
         (_slide_full_windows) update for the whole batch, the rest per request; then one padded
         softmax for the whole batch over (keys [B, S = window + chosen entries, D], bias [B, S])."""
-        B = len(positions)
-        rows, biases = [], []
         seen = self._slide_full_windows(kv, states)
         if all(s is not None for s in seen) and self._paged_histories(states):
             return self._decode_keys_paged(torch.cat(seen), pre, positions, states, rope)
+        B, rows, biases = len(positions), [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
         for i, (pos, st) in enumerate(zip(positions, states)):
             mine = seen[i]

@@ -47,7 +47,8 @@ class RotaryTables:
 
     def cos_sin(self, positions: torch.Tensor, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> cos, sin [..., dim // 2] (fp32)."""
-        return _cos_sin(positions, self._freqs(table, positions.device))
+        f = positions.to(torch.float32)[..., None] * self._freqs(table, positions.device)
+        return f.cos(), f.sin()
 
     def _freqs(self, table: str, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
@@ -56,11 +57,6 @@ class RotaryTables:
         if key not in self._on:
             self._on[key] = self.freqs[table].to(device)
         return self._on[key]
-
-
-def _cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    f = positions.to(torch.float32)[..., None] * freqs
-    return f.cos(), f.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -43,8 +43,8 @@ class StackedExperts(nn.Module):
     def stale(self, experts: nn.ModuleList) -> bool:
         """Whether the experts' parameters stopped being views into the stacks (the model was moved
         or cast since, which converts each parameter on its own): then the stacks are rebuilt."""
-        return any(getattr(ex, name[:2]).weight.data_ptr() != getattr(self, name)[e].data_ptr()
-                   for e in (0, len(experts) - 1) for ex in (experts[e],) for name in ("w1s", "w3s", "w2s"))
+        return any(getattr(experts[e], name[:2]).weight.data_ptr() != getattr(self, name)[e].data_ptr()
+                   for e in (0, len(experts) - 1) for name in ("w1s", "w3s", "w2s"))
 
     def forward(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d]."""
