@@ -31,10 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16, help="decode steps per run (default 16)")
     p.add_argument("--eager", action="store_true", help="the uncompiled engine")
     p.add_argument("--device-experts", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--general-decode", action="store_true",
+                   help="decode steps by the general path (EngineConfig(block_decode=False)), for the A/B")
     p.add_argument("--out-dir", default=RESULTS)
     a = p.parse_args(argv)
     doc = run(a.config, a.device, a.batch, a.steps, not a.eager,
-              {"auto": None, "on": True, "off": False}[a.device_experts], a.out_dir)
+              {"auto": None, "on": True, "off": False}[a.device_experts], a.out_dir,
+              block_decode=not a.general_decode)
     print(format_report(doc))
     print(f"wrote {doc['files']['json']}")
     return 0

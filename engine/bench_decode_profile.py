@@ -28,7 +28,8 @@ LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaLaunc
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def profile_decode(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts) -> dict:
+def profile_decode(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts,
+                   block_decode: bool = True) -> dict:
     place = select(device)
     cfg = ModelConfig.load(os.path.join(CONFIG_DIR, f"{config}.json"))
     model = random_weights(build_model(cfg), 0).eval().to(place.device, place.dtype)
@@ -36,7 +37,8 @@ def profile_decode(config: str, device: str, batch: int, steps: int, compile_: b
     prompts = [[3 + (i * 7919 + r * 31) % (cfg.vocab_size - 3) for i in range(128)] for r in range(batch)]
     llm = LLM(model=model, config=EngineConfig(block_size=block, num_blocks=max(64, batch * 4 + 8),
                                                max_tokens_per_step=max(512, 128 * batch), max_running=batch,
-                                               compile=compile_, device_experts=device_experts))
+                                               compile=compile_, device_experts=device_experts,
+                                               block_decode=block_decode))
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     llm.generate(prompts, params)                                  # every kernel and graph met once
     t = time.perf_counter()
@@ -58,13 +60,15 @@ def profile_decode(config: str, device: str, batch: int, steps: int, compile_: b
                               "self_host_ms_per_step": e.self_cpu_time_total / 1e3 / n} for e in top]}
 
 
-def run(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts, out_dir: str) -> dict:
+def run(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts, out_dir: str,
+        block_decode: bool = True) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    r = profile_decode(config, device, batch, steps, compile_, device_experts)
+    r = profile_decode(config, device, batch, steps, compile_, device_experts, block_decode)
     doc = {"benchmark": "decode_profile", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "machine": {**machine_info(out_dir), "torch": torch.__version__},
            "config": {"config": config, "device": device, "batch": batch, "steps": steps, "compiled": compile_,
-                      "device_experts": {None: "auto", True: "on", False: "off"}[device_experts]},
+                      "device_experts": {None: "auto", True: "on", False: "off"}[device_experts],
+                      "block_decode": block_decode},
            "results": r}
     write_results(doc, out_dir, f"decode_profile_{device.split(':')[0]}")
     return doc
@@ -72,7 +76,8 @@ def run(config: str, device: str, batch: int, steps: int, compile_: bool, device
 
 def format_report(doc: dict) -> str:
     c, r = doc["config"], doc["results"]
-    lines = [f"{c['config']} b{c['batch']} on {c['device']} ({'compiled' if c['compiled'] else 'eager'}): TPOT "
+    how = ("compiled" if c["compiled"] else "eager") + ("" if c.get("block_decode", True) else ", general decode")
+    lines = [f"{c['config']} b{c['batch']} on {c['device']} ({how}): TPOT "
              f"{r['tpot_ms']:.2f} ms, {r['launches_per_step']:.0f} launches, {r['syncs_per_step']:.0f} syncs, "
              f"{r['aten_calls_per_step']:.0f} aten op calls a step; device busy {r['device_busy_ms_per_step']:.2f} ms a step"]
     lines += [f"  {op['op']:<60} {op['calls_per_step']:7.1f} calls  {op['self_host_ms_per_step']:7.3f} ms"

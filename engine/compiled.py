@@ -25,10 +25,12 @@ are not compiled (their all-reduces sit inside the phases): `compile_blocks` ref
 from __future__ import annotations
 
 import shutil
+import types
 
 from torch import nn
 
 PHASES = ("attn_in", "ffn_in", "ffn_out")
+WHOLE = ("decode",)       # a block's whole decode step as one graph, where the block class has one
 RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
 # A graph's launcher in C++ rather than Python: a v4-small batch-1 step spent 13 of its ~23 ms in
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
@@ -41,8 +43,8 @@ _COMPILED: dict[tuple, dict] = {}
 
 def phase(block: nn.Module, name: str, *args):
     """Run one phase of `block`: its compiled function when the block is compiled, else the method."""
-    compiled = block.__dict__.get("compiled")
-    return compiled[name](block, *args) if compiled else getattr(block, name)(*args)
+    fn = block.__dict__.get("compiled", {}).get(name)
+    return fn(block, *args) if fn is not None else getattr(block, name)(*args)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -64,30 +66,48 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
                                                            16 * RECOMPILE_LIMIT)
     options = OPTIONS if next(model.parameters()).device.type == "cpu" else ACCELERATOR_OPTIONS
     for blk in found:
-        blk.__dict__["compiled"] = _compiled_phases(type(blk), options)
+        variant = blk.variant() if callable(getattr(blk, "variant", None)) else None
+        blk.__dict__["compiled"] = _compiled_phases(type(blk), variant, options)
     return len(found)
 
 
-def _compiled_phases(cls: type, options: dict) -> dict:
-    """One compiled function per phase and block class, made once per process (and backend and
-    options): every engine and every layer of the class share them, and with them dynamo's graphs."""
+def _compiled_phases(cls: type, variant, options: dict) -> dict:
+    """One compiled function per phase and block variant (e.g. its attention kind), made once per
+    process (and backend and options): every engine and every layer of the variant share them.
+    Each variant compiles its own copy of the method's code object: dynamo keeps its graphs per
+    code object and walks them on every call, so one shared code object with every variant's
+    graphs cost ~0.1 ms of guard checks per call (a decode step makes one call per layer)."""
     import torch
-    key = (cls, BACKEND, tuple(sorted(options.items())))
+    key = (cls, variant, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
         options = options if BACKEND == "inductor" else None
-        _COMPILED[key] = {p: torch.compile(getattr(cls, p), backend=BACKEND, options=options) for p in PHASES}
+        _COMPILED[key] = {p: torch.compile(_own_code(getattr(cls, p), variant), backend=BACKEND, options=options)
+                          for p in PHASES + WHOLE if hasattr(cls, p)}
     return _COMPILED[key]
+
+
+def _own_code(fn, variant):
+    """`fn` with a code object of its own (same bytecode), so that its dynamo cache is its own."""
+    if variant is None:
+        return fn
+    code = fn.__code__.replace(co_name=fn.__name__)
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__qualname__, own.__doc__ = fn.__qualname__, fn.__doc__
+    return own
 
 
 def warm_up(run, block_size: int, vocab_size: int) -> None:
     """Meet every graph variant a serving engine needs before the first real request (a compile
     takes seconds to a minute on 2 CPU cores): `run(prompts, max_tokens)` generates on a scratch
     engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
-    1 tokens (batch-1: experts summed in the graph), a prefill of another size (dynamic)."""
+    1 tokens (batch-1: experts summed in the graph), each with one and with more history pages
+    (block decode: the page count is dynamic, one page its own graph), a prefill of another size
+    (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the
+    phases, whose decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]
     run([ids(block_size + 3, 1), ids(5, 2), ids(2, 3)], [4, 3, 2])
-    run([ids(7, 4)], [2])
+    run([ids(7, 4), ids(3, 5)], [2, 3])
 
 
 def _check(model: nn.Module) -> None:

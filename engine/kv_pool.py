@@ -11,6 +11,10 @@
       (layer, "i_...")     the same for a V4 indexer's own compressor
       (layer, "pending")   [slots, 1, 2 * head_dim]                           V4.1 ratio-2 open pair
 
+Every lane has one block (`scratch_block`) or slot (`scratch_slot`) past the ones handed out: a
+decode step written as tensor ops (layers/paged_decode.py) sends the writes that must go nowhere
+there (rows that close no window) instead of branching per request.
+
 A request's block table addresses all block lanes at once, so one block id is one content-addressed
 unit: what the store saves and loads (issue 6). Windows and carry are not content-addressed: they
 live in the request's slot and are rebuilt (bounded replay) or snapshotted, never shared.
@@ -34,11 +38,12 @@ class KVPool:
         weight = model.embed.weight
         dtype, device = dtype or weight.dtype, device or weight.device
         self.block_size, self.device = block_size, torch.device(device)
+        self.scratch_block, self.scratch_slot = num_blocks, slots
         self.lanes: dict[tuple[int, str], torch.Tensor] = {}
         self.slot_lanes: dict[tuple[int, str], torch.Tensor] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
         for i, blk in enumerate(model.layers):
-            self._slot_lanes_for(i, blk.attn, slots, torch.float32, device)
+            self._slot_lanes_for(i, blk.attn, slots + 1, torch.float32, device)
         for i, blk in enumerate(model.layers):
             a = blk.attn
             ratio = getattr(a, "ratio", 0)
@@ -48,10 +53,14 @@ class KVPool:
             if block_size % ratio:
                 raise ValueError(f"block_size {block_size} is not a multiple of layer {i}'s compress ratio {ratio}")
             rows = block_size // ratio
-            self.lanes[(i, "entries")] = torch.zeros((num_blocks, rows, a.head_dim), dtype=dtype, device=device)
+            self.lanes[(i, "entries")] = torch.zeros((num_blocks + 1, rows, a.head_dim), dtype=dtype, device=device)
             index_dim = _index_dim(a)
             if index_dim:
-                self.lanes[(i, "index")] = torch.zeros((num_blocks, rows, index_dim), dtype=dtype, device=device)
+                self.lanes[(i, "index")] = torch.zeros((num_blocks + 1, rows, index_dim), dtype=dtype, device=device)
+        # compiled decode graphs take lanes as inputs: their block / slot count is a dynamic size,
+        # so that pools of other sizes (the warm-up's scratch engine) share the graphs
+        for lane in (*self.lanes.values(), *self.slot_lanes.values()):
+            torch._dynamo.maybe_mark_dynamic(lane, 0)
 
     def _slot_lanes_for(self, i: int, a, slots: int, dtype, device) -> None:
         def lane(name, rows, width):

@@ -47,6 +47,10 @@ class EngineConfig:
     # layer; None: on for accelerators with grouped matmuls (bf16 on recent PyTorch), off on the
     # CPU (where the host path is faster). It is set on the model: engines sharing a model share it
     device_experts: bool | None = None
+    # a decode step (one token per request, every state in the pool) as one graph per block with
+    # no per-request Python (engine/decode_plan.py, layers/paged_decode.py); False: the general
+    # path (Attention.core) for every step. Set on the model, like device_experts
+    block_decode: bool = True
 
 
 @dataclass
@@ -68,6 +72,7 @@ class LLMEngine:
         compile_blocks(model, config.compile)
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
+        model.block_decode = config.block_decode
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))

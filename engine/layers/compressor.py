@@ -273,10 +273,14 @@ class Indexer(nn.Module):
         """One query per request (q [B, H, dI], w [B, H] at positions [B]) over its keys, padded
         (keys [B, N, dI], request r's first lens[r] real): top-k ids [B, min(topk, N)], -1 = none
         (not visible yet, or past the request's keys)."""
+        limit = torch.minimum((positions + 1) // self.ratio, torch.tensor(lens, device=positions.device))
+        return self.select_visible(q, w, limit, keys)
+
+    def select_visible(self, q: torch.Tensor, w: torch.Tensor, limit: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """select_padded with each request's visible key count given (limit [B])."""
         N = keys.shape[1]
         scores = torch.relu(torch.einsum("bhd,bnd->bhn", q, keys)) * self.head_dim ** -0.5
         index = (scores * w[..., None]).sum(1)                                       # [B, N]
-        limit = torch.minimum((positions + 1) // self.ratio, torch.tensor(lens, device=positions.device))
         index = index.masked_fill(torch.arange(N, device=index.device)[None, :] >= limit[:, None], float("-inf"))
         top = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, : min(self.topk, N)]
         return torch.where(top >= limit[:, None], torch.full_like(top, -1), top)

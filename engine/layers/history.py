@@ -56,6 +56,10 @@ class PagedRows:
         self.lane.view(-1, self.dim)[flat] = rows[0].to(self.lane.dtype)
         self._count += n
 
+    def grow(self, n: int) -> None:
+        """Count n rows that a decode graph wrote into the lane itself (layers/paged_decode.py)."""
+        self._count += n
+
     def view(self) -> torch.Tensor:
         nb = -(-self._count // self.per_block)
         pages = self.lane[torch.tensor(self.table[:nb], dtype=torch.long, device=self.lane.device)]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
+from kvcache.engine.layers.expert_sum import grouped_sum, swiglu
 
 SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair (see MoE.routed)
 
@@ -44,12 +45,6 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit)
-
-
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    gate = F.linear(x, w1).clamp(max=limit)
-    up = F.linear(x, w3).clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
 
 
 def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
@@ -107,7 +102,8 @@ class MoE(nn.Module):
         self.local_experts: set[int] | None = None   # expert parallelism: the experts on this rank
         self.shared_on_this_rank = True
         self.reduce = None                           # sums the ranks' partial outputs (engine/parallel.py)
-        self.stacked = None                          # StackedExperts (layers/stacked_experts.py) on accelerators
+        self.stacked = None                          # StackedExperts (layers/stacked_experts.py)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -127,7 +123,7 @@ class MoE(nn.Module):
         Either way each token adds its terms in ascending expert order, whatever else is in the
         batch. Data-dependent: this part stays eager. With stacked experts: nothing here, the
         device sums them (no host round trip)."""
-        if self.stacked is not None and self.local_experts is None:
+        if self.stacked is not None and self.stacked.on_device:
             return Routed(None, None, [], ids)
         rows = ids.tolist()
         if self.local_experts is None and len(rows) <= SMALL_TOKENS:
@@ -136,21 +132,9 @@ class MoE(nn.Module):
                   for w in (self.experts[row[k]].w1.weight, self.experts[row[k]].w3.weight,
                             self.experts[row[k]].w2.weight)]
             return Routed(None, torch.tensor(order, device=flat.device), ws)
-        groups: dict[int, tuple[list[int], list[int]]] = {}
-        for t, row in enumerate(rows):
-            for k, e in enumerate(row):
-                tok, slot = groups.setdefault(e, ([], []))
-                tok.append(t)
-                slot.append(k)
-        experts = [e for e in sorted(groups) if self.local_experts is None or e in self.local_experts]
-        sizes = [len(groups[e][0]) for e in experts]
-        # every expert's token and slot indices in one host-to-device copy each, then split
-        toks = torch.tensor([t for e in experts for t in groups[e][0]], dtype=torch.long, device=flat.device).split(sizes)
-        slots = torch.tensor([k for e in experts for k in groups[e][1]], dtype=torch.long, device=flat.device).split(sizes)
-        out = torch.zeros_like(flat)
-        for e, tok, slot in zip(experts, toks, slots):
-            y = self.experts[e](flat[tok]) * weights[tok, slot, None].to(flat.dtype)
-            out.index_add_(0, tok, y)
+        out = grouped_sum(flat, weights, ids, lambda e: (self.experts[e].w1.weight, self.experts[e].w3.weight,
+                                                         self.experts[e].w2.weight), self.limit,
+                          self.local_experts)
         return Routed(out, None, [])
 
     def sum_pairs(self, flat: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
@@ -160,7 +144,7 @@ class MoE(nn.Module):
         if routed.ids is not None:
             return self.stacked(flat, weights, routed.ids)
         weights = weights.gather(1, routed.order).to(flat.dtype)
-        k, ws, limit = weights.shape[1], routed.weights, self.experts[0].limit
+        k, ws, limit = weights.shape[1], routed.weights, self.limit
         rows = []
         for t in range(len(ws) // (3 * k)):
             acc = torch.zeros_like(flat[t:t + 1])
@@ -169,6 +153,14 @@ class MoE(nn.Module):
                 acc = acc + swiglu(flat[t:t + 1], w1, w3, w2, limit) * weights[t, j]
             rows.append(acc)
         return torch.cat(rows)
+
+    def routed_sum(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights_k expert_k(x) [N, d] with no Python between the gate and the sum (a decode
+        graph): the stacks' tensor ops, or the host path as one opaque op (needs stack_experts)."""
+        s = self.stacked
+        if s.on_device:
+            return s(flat, weights, ids)
+        return torch.ops.kvcache.routed_experts(flat, weights, ids, s.w1s, s.w3s, s.w2s, s.limit)
 
     def combine(self, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         """routed + shared, summed over the ranks under expert/tensor parallelism."""

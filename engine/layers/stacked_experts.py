@@ -39,6 +39,7 @@ class StackedExperts(nn.Module):
                 lin.weight = nn.Parameter(stacked[e].t(), requires_grad=False)   # a view: one copy in memory
             self.register_buffer(name, stacked, persistent=False)
         self.grouped = grouped_mm_works(w.dtype, w.device, d, inter)
+        self.on_device = True          # routed sums by forward(); False: by the host path (stack_experts)
 
     def stale(self, experts: nn.ModuleList) -> bool:
         """Whether the experts' parameters stopped being views into the stacks (the model was moved
@@ -107,17 +108,20 @@ def device_experts_pay(model: nn.Module) -> bool:
     return w.device.type != "cpu" and grouped_mm_works(w.dtype, w.device, w.shape[1], w.shape[0])
 
 
-def stack_experts(model: nn.Module, enabled: bool = True) -> int:
-    """Give every MoE of `model` stacked experts (routed sums on the device), or with
-    enabled=False take them away again (the host path; the experts' weights stay where they
-    are); returns how many MoEs. Not under expert parallelism (a rank holds some experts only)."""
+def stack_experts(model: nn.Module, on_device: bool = True) -> int:
+    """Stack the experts of every MoE of `model` (their parameters become views: no second copy);
+    `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`), else by the
+    host path, which a decode graph reaches through the `kvcache::routed_experts` op with the
+    stacks as its inputs (layers/routed_op.py). Returns how many MoEs. Under expert parallelism
+    (a rank holds some experts only) nothing is stacked, and on_device is refused."""
     from kvcache.engine.layers.moe import MoE
     moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if any(m.local_experts is not None for m in moes):
+        if on_device:
+            raise ValueError("stacked experts do not support expert parallelism")
+        return 0
     for m in moes:
-        if not enabled:
-            m.stacked = None
-        elif m.stacked is None or m.stacked.stale(m.experts):
-            if m.local_experts is not None:
-                raise ValueError("stacked experts do not support expert parallelism")
+        if m.stacked is None or m.stacked.stale(m.experts):
             m.stacked = StackedExperts(m.experts)
+        m.stacked.on_device = on_device
     return len(moes)

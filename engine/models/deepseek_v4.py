@@ -21,10 +21,12 @@ from torch import nn
 
 from kvcache.engine.compiled import phase
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.attention import Attention, AttentionState, core_or_attend
+from kvcache.engine.decode_plan import DecodePlan, plan_decode
+from kvcache.engine.layers.attention import Attended, Attention, AttentionState, core_or_attend
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
+from kvcache.engine.layers.paged_decode import DecodeStep, decode_keys
 from kvcache.engine.layers.rope import RotaryTables
 
 
@@ -66,6 +68,22 @@ class Block(nn.Module):
         h, post, comb, flat, weights, ids, shared = phase(self, "ffn_in", out, q, h, post, comb, pos_all, rope,
                                                           token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, shared, h, post, comb)
+
+    def variant(self) -> tuple:
+        """What makes blocks of this class differ in structure (engine/compiled.py compiles each
+        variant on its own): the attention kind and whether the MoE routes by token id."""
+        return self.attn.kind, self.ffn.gate.hashed
+
+    def decode(self, h, pos, rope, token_ids, step: DecodeStep, lanes: dict) -> torch.Tensor:
+        """A pure decode step of requests whose state is all in the pool (engine/decode_plan.py):
+        the same block as forward(), with no per-request Python and no host sync (the routed
+        experts' host path is one opaque op): one compiled graph per block."""
+        x, post, comb, (q, kv, pre) = self.attn_in(h, pos, rope, True)
+        keys, bias = decode_keys(self.attn, kv, pre, step, lanes, rope)
+        h, post, comb, flat, weights, ids, shared = self.ffn_in(Attended(None, keys, bias), q, h, post, comb, pos,
+                                                                rope, token_ids)
+        out = self.ffn.combine(self.ffn.routed_sum(flat, weights, ids), shared)
+        return expand(out.view(h.shape[:-2] + h.shape[-1:]), h, post, comb)
 
     def attn_in(self, h, pos_all, rope, inputs: bool):
         """(attention input x, post, comb, (q, kv, history inputs) if `inputs`)."""
@@ -160,6 +178,29 @@ class DeepseekV4ForCausalLM(nn.Module):
             st.length += len(ch)
         return h, positions, taps
 
+    def plan_decode(self, chunks: list[torch.Tensor], states: list[ModelState]) -> DecodePlan | None:
+        """A DecodePlan when this step is one token per request with every state in the pool
+        and the routed experts stacked (the engine's usual decode step), else None."""
+        if not getattr(self, "block_decode", True) or any(len(ch) != 1 for ch in chunks) \
+                or self.layers[0].ffn.stacked is None:
+            return None
+        if any(blk.attn.reduce is not None or blk.ffn.reduce is not None for blk in self.layers):
+            return None                                           # tensor / expert parallelism
+        return plan_decode([blk.attn for blk in self.layers], states, self.embed.weight.device)
+
+    def decode(self, chunks: list[torch.Tensor], states: list[ModelState], plan: DecodePlan) -> torch.Tensor:
+        """run() for a planned decode step: streams [1, B, n, d], states advanced."""
+        tokens, _, h = batch_inputs(self.embed, self.config, chunks, states)
+        # the pages read grow with the history: one dynamic size for compiled blocks from the start
+        # (1 page is a graph of its own), not a static graph for the first count seen
+        torch._dynamo.maybe_mark_dynamic(plan.step.tables, 1)
+        for i, blk in enumerate(self.layers):
+            h = phase(blk, "decode", h, plan.step.pos, self.rope, tokens, plan.step, plan.lanes[i])
+        plan.commit()
+        for st in states:
+            st.length += 1
+        return h
+
     def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):
         """One request [1, T]: (streams, positions, {layer: streams}) (DSpark context)."""
         h, positions, taps = self.run([token_ids[0]], [state], collect)
@@ -182,6 +223,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
         """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
+        plan = self.plan_decode(chunks, states)
+        if plan is not None:
+            return self.logits(self.decode(chunks, states, plan))[0]
         h, positions, _ = self.run(chunks, states)
         ends = torch.tensor([len(ch) for ch in chunks], device=h.device).cumsum(0) - 1
         return self.logits(h[:, ends])[0]

@@ -60,16 +60,18 @@ def test_stacks_are_rebuilt_after_the_model_is_cast():
     assert not moe.stacked.stale(moe.experts) and moe.stacked.w2s.dtype == torch.float64
     x = torch.randn(4, moe.gate.weight.shape[1], dtype=torch.float64)
     ref = copy.deepcopy(moe)
-    stack_experts(ref, enabled=False)
+    stack_experts(ref, on_device=False)
     torch.testing.assert_close(moe(x), ref(x))
 
 
 def test_device_experts_are_off_by_default_on_the_cpu():
+    """On the CPU the engine stacks the experts (block decode's op reads the stacks) but sums them
+    by the host path."""
     from kvcache.engine.layers.stacked_experts import device_experts_pay
     model = build_model(v4_config(num_nextn_predict_layers=0))
     assert not device_experts_pay(model)
     LLM(model=model, config=CFG)
-    assert all(m.stacked is None for m in model.modules() if isinstance(m, MoE))
+    assert all(m.stacked is not None and not m.stacked.on_device for m in model.modules() if isinstance(m, MoE))
 
 
 @torch.no_grad()
@@ -82,7 +84,7 @@ def test_stacked_bf16_uses_grouped_matmuls_when_present():
     torch.testing.assert_close(dev(x).float(), host(x).float(), rtol=3e-2, atol=3e-2)
 
 
-def test_experts_keep_one_copy_of_their_weights_and_unstack():
+def test_experts_keep_one_copy_of_their_weights_and_sum_on_the_host_again():
     moe = _moe()
     before = moe.experts[5].w2.weight.detach().clone()
     stack_experts(moe)
@@ -90,8 +92,10 @@ def test_experts_keep_one_copy_of_their_weights_and_unstack():
     assert w.data_ptr() == moe.stacked.w2s[5].data_ptr()          # a view, not a second copy
     assert torch.equal(w, before)
     assert "stacked.w1s" not in moe.state_dict()                   # checkpoints keep the experts' names
-    stack_experts(moe, enabled=False)
-    assert moe.stacked is None and torch.equal(moe.experts[5].w2.weight, before)
+    stack_experts(moe, on_device=False)
+    assert not moe.stacked.on_device and torch.equal(moe.experts[5].w2.weight, before)
+    x = torch.randn(3, moe.gate.weight.shape[1])
+    assert moe.routed(x, *moe.gate(x, None)).out is not None                    # the host path sums
 
 
 @torch.no_grad()

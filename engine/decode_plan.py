@@ -1,0 +1,185 @@
+"""A pure decode step planned on the host, once for all layers (layers/paged_decode.py runs it).
+
+A decode step's per-request bookkeeping is the same for every layer of a kind: the state slot,
+the block table, how many rows the window holds, and per compress ratio m whether the new
+token closes a window (pos % m == m - 1) and where that entry goes. `plan_decode` checks that
+every layer's state agrees with the request's position (every state in the pool's lanes, one
+slot, one table) and packs those values into a few device tensors (one host-to-device copy);
+`DecodePlan.commit` advances the host-side counts afterwards. A request whose state does not fit
+(dense rows, a history write floor above its count, a carry missing in one layer only) makes
+the plan None and the step takes the general path (Attention.core).
+
+    host ints per request ─ pack ─> one tensor ─> device ─ views ─> DecodeStep
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.layers.history import PagedRows, slot_of
+from kvcache.engine.layers.paged_decode import DecodeStep, RatioStep
+
+RATIO_FIELDS = ("buf_slot", "buf_row", "closes", "carry", "count", "entry_at", "carry_slot", "visible")
+
+
+@dataclass
+class _Compressors:
+    """The compressor states of one request in one step, to advance after it."""
+    closing: list = field(default_factory=list)      # (state, buffers, carries)
+    open: list = field(default_factory=list)         # buffers
+
+
+@dataclass
+class DecodePlan:
+    step: DecodeStep
+    lanes: list[dict[str, torch.Tensor]]             # per layer: its lanes by name ("window", "entries", ...)
+    windows: list                                    # every request's window SlotRows, all layers
+    comps: list[_Compressors]
+
+    def commit(self) -> None:
+        """The step ran: advance the host-side counts (window rows, buffers, entries, carries)."""
+        for w in self.windows:
+            w.n = min(w.n + 1, w.lane.shape[1])
+        for c in self.comps:
+            for bufs in c.open:
+                for b in bufs:
+                    b.n += 1
+            for st, bufs, carries in c.closing:
+                st.rows.grow(1)
+                st.count += 1
+                for b in bufs:
+                    b.n = 0
+                for o in carries:
+                    o.n = o.lane.shape[1]
+
+
+def plan_decode(layers: list, states: list, device) -> DecodePlan | None:
+    """The plan for one token per request (`layers`: the blocks' Attention modules; `states`: the
+    requests' ModelStates at their current length), or None where the general path must run."""
+    lanes = _lanes(layers, states[0].layers)
+    if lanes is None:
+        return None
+    ratios = sorted({a.ratio for a in layers if a.compressor is not None})
+    rows: dict[str, list[int]] = {"pos": [], "slots": [], "window_rows": []}
+    per_ratio = {m: {f: [] for f in RATIO_FIELDS} for m in ratios}
+    tables, windows, comps = [], [], []
+    for st in states:
+        req = _request(layers, lanes, st, ratios, per_ratio)
+        if req is None:
+            return None
+        slot, table, w, c = req
+        windows += w
+        comps.append(c)
+        rows["pos"].append(st.length)
+        rows["slots"].append(slot)
+        rows["window_rows"].append(w[0].n)
+        tables.append(table)
+    step = _pack(rows, per_ratio, tables, lanes, layers, device)
+    return DecodePlan(step, lanes, windows, comps)
+
+
+def _lanes(layers, first) -> list[dict] | None:
+    """Each layer's lanes, read from the first request's state (the others must use the same)."""
+    out = []
+    for a, s in zip(layers, first):
+        w = slot_of(s, "window")
+        if w is None or a.window <= 1:
+            return None
+        lanes = {"window": w.lane}
+        for cs, prefix, kind in ((s.compressor, "", "entries"), (s.index, "i_", "index")):
+            if cs is None:
+                continue
+            if not isinstance(cs.rows, PagedRows):
+                return None
+            lanes[kind] = cs.rows.lane
+            for name in ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"):
+                r = slot_of(cs, name)
+                if r is not None:
+                    lanes[prefix + name] = r.lane
+        out.append(lanes)
+    return out
+
+
+def _request(layers, lanes, st, ratios, per_ratio):
+    """(slot, table, window SlotRows, _Compressors) of one request after checking every layer's
+    state against its position; appends its per-ratio values; None if anything disagrees."""
+    p = st.length
+    slot = slot_of(st.layers[0], "window").slot
+    table, windows, comps, carry = None, [], _Compressors(), {}
+    for a, s, ln in zip(layers, st.layers, lanes):
+        w = slot_of(s, "window")
+        if w is None or w.lane is not ln["window"] or w.slot != slot or w.n != min(p, a.window - 1):
+            return None
+        windows.append(w)
+        for cs, comp, prefix, kind in ((s.compressor, a.compressor, "", "entries"),
+                                       (s.index, getattr(a.indexer, "compressor", None), "i_", "index")):
+            if cs is None:
+                continue
+            m = comp.ratio
+            rows = cs.rows
+            if not isinstance(rows, PagedRows) or rows.lane is not ln.get(kind) or (table is not None
+                                                                                   and rows.table is not table):
+                return None
+            table = rows.table
+            bufs = [slot_of(cs, "buf_kv"), slot_of(cs, "buf_gate")]
+            carries = [slot_of(cs, "overlap_kv"), slot_of(cs, "overlap_gate")] if comp.overlap else []
+            if any(b is None or b.lane is not ln[prefix + n] or b.slot != slot
+                   for b, n in zip(bufs + carries, ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"))):
+                return None
+            if bufs[0].n != p % m or bufs[1].n != p % m or cs.count != p // m or rows.count != cs.count \
+                    or cs.floor > cs.count:
+                return None
+            if carries:
+                has = carries[0].n == m
+                if carries[0].n != carries[1].n or carries[0].n not in (0, m) or carry.setdefault(m, has) != has:
+                    return None
+            if p % m == m - 1:
+                if (p // m) // rows.per_block >= len(rows.table):
+                    return None                     # no block reserved for the entry: the general path says so
+                comps.closing.append((cs, bufs, carries))
+            else:
+                comps.open.append(bufs)
+    for m in ratios:
+        _ratio_values(per_ratio[m], m, p, slot, table, carry.get(m, False), lanes, layers)
+    return slot, table if table is not None else [], windows, comps
+
+
+def _ratio_values(out: dict, m: int, p: int, slot: int, table: list[int], carry: bool, lanes, layers) -> None:
+    ln = next(ln for a, ln in zip(layers, lanes) if a.compressor is not None and a.ratio == m)
+    per_block = ln["entries"].shape[1]
+    scratch_slot, scratch_row = ln["buf_kv"].shape[0] - 1, (ln["entries"].shape[0] - 1) * per_block   # KVPool's scratch
+    closes = p % m == m - 1
+    count = p // m
+    out["buf_slot"].append(scratch_slot if closes else slot)
+    out["buf_row"].append(0 if closes else p % m)
+    out["closes"].append(int(closes))
+    out["carry"].append(int(carry))
+    out["count"].append(count)
+    out["entry_at"].append(table[count // per_block] * per_block + count % per_block if closes else scratch_row)
+    out["carry_slot"].append(slot if closes else scratch_slot)
+    out["visible"].append((p + 1) // m)
+
+
+def _pack(rows, per_ratio, tables, lanes, layers, device) -> DecodeStep:
+    """Every per-request value in one host tensor, one copy to the device, then views."""
+    B = len(rows["pos"])
+    block_size = next((ln["entries"].shape[1] * a.ratio for a, ln in zip(layers, lanes) if "entries" in ln), 0)
+    nb = max(-(-(p + 1) // block_size) for p in rows["pos"]) if block_size else 0
+    scratch = next((ln["entries"].shape[0] - 1 for ln in lanes if "entries" in ln), 0)
+    flat = [rows["pos"], rows["slots"], rows["window_rows"]]
+    for m in sorted(per_ratio):
+        flat += [per_ratio[m][f] for f in RATIO_FIELDS]
+    table_ids = [t[j] if j < len(t) else scratch for t in tables for j in range(nb)]
+    packed = torch.tensor([v for row in flat for v in row] + table_ids, dtype=torch.long, device="cpu")
+    packed = packed.to(device, non_blocking=True)
+    values = packed[: len(flat) * B].view(len(flat), B)
+    ratios, at = {}, 3
+    for m in sorted(per_ratio):
+        v = dict(zip(RATIO_FIELDS, values[at: at + len(RATIO_FIELDS)]))
+        v["closes"], v["carry"] = v["closes"] != 0, v["carry"] != 0
+        ratios[m] = RatioStep(**v)
+        at += len(RATIO_FIELDS)
+    # row-major [B, nb] whatever B and nb (a transposed view would change its strides with them)
+    return DecodeStep(values[0], values[1], values[2], packed[len(flat) * B:].view(B, nb), ratios)
