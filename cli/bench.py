@@ -130,6 +130,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
     p.add_argument("--device-experts", choices=("auto", "on", "off"), default="auto",
                    help="routed experts summed on the device (EngineConfig.device_experts; auto: where grouped "
                    "matmuls exist, off on the CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: the compiled engine replays its decode steps as CUDA graphs (EngineConfig.cuda_graphs; "
+                   "needs --device-experts on or auto with grouped matmuls)")
 
 
 def run_engine(args) -> int:
@@ -137,7 +140,8 @@ def run_engine(args) -> int:
     doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
               [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
               args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
-              device=args.device, device_experts={"auto": None, "on": True, "off": False}[args.device_experts])
+              device=args.device, device_experts={"auto": None, "on": True, "off": False}[args.device_experts],
+              cuda_graphs=args.cuda_graphs)
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}")
     return 0

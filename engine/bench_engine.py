@@ -6,7 +6,8 @@ engine against transformers' `generate` on the same V4 weights, in the same run.
         prefill  = the run with max_tokens 1        (ours: LLM.generate; transformers: generate)
         decode   = full run - prefill               decode tokens/s = batch x (output - 1) / decode
         TTFT, TPOT from the engine's request metrics
-    ours = the engine with compiled blocks (engine/compiled.py) after a warm-up run that compiles;
+    ours = the engine with compiled blocks (engine/compiled.py) after a warm-up run that compiles
+    (--cuda-graphs: and its decode steps replayed as CUDA graphs, engine/decode_graphs.py);
     ours_eager = the same engine uncompiled, in the same run; each of the three runs untimed once first
     device: cpu (fp32) or cuda / npu (bf16 weights, both engines; results file engine_throughput_<device>)
     ratios: decode_tokens_per_s_vs_hf_b{batch} (ours / transformers; `_eager`: uncompiled), per config
@@ -35,10 +36,10 @@ from kvcache.engine.sampling import SamplingParams
 
 
 def _ours(model, prompts: list[list[int]], out_tokens: int, block: int, compile_: bool,
-          device_experts: bool | None = None) -> dict:
+          device_experts: bool | None = None, cuda_graphs: bool = False) -> dict:
     cfg = EngineConfig(block_size=block, num_blocks=max(64, len(prompts) * (len(prompts[0]) + out_tokens) // block + 8),
                        max_tokens_per_step=max(512, len(prompts[0])), max_running=len(prompts), compile=compile_,
-                       device_experts=device_experts)
+                       device_experts=device_experts, cuda_graphs=cuda_graphs)
 
     def run(n):
         llm = LLM(model=model, config=cfg)
@@ -92,7 +93,8 @@ def _rates(r: dict, batch: int, prompt: int, out_tokens: int) -> dict:
 
 def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: int, seed: int, bar=None,
                  bandwidth: float | None = None, compile_: bool = True,
-                 place: Placement = Placement("cpu", torch.float32), device_experts: bool | None = None) -> dict:
+                 place: Placement = Placement("cpu", torch.float32), device_experts: bool | None = None,
+                 cuda_graphs: bool = False) -> dict:
     config = ModelConfig.load(os.path.join(CONFIG_DIR, f"{name}.json"))
     model = random_weights(build_model(config), seed).eval()
     hf = hf_twin(model, config).to(place.device, place.dtype)        # the same weights, same precision
@@ -103,7 +105,7 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
     for b in batches:
         prompts = torch.randint(3, config.vocab_size, (b, prompt_tokens), generator=g).tolist()
         eager = _rates(_ours(model, prompts, out_tokens, block, False, device_experts), b, prompt_tokens, out_tokens)
-        ours = _rates(_ours(model, prompts, out_tokens, block, True, device_experts), b, prompt_tokens,
+        ours = _rates(_ours(model, prompts, out_tokens, block, True, device_experts, cuda_graphs), b, prompt_tokens,
                       out_tokens) if compile_ else eager
         # compiled kernels round differently from eager ones: in fp32 the greedy tokens agree, in
         # bf16 a near tie can part them; the share that agrees is reported, not assumed
@@ -125,7 +127,7 @@ def bench_config(name: str, batches: list[int], prompt_tokens: int, out_tokens: 
 
 def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int = 128, out_tokens: int = 32,
         seed: int = 0, progress: bool = True, compile_: bool = True, device: str = "cpu",
-        device_experts: bool | None = None) -> dict:
+        device_experts: bool | None = None, cuda_graphs: bool = False) -> dict:
     """compile_=False: "ours" is the eager engine (no C++ compiler, or a quick look)."""
     from tqdm import tqdm
     from kvcache.tiering.bench_tiers import machine_info, write_results
@@ -135,7 +137,7 @@ def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int
     bandwidth = read_bandwidth(device=place.device)
     with tqdm(total=len(configs) * len(batches), desc="engine benchmark", unit="run", disable=not progress) as bar:
         results = {n: bench_config(n, batches, prompt_tokens, out_tokens, seed, bar, bandwidth, compile_, place,
-                                   device_experts) for n in configs}
+                                   device_experts, cuda_graphs) for n in configs}
     doc = {"benchmark": "engine_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "elapsed_s": time.perf_counter() - started,
            "machine": {**machine_info(out_dir), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -143,7 +145,7 @@ def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int
            "config": {"configs": configs, "batches": batches, "prompt_tokens": prompt_tokens,
                       "output_tokens": out_tokens, "seed": seed, "device": place.device,
                       "device_experts": {None: "auto", True: "on", False: "off"}[device_experts],
-                      "dtype": f"{str(place.dtype).removeprefix('torch.')} weights", "sampling": "greedy",
+                      "cuda_graphs": cuda_graphs, "dtype": f"{str(place.dtype).removeprefix('torch.')} weights", "sampling": "greedy",
                       "ours": ("EngineConfig(compile=True) after a warm-up run that compiles (compile_warmup_s); "
                                "ours_eager: the same engine uncompiled") if compile_ else "the eager engine (--eager)",
                       "baseline": "transformers DeepseekV4ForCausalLM.generate, same weights, eager attention"},

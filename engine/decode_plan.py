@@ -33,10 +33,30 @@ class _Compressors:
 
 @dataclass
 class DecodePlan:
-    step: DecodeStep
+    host: torch.Tensor                               # every per-request value, packed (step_views' layout)
+    batch: int                                       # rows (requests, then padding)
+    pages: int                                       # block-table columns
+    ratios: tuple[int, ...]
     lanes: list[dict[str, torch.Tensor]]             # per layer: its lanes by name ("window", "entries", ...)
     windows: list                                    # every request's window SlotRows, all layers
     comps: list[_Compressors]
+    device: torch.device
+    scratch: "_Scratch"
+    _step: DecodeStep | None = None
+
+    @property
+    def step(self) -> DecodeStep:
+        """The step's tensors on the device (one host-to-device copy, made on first use)."""
+        if self._step is None:
+            self._step = step_views(self.host.to(self.device, non_blocking=True), self.batch, self.pages, self.ratios)
+        return self._step
+
+    def null_host(self) -> torch.Tensor:
+        """The same shapes with every row padding: a step run on it writes only the scratch slot
+        and block (e.g. to warm a CUDA graph up before capturing it, without touching a request)."""
+        rows = {"pos": [], "slots": [], "window_rows": []}
+        per_ratio = {m: {f: [] for f in RATIO_FIELDS} for m in self.ratios}
+        return _packed(rows, per_ratio, [], self.ratios, self.scratch, self.batch, self.pages)
 
     def commit(self) -> None:
         """The step ran: advance the host-side counts (window rows, buffers, entries, carries)."""
@@ -55,18 +75,21 @@ class DecodePlan:
                     o.n = o.lane.shape[1]
 
 
-def plan_decode(layers: list, states: list, device) -> DecodePlan | None:
+def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int = 0) -> DecodePlan | None:
     """The plan for one token per request (`layers`: the blocks' Attention modules; `states`: the
-    requests' ModelStates at their current length), or None where the general path must run."""
+    requests' ModelStates at their current length), or None where the general path must run.
+    `batch` / `pages` pad the step to that many rows / block-table columns (a CUDA graph's
+    bucket): padding rows read and write only the scratch block and slot."""
     lanes = _lanes(layers, states[0].layers)
     if lanes is None:
         return None
-    ratios = sorted({a.ratio for a in layers if a.compressor is not None})
+    ratios = tuple(sorted({a.ratio for a in layers if a.compressor is not None}))
+    scratch = _Scratch.of(lanes, layers)
     rows: dict[str, list[int]] = {"pos": [], "slots": [], "window_rows": []}
     per_ratio = {m: {f: [] for f in RATIO_FIELDS} for m in ratios}
     tables, windows, comps = [], [], []
     for st in states:
-        req = _request(layers, lanes, st, ratios, per_ratio)
+        req = _request(layers, lanes, st, ratios, per_ratio, scratch)
         if req is None:
             return None
         slot, table, w, c = req
@@ -76,8 +99,64 @@ def plan_decode(layers: list, states: list, device) -> DecodePlan | None:
         rows["slots"].append(slot)
         rows["window_rows"].append(w[0].n)
         tables.append(table)
-    step = _pack(rows, per_ratio, tables, lanes, layers, device)
-    return DecodePlan(step, lanes, windows, comps)
+    nb = max(-(-(p + 1) // scratch.block_size) for p in rows["pos"]) if scratch.block_size else 0
+    if (batch and len(states) > batch) or (pages and nb > pages):
+        return None                                    # bigger than the bucket asked for
+    B, nb = max(batch, len(states)), max(pages, nb) if scratch.block_size else 0
+    host = _packed(rows, per_ratio, tables, ratios, scratch, B, nb)
+    return DecodePlan(host, B, nb, ratios, lanes, windows, comps, torch.device(device), scratch)
+
+
+def _packed(rows: dict, per_ratio: dict, tables: list, ratios, scratch: "_Scratch", batch: int,
+            pages: int) -> torch.Tensor:
+    """The host tensor step_views reads, the rows past the requests' padding: every write of a
+    padding row goes to the scratch slot and block, and it reads nothing but those."""
+    for _ in range(batch - len(rows["pos"])):
+        for k, v in (("pos", 0), ("slots", scratch.slot), ("window_rows", 0)):
+            rows[k].append(v)
+        for m in ratios:
+            for f, v in zip(RATIO_FIELDS, (scratch.slot, 0, 0, 0, 0, scratch.row(m), scratch.slot, 0)):
+                per_ratio[m][f].append(v)
+        tables.append([])
+    flat = [rows["pos"], rows["slots"], rows["window_rows"]]
+    for m in ratios:
+        flat += [per_ratio[m][f] for f in RATIO_FIELDS]
+    table_ids = [t[j] if j < len(t) else scratch.block for t in tables for j in range(pages)]
+    return torch.tensor([v for row in flat for v in row] + table_ids, dtype=torch.long, device="cpu")
+
+
+def step_views(packed: torch.Tensor, batch: int, pages: int, ratios: tuple[int, ...]) -> DecodeStep:
+    """A DecodeStep made of views into `packed` (a plan's values on the device): [3 + 8 per ratio,
+    batch] per-request rows, then the block tables [batch, pages] row-major (a transposed view
+    would change its strides with batch and pages, and compiled graphs guard on strides)."""
+    n = 3 + len(RATIO_FIELDS) * len(ratios)
+    values = packed[: n * batch].view(n, batch)
+    steps = {}
+    for i, m in enumerate(ratios):
+        v = dict(zip(RATIO_FIELDS, values[3 + i * len(RATIO_FIELDS): 3 + (i + 1) * len(RATIO_FIELDS)]))
+        v["closes"], v["carry"] = v["closes"] != 0, v["carry"] != 0
+        steps[m] = RatioStep(**v)
+    return DecodeStep(values[0], values[1], values[2], packed[n * batch: n * batch + batch * pages].view(batch, pages),
+                      steps)
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    """KVPool's scratch slot and block (the last of every lane) and the pool's block geometry."""
+    slot: int
+    block: int
+    block_size: int                 # tokens per block (0: no paged lanes)
+    per_block: dict[int, int]       # rows per block in a ratio's lanes
+
+    @staticmethod
+    def of(lanes, layers) -> "_Scratch":
+        paged = [(a.ratio, ln["entries"]) for a, ln in zip(layers, lanes) if "entries" in ln]
+        per_block = {m: lane.shape[1] for m, lane in paged}
+        return _Scratch(lanes[0]["window"].shape[0] - 1, paged[0][1].shape[0] - 1 if paged else 0,
+                        paged[0][0] * paged[0][1].shape[1] if paged else 0, per_block)
+
+    def row(self, m: int) -> int:
+        return self.block * self.per_block[m]
 
 
 def _lanes(layers, first) -> list[dict] | None:
@@ -102,7 +181,7 @@ def _lanes(layers, first) -> list[dict] | None:
     return out
 
 
-def _request(layers, lanes, st, ratios, per_ratio):
+def _request(layers, lanes, st, ratios, per_ratio, scratch: "_Scratch"):
     """(slot, table, window SlotRows, _Compressors) of one request after checking every layer's
     state against its position; appends its per-ratio values; None if anything disagrees."""
     p = st.length
@@ -142,44 +221,19 @@ def _request(layers, lanes, st, ratios, per_ratio):
             else:
                 comps.open.append(bufs)
     for m in ratios:
-        _ratio_values(per_ratio[m], m, p, slot, table, carry.get(m, False), lanes, layers)
+        _ratio_values(per_ratio[m], m, p, slot, table, carry.get(m, False), scratch)
     return slot, table if table is not None else [], windows, comps
 
 
-def _ratio_values(out: dict, m: int, p: int, slot: int, table: list[int], carry: bool, lanes, layers) -> None:
-    ln = next(ln for a, ln in zip(layers, lanes) if a.compressor is not None and a.ratio == m)
-    per_block = ln["entries"].shape[1]
-    scratch_slot, scratch_row = ln["buf_kv"].shape[0] - 1, (ln["entries"].shape[0] - 1) * per_block   # KVPool's scratch
+def _ratio_values(out: dict, m: int, p: int, slot: int, table: list[int], carry: bool, scratch: _Scratch) -> None:
+    per_block = scratch.per_block[m]
     closes = p % m == m - 1
     count = p // m
-    out["buf_slot"].append(scratch_slot if closes else slot)
+    out["buf_slot"].append(scratch.slot if closes else slot)
     out["buf_row"].append(0 if closes else p % m)
     out["closes"].append(int(closes))
     out["carry"].append(int(carry))
     out["count"].append(count)
-    out["entry_at"].append(table[count // per_block] * per_block + count % per_block if closes else scratch_row)
-    out["carry_slot"].append(slot if closes else scratch_slot)
+    out["entry_at"].append(table[count // per_block] * per_block + count % per_block if closes else scratch.row(m))
+    out["carry_slot"].append(slot if closes else scratch.slot)
     out["visible"].append((p + 1) // m)
-
-
-def _pack(rows, per_ratio, tables, lanes, layers, device) -> DecodeStep:
-    """Every per-request value in one host tensor, one copy to the device, then views."""
-    B = len(rows["pos"])
-    block_size = next((ln["entries"].shape[1] * a.ratio for a, ln in zip(layers, lanes) if "entries" in ln), 0)
-    nb = max(-(-(p + 1) // block_size) for p in rows["pos"]) if block_size else 0
-    scratch = next((ln["entries"].shape[0] - 1 for ln in lanes if "entries" in ln), 0)
-    flat = [rows["pos"], rows["slots"], rows["window_rows"]]
-    for m in sorted(per_ratio):
-        flat += [per_ratio[m][f] for f in RATIO_FIELDS]
-    table_ids = [t[j] if j < len(t) else scratch for t in tables for j in range(nb)]
-    packed = torch.tensor([v for row in flat for v in row] + table_ids, dtype=torch.long, device="cpu")
-    packed = packed.to(device, non_blocking=True)
-    values = packed[: len(flat) * B].view(len(flat), B)
-    ratios, at = {}, 3
-    for m in sorted(per_ratio):
-        v = dict(zip(RATIO_FIELDS, values[at: at + len(RATIO_FIELDS)]))
-        v["closes"], v["carry"] = v["closes"] != 0, v["carry"] != 0
-        ratios[m] = RatioStep(**v)
-        at += len(RATIO_FIELDS)
-    # row-major [B, nb] whatever B and nb (a transposed view would change its strides with them)
-    return DecodeStep(values[0], values[1], values[2], packed[len(flat) * B:].view(B, nb), ratios)

@@ -51,6 +51,9 @@ class EngineConfig:
     # no per-request Python (engine/decode_plan.py, layers/paged_decode.py); False: the general
     # path (Attention.core) for every step. Set on the model, like device_experts
     block_decode: bool = True
+    # CUDA: replay block decode steps as CUDA graphs, one per (batch, pages) bucket
+    # (engine/decode_graphs.py); needs block_decode and device_experts
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -73,6 +76,12 @@ class LLMEngine:
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
         model.block_decode = config.block_decode
+        self.decode_graphs = None
+        if config.cuda_graphs:
+            from kvcache.engine.decode_graphs import DecodeGraphs
+            if not config.block_decode:
+                raise ValueError("cuda_graphs replays block decode steps: set block_decode = true")
+            self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))
@@ -90,7 +99,8 @@ class LLMEngine:
     def _warm_up_compiled(self) -> None:
         """Run compiled_warmup's requests on a scratch engine (same model, no cache, its own small
         pool): the compiled graphs it leaves behind serve this engine's steps."""
-        cfg = dataclasses.replace(self.config, cache=None, compile_warmup=False, num_blocks=16, max_running=4)
+        cfg = dataclasses.replace(self.config, cache=None, compile_warmup=False, num_blocks=16, max_running=4,
+                                  cuda_graphs=False)        # this engine captures its own, on its own pool
         scratch = LLMEngine(self.model, None, cfg)
 
         def run(prompts: list[list[int]], max_tokens: list[int]) -> None:
@@ -192,8 +202,13 @@ class LLMEngine:
                 view = self._view(req)
                 req.state = self.cache.state_for(req, view) if req.resume is not None else self.model.new_state(view)
             states.append(req.state)
+        tokens = [torch.tensor(ch.tokens, device="cpu") for ch in chunks]
         with torch.no_grad():
-            return self.model.step([torch.tensor(ch.tokens, device="cpu") for ch in chunks], states)
+            if self.decode_graphs is not None:
+                logits = self.decode_graphs.logits(tokens, states)
+                if logits is not None:
+                    return logits
+            return self.model.step(tokens, states)
 
     def _view(self, req: Request):
         """The request's pool view, taking it a slot for its windows and carry."""

@@ -178,28 +178,37 @@ class DeepseekV4ForCausalLM(nn.Module):
             st.length += len(ch)
         return h, positions, taps
 
-    def plan_decode(self, chunks: list[torch.Tensor], states: list[ModelState]) -> DecodePlan | None:
+    def plan_decode(self, chunks: list[torch.Tensor], states: list[ModelState], batch: int = 0,
+                    pages: int = 0) -> DecodePlan | None:
         """A DecodePlan when this step is one token per request with every state in the pool
-        and the routed experts stacked (the engine's usual decode step), else None."""
+        and the routed experts stacked (the engine's usual decode step), else None; `batch` /
+        `pages` pad it (engine/decode_graphs.py)."""
         if not getattr(self, "block_decode", True) or any(len(ch) != 1 for ch in chunks) \
                 or self.layers[0].ffn.stacked is None:
             return None
         if any(blk.attn.reduce is not None or blk.ffn.reduce is not None for blk in self.layers):
             return None                                           # tensor / expert parallelism
-        return plan_decode([blk.attn for blk in self.layers], states, self.embed.weight.device)
+        return plan_decode([blk.attn for blk in self.layers], states, self.embed.weight.device, batch, pages)
 
     def decode(self, chunks: list[torch.Tensor], states: list[ModelState], plan: DecodePlan) -> torch.Tensor:
-        """run() for a planned decode step: streams [1, B, n, d], states advanced."""
-        tokens, _, h = batch_inputs(self.embed, self.config, chunks, states)
-        # the pages read grow with the history: one dynamic size for compiled blocks from the start
-        # (1 page is a graph of its own), not a static graph for the first count seen
-        torch._dynamo.maybe_mark_dynamic(plan.step.tables, 1)
-        for i, blk in enumerate(self.layers):
-            h = phase(blk, "decode", h, plan.step.pos, self.rope, tokens, plan.step, plan.lanes[i])
+        """step() for a planned decode step: logits [len(chunks), vocab], states advanced."""
+        tokens = checked_tokens(self.config, chunks, states, plan.batch)
+        logits = self.decode_step(tokens.to(self.embed.weight.device, non_blocking=True), plan.step, plan.lanes)
         plan.commit()
         for st in states:
             st.length += 1
-        return h
+        return logits[: len(chunks)]
+
+    def decode_step(self, tokens: torch.Tensor, step: DecodeStep, lanes: list[dict]) -> torch.Tensor:
+        """The device work of a planned decode step, tensor ops only (what a CUDA graph captures):
+        tokens [1, B] -> logits [B, vocab]; the lanes written."""
+        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        # the pages read grow with the history: one dynamic size for compiled blocks from the start
+        # (1 page is a graph of its own), not a static graph for the first count seen
+        torch._dynamo.maybe_mark_dynamic(step.tables, 1)
+        for i, blk in enumerate(self.layers):
+            h = phase(blk, "decode", h, step.pos, self.rope, tokens, step, lanes[i])
+        return self.logits(h)[0]
 
     def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):
         """One request [1, T]: (streams, positions, {layer: streams}) (DSpark context)."""
@@ -225,7 +234,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""
         plan = self.plan_decode(chunks, states)
         if plan is not None:
-            return self.logits(self.decode(chunks, states, plan))[0]
+            return self.decode(chunks, states, plan)
         h, positions, _ = self.run(chunks, states)
         ends = torch.tensor([len(ch) for ch in chunks], device=h.device).cumsum(0) - 1
         return self.logits(h[:, ends])[0]
@@ -240,18 +249,26 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 def batch_inputs(embed: nn.Embedding, config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState]):
     """(tokens [1, N], positions per request, hc streams [1, N, n, d]) of a flattened batch, checked."""
-    # checked on the host before anything reaches the device: no device sync, and a bad id is
-    # rejected before any compute
+    device = embed.weight.device
+    tokens = checked_tokens(config, chunks, states).to(device, non_blocking=True)
+    positions = [torch.arange(st.length, st.length + len(ch), device=device) for st, ch in zip(states, chunks)]
+    return tokens, positions, embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
+
+
+def checked_tokens(config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState],
+                   pad_to: int = 0) -> torch.Tensor:
+    """The step's token ids [1, N] on the host (padded with zeros to `pad_to`), checked there
+    before anything reaches the device: no device sync, and a bad id or a position past the
+    model's context is rejected before any compute."""
     tokens = torch.cat([ch.cpu() for ch in chunks])[None]
     check_ids(tokens, config.vocab_size)
     for st, ch in zip(states, chunks):
         if len(ch) and st.length + len(ch) - 1 >= config.max_position_embeddings:
             raise ValueError(f"position {st.length + len(ch) - 1} exceeds max_position_embeddings "
                              f"{config.max_position_embeddings}")
-    device = embed.weight.device
-    tokens = tokens.to(device, non_blocking=True)
-    positions = [torch.arange(st.length, st.length + len(ch), device=device) for st, ch in zip(states, chunks)]
-    return tokens, positions, embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
+    if pad_to > tokens.shape[1]:
+        tokens = torch.cat([tokens, tokens.new_zeros((1, pad_to - tokens.shape[1]))], 1)
+    return tokens
 
 
 def check_ids(token_ids: torch.Tensor, vocab_size: int) -> None:

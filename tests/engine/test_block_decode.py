@@ -126,3 +126,46 @@ def test_states_it_cannot_take_fall_back(model):
     assert model.plan_decode(chunk, [req.state]) is None
     window.n += 1
     assert model.plan_decode(chunk, [req.state]) is not None
+
+
+@torch.no_grad()
+def test_padded_steps_give_the_same_logits(model):
+    """A step padded to a bucket (what a CUDA graph replays: 8 rows, 4 pages) gives the real rows'
+    logits of the unpadded step, and its padding writes only the scratch block and slot."""
+    ps = _prompts()[2:]
+    ref_tokens, ref_logits, _ = _run(model, True, ps)
+    plan = DeepseekV4ForCausalLM.plan_decode
+    model.plan_decode = lambda chunks, states: plan(model, chunks, states, batch=8, pages=4)
+    try:
+        llm = LLM(model=model, config=CFG)
+        seen = {}
+        llm.engine.logits_hook = lambda req, pos, lg: seen.__setitem__((tuple(req.prompt), req.stream, pos), lg.clone())
+        tokens = [[c.token_ids for c in o] for o in llm.generate(ps, GREEDY)]
+    finally:
+        del model.plan_decode
+    assert tokens == ref_tokens
+    for k, ref in ref_logits.items():
+        torch.testing.assert_close(seen[k], ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_null_plan_writes_only_the_scratch(model):
+    """Every row padding (how a CUDA graph is warmed up before capture): the requests' pages and
+    slots stay as they were."""
+    from kvcache.engine.decode_plan import step_views
+    eng, req = _engine_with_state(model, 21, 3)
+    plan = model.plan_decode([torch.tensor([req.output[-1]])], [req.state], batch=4, pages=2)
+    before = {k: v.clone() for k, v in (*eng.kv.lanes.items(), *eng.kv.slot_lanes.items())}
+    null = step_views(plan.null_host(), plan.batch, plan.pages, plan.ratios)
+    model.decode_step(torch.zeros((1, plan.batch), dtype=torch.long), null, plan.lanes)
+    for key, lane in (*eng.kv.lanes.items(), *eng.kv.slot_lanes.items()):
+        scratch = eng.kv.scratch_block if key in eng.kv.lanes else eng.kv.scratch_slot
+        assert torch.equal(lane[:scratch], before[key][:scratch]), key
+    assert model.plan_decode([torch.tensor([1])] * 2, [req.state] * 2, batch=1) is None      # over the bucket
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(model):
+    with pytest.raises(ValueError, match="CUDA device"):
+        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True))
+    with pytest.raises(ValueError, match="block_decode"):
+        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True, block_decode=False))
