@@ -21,11 +21,14 @@ block decode cannot take, more requests or pages than the largest bucket) run as
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvcache.engine.models.deepseek_v4 import checked_tokens
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +37,7 @@ class _Graph:
     inputs: torch.Tensor          # the plan's packed values (step_views' layout)
     tokens: torch.Tensor          # [1, batch]
     logits: torch.Tensor          # [batch, vocab], written by each replay
+    lanes: list                   # the pool lanes it reads and writes (the same tensors every step)
 
 
 def bucket(n: int) -> int:
@@ -48,19 +52,21 @@ class DecodeGraphs:
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {device}")
         if not hasattr(model, "decode_step"):
             raise ValueError(f"cuda_graphs needs block decode, which {type(model).__name__} does not have")
-        stacked = [blk.ffn.stacked for blk in model.layers]
-        if any(s is None or not s.on_device for s in stacked):
+        if not _device_experts(model):
             raise ValueError("cuda_graphs needs the routed experts summed on the device (device_experts on): "
                              "the host path reads the chosen experts back every layer")
         self.model, self.block_size = model, block_size
         self.max_batch, self.max_pages = bucket(max_batch), bucket(max_pages)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
+        self.failed: str | None = None         # a capture failed: graphs off for this engine, said once
 
     def logits(self, chunks: list[torch.Tensor], states: list) -> torch.Tensor | None:
         """The step's logits [len(chunks), vocab] by replaying its bucket's graph (states advanced),
         or None when it is not a step the graphs take (the caller runs it as usual)."""
-        if any(len(ch) != 1 for ch in chunks) or len(chunks) > self.max_batch:
+        if self.failed or any(len(ch) != 1 for ch in chunks) or len(chunks) > self.max_batch:
+            return None
+        if not _device_experts(self.model):      # another engine on this model turned them off since
             return None
         pages = bucket(max(-(-(st.length + 1) // self.block_size) for st in states))
         if pages > self.max_pages:
@@ -69,7 +75,17 @@ class DecodeGraphs:
         if plan is None:
             return None
         tokens = checked_tokens(self.model.config, chunks, states, plan.batch)
-        g = self.graphs.get((plan.batch, plan.pages)) or self._capture(plan)
+        g = self.graphs.get((plan.batch, plan.pages))
+        if g is None:
+            try:
+                g = self._capture(plan)
+            except Exception as e:      # a capture that fails once fails every time: run without graphs
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed (%s): decode steps run without graphs", self.failed)
+                torch.cuda.synchronize()
+                return None
+        if any(a is not b for got, had in zip(plan.lanes, g.lanes) for a, b in zip(got.values(), had.values())):
+            raise RuntimeError("the pool's lanes are not the tensors the graph was captured on")
         g.inputs.copy_(plan.host, non_blocking=True)
         g.tokens.copy_(tokens, non_blocking=True)
         g.graph.replay()
@@ -95,6 +111,11 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = run()
-        g = _Graph(graph, inputs, tokens, logits)
+        g = _Graph(graph, inputs, tokens, logits, plan.lanes)
         self.graphs[(plan.batch, plan.pages)] = g
         return g
+
+
+def _device_experts(model) -> bool:
+    """Whether every block's routed experts are summed on the device (no read-back of their ids)."""
+    return all(blk.ffn.stacked is not None and blk.ffn.stacked.on_device for blk in model.layers)

@@ -97,8 +97,10 @@ def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int =
         comps.append(c)
         rows["pos"].append(st.length)
         rows["slots"].append(slot)
-        rows["window_rows"].append(w[0].n)
+        rows["window_rows"].append(w[0].n)       # every layer alike: one sliding_window per model
         tables.append(table)
+    if len(set(rows["slots"])) < len(states):
+        return None                                    # one request twice: its slot would be written twice
     nb = max(-(-(p + 1) // scratch.block_size) for p in rows["pos"]) if scratch.block_size else 0
     if (batch and len(states) > batch) or (pages and nb > pages):
         return None                                    # bigger than the bucket asked for
@@ -185,7 +187,10 @@ def _request(layers, lanes, st, ratios, per_ratio, scratch: "_Scratch"):
     """(slot, table, window SlotRows, _Compressors) of one request after checking every layer's
     state against its position; appends its per-ratio values; None if anything disagrees."""
     p = st.length
-    slot = slot_of(st.layers[0], "window").slot
+    first = slot_of(st.layers[0], "window")
+    if first is None:
+        return None
+    slot = first.slot
     table, windows, comps, carry = None, [], _Compressors(), {}
     for a, s, ln in zip(layers, st.layers, lanes):
         w = slot_of(s, "window")
@@ -204,7 +209,7 @@ def _request(layers, lanes, st, ratios, per_ratio, scratch: "_Scratch"):
             table = rows.table
             bufs = [slot_of(cs, "buf_kv"), slot_of(cs, "buf_gate")]
             carries = [slot_of(cs, "overlap_kv"), slot_of(cs, "overlap_gate")] if comp.overlap else []
-            if any(b is None or b.lane is not ln[prefix + n] or b.slot != slot
+            if any(b is None or b.lane is not ln.get(prefix + n) or b.slot != slot
                    for b, n in zip(bufs + carries, ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"))):
                 return None
             if bufs[0].n != p % m or bufs[1].n != p % m or cs.count != p // m or rows.count != cs.count \

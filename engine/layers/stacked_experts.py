@@ -112,7 +112,7 @@ def stack_experts(model: nn.Module, on_device: bool = True) -> int:
     """Stack the experts of every MoE of `model` (their parameters become views: no second copy);
     `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`), else by the
     host path, which a decode graph reaches through the `kvcache::routed_experts` op with the
-    stacks as its inputs (layers/routed_op.py). Returns how many MoEs. Under expert parallelism
+    stacks as its inputs (layers/expert_sum.py). Returns how many MoEs. Under expert parallelism
     (a rank holds some experts only) nothing is stacked, and on_device is refused."""
     from kvcache.engine.layers.moe import MoE
     moes = [m for m in model.modules() if isinstance(m, MoE)]

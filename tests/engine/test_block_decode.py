@@ -162,6 +162,7 @@ def test_a_null_plan_writes_only_the_scratch(model):
         scratch = eng.kv.scratch_block if key in eng.kv.lanes else eng.kv.scratch_slot
         assert torch.equal(lane[:scratch], before[key][:scratch]), key
     assert model.plan_decode([torch.tensor([1])] * 2, [req.state] * 2, batch=1) is None      # over the bucket
+    assert model.plan_decode([torch.tensor([1])] * 2, [req.state] * 2) is None               # one slot twice
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run(model):
