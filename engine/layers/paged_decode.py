@@ -50,6 +50,11 @@ class DecodeStep:
     tables: torch.Tensor        # [B, nb] block ids, padded with the scratch block
     ratios: dict[int, RatioStep]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-request tensor (dim 0 is the batch)."""
+        return [self.pos, self.slots, self.window_rows, self.tables,
+                *(getattr(r, f) for r in self.ratios.values() for f in r.__dataclass_fields__)]
+
 
 def window_keys(kv: torch.Tensor, lane: torch.Tensor, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
     """kv [B, D] (the new rows, RoPE'd) -> (keys [B, W, D], bias [B, W]); the slots updated."""

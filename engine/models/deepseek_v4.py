@@ -206,6 +206,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         # the pages read grow with the history: one dynamic size for compiled blocks from the start
         # (1 page is a graph of its own), not a static graph for the first count seen
         torch._dynamo.maybe_mark_dynamic(step.tables, 1)
+        # and so does the batch: dynamic from the first compile, not after a static graph for
+        # the first size seen (a whole-block compile is ~15 s on 2 cores; batch 1 gets its own)
+        for t in (h, tokens):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        for t in step.tensors():
+            torch._dynamo.maybe_mark_dynamic(t, 0)
         for i, blk in enumerate(self.layers):
             h = phase(blk, "decode", h, step.pos, self.rope, tokens, step, lanes[i])
         return self.logits(h)[0]
