@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.engine.decode_plan import step_views
 from kvcache.engine.models.deepseek_v4 import checked_tokens
 
 log = logging.getLogger(__name__)
@@ -90,12 +91,9 @@ class DecodeGraphs:
         g.tokens.copy_(tokens, non_blocking=True)
         g.graph.replay()
         plan.commit()
-        for st in states:
-            st.length += 1
         return g.logits[: len(chunks)]
 
     def _capture(self, plan) -> _Graph:
-        from kvcache.engine.decode_plan import step_views
         device = self.model.embed.weight.device
         inputs = plan.null_host().to(device)
         tokens = torch.zeros((1, plan.batch), dtype=torch.long, device=device)

@@ -38,6 +38,7 @@ class DecodePlan:
     pages: int                                       # block-table columns
     ratios: tuple[int, ...]
     lanes: list[dict[str, torch.Tensor]]             # per layer: its lanes by name ("window", "entries", ...)
+    states: list                                     # the requests' ModelStates
     windows: list                                    # every request's window SlotRows, all layers
     comps: list[_Compressors]
     device: torch.device
@@ -59,7 +60,9 @@ class DecodePlan:
         return _packed(rows, per_ratio, [], self.ratios, self.scratch, self.batch, self.pages)
 
     def commit(self) -> None:
-        """The step ran: advance the host-side counts (window rows, buffers, entries, carries)."""
+        """The step ran: advance the host-side counts (lengths, window rows, buffers, entries, carries)."""
+        for st in self.states:
+            st.length += 1
         for w in self.windows:
             w.n = min(w.n + 1, w.lane.shape[1])
         for c in self.comps:
@@ -106,7 +109,7 @@ def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int =
         return None                                    # bigger than the bucket asked for
     B, nb = max(batch, len(states)), max(pages, nb) if scratch.block_size else 0
     host = _packed(rows, per_ratio, tables, ratios, scratch, B, nb)
-    return DecodePlan(host, B, nb, ratios, lanes, windows, comps, torch.device(device), scratch)
+    return DecodePlan(host, B, nb, ratios, lanes, states, windows, comps, torch.device(device), scratch)
 
 
 def _packed(rows: dict, per_ratio: dict, tables: list, ratios, scratch: "_Scratch", batch: int,

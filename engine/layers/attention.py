@@ -22,6 +22,7 @@ from kvcache.engine.config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
 from kvcache.engine.layers.history import PagedRows, SlotField, clone_field, make_rows, padded_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
+from kvcache.engine.layers.paged_decode import masked_bias
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 QUERY_BLOCK = 256
@@ -218,13 +219,13 @@ class Attention(nn.Module):
         if self.indexer is None:                                               # HCA: every closed window
             limit = torch.minimum((pos + 1) // self.ratio, torch.tensor(lens, device=pos.device))
             hidden = torch.arange(n, device=pos.device)[None, :] >= limit[:, None]
-            bias = torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf"))
+            bias = masked_bias(hidden)
             return torch.cat([window, entries], 1), torch.cat([zeros, bias], 1)
         self.indexer.compressor.absorb_many(pre["ikv"], pre["igate"], [st.index for st in states], rope, views=False)
         keys, key_lens = padded_rows([st.index.rows for st in states])
         ids = self.indexer.select_padded(pre["iq"][0], pre["iw"][0], pos, keys, key_lens)        # [B, k], -1 none
         picked = entries.gather(1, ids.clamp(min=0)[..., None].expand(-1, -1, entries.shape[-1]))
-        bias = torch.zeros(ids.shape, device=ids.device).masked_fill(ids < 0, float("-inf"))
+        bias = masked_bias(ids < 0)
         return torch.cat([window, picked], 1), torch.cat([zeros, bias], 1)
 
     def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
@@ -328,8 +329,7 @@ class Attention(nn.Module):
         keys = rows[:, lo:hi]                                                  # [B, S, D]
         kpos = torch.arange(lo, hi, device=q.device) + first_row
         delta = pos[:, None] - kpos[None, :]
-        bias = torch.zeros(delta.shape, device=q.device).masked_fill((delta < 0) | (delta >= self.window),
-                                                                      float("-inf"))
+        bias = masked_bias((delta < 0) | (delta >= self.window))
         bias = bias.expand(q.shape[0], -1, -1)                                # [B, Tq, S]
         if entries is None or not entries.shape[1]:
             return self.attend(q, keys, bias)
@@ -369,7 +369,7 @@ class Attention(nn.Module):
 def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> torch.Tensor:
     """0 where query at `pos` may read entry n (n < (pos + 1) // ratio), -inf elsewhere: [B, Tq, N]."""
     hidden = torch.arange(n_entries, device=pos.device)[None, :] >= ((pos + 1) // ratio)[:, None]
-    return torch.zeros(hidden.shape, device=pos.device).masked_fill(hidden, float("-inf")).expand(batch, -1, -1)
+    return masked_bias(hidden).expand(batch, -1, -1)
 
 
 def core_or_attend(attn: Attention, attend, x: torch.Tensor, inputs, positions, states, rope: RotaryTables,

@@ -69,7 +69,7 @@ def window_keys(kv: torch.Tensor, lane: torch.Tensor, step: DecodeStep) -> tuple
     src = torch.where(rows == W - 1, r + 1, torch.where(r == rows, W - 1, r))
     lane[step.slots] = seen.gather(1, src[..., None].expand(-1, -1, seen.shape[-1])).to(lane.dtype)
     keys = seen.masked_fill(~valid[..., None], 0.0)                         # stale rows never reach a product
-    return keys, torch.zeros(valid.shape, device=kv.device).masked_fill(~valid, float("-inf"))
+    return keys, masked_bias(~valid)
 
 
 def close_windows(comp, kv: torch.Tensor, gate: torch.Tensor, lanes: dict, prefix: str, rows_lane: torch.Tensor,
@@ -105,26 +105,26 @@ def decode_keys(attn, kv: torch.Tensor, pre: dict, step: DecodeStep, lanes: dict
         return keys, bias
     r = step.ratios[attn.ratio]
     close_windows(attn.compressor, pre["kv"][0], pre["gate"][0], lanes, "", lanes["entries"], r, step.slots, rope)
-    entries = paged_rows(lanes["entries"], step.tables, r.visible)
+    entries, hidden = paged_rows(lanes["entries"], step.tables, r.visible)
     if attn.indexer is None:                                          # HCA: every closed window
-        hidden = torch.arange(entries.shape[1], device=kv.device)[None, :] >= r.visible[:, None]
         return torch.cat([keys, entries], 1), torch.cat([bias, masked_bias(hidden)], 1)
     close_windows(attn.indexer.compressor, pre["ikv"][0], pre["igate"][0], lanes, "i_", lanes["index"], r,
                   step.slots, rope)
-    index_keys = paged_rows(lanes["index"], step.tables, r.visible)
+    index_keys, _ = paged_rows(lanes["index"], step.tables, r.visible)
     ids = attn.indexer.select_visible(pre["iq"][0], pre["iw"][0], r.visible, index_keys)     # [B, k], -1 none
     picked = entries.gather(1, ids.clamp(min=0)[..., None].expand(-1, -1, entries.shape[-1]))
     return torch.cat([keys, picked], 1), torch.cat([bias, masked_bias(ids < 0)], 1)
 
 
-def paged_rows(lane: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def paged_rows(lane: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every request's rows in one gather [B, nb * rows_per_block, dim] (fp32), rows at or past
-    `visible` zeroed (padding, pages of the scratch block, stale rows)."""
+    `visible` zeroed (padding, pages of the scratch block, stale rows), and that mask [B, N]."""
     B = tables.shape[0]
     rows = lane[tables].reshape(B, -1, lane.shape[-1]).float()
     hidden = torch.arange(rows.shape[1], device=rows.device)[None, :] >= visible[:, None]
-    return rows.masked_fill(hidden[..., None], 0.0)
+    return rows.masked_fill(hidden[..., None], 0.0), hidden
 
 
 def masked_bias(hidden: torch.Tensor) -> torch.Tensor:
+    """An attention bias: 0 where a key is seen, -inf where `hidden`."""
     return torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))

@@ -195,14 +195,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         tokens = checked_tokens(self.config, chunks, states, plan.batch)
         logits = self.decode_step(tokens.to(self.embed.weight.device, non_blocking=True), plan.step, plan.lanes)
         plan.commit()
-        for st in states:
-            st.length += 1
         return logits[: len(chunks)]
 
     def decode_step(self, tokens: torch.Tensor, step: DecodeStep, lanes: list[dict]) -> torch.Tensor:
         """The device work of a planned decode step, tensor ops only (what a CUDA graph captures):
         tokens [1, B] -> logits [B, vocab]; the lanes written."""
-        h = self.embed(tokens).unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        h = hc_streams(self.embed, self.config, tokens)
         # the pages read grow with the history: one dynamic size for compiled blocks from the start
         # (1 page is a graph of its own), not a static graph for the first count seen
         torch._dynamo.maybe_mark_dynamic(step.tables, 1)
@@ -258,7 +256,12 @@ def batch_inputs(embed: nn.Embedding, config: ModelConfig, chunks: list[torch.Te
     device = embed.weight.device
     tokens = checked_tokens(config, chunks, states).to(device, non_blocking=True)
     positions = [torch.arange(st.length, st.length + len(ch), device=device) for st, ch in zip(states, chunks)]
-    return tokens, positions, embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
+    return tokens, positions, hc_streams(embed, config, tokens)
+
+
+def hc_streams(embed: nn.Embedding, config: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """The hc_mult identical residual streams [1, N, n, d] of tokens [1, N]."""
+    return embed(tokens).unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
 
 
 def checked_tokens(config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState],
