@@ -3,8 +3,14 @@
 
 MoE.routed runs it between compiled phases; a decode step compiled as one graph per block calls
 it as the opaque op `kvcache::routed_experts` (its inputs: the stacked weights of
-layers/stacked_experts.py), so the graph holds no data-dependent Python and the op reads the
-chosen ids back on its own.
+layers/stacked_experts.py, linear layout), so the graph holds no data-dependent Python and the op
+reads the chosen ids back on its own.
+
+A compiled batch-1 decode graph sums its one token's experts in the graph instead
+(`gathered_sum`): each projection a multiply-and-reduce over the chosen experts' rows, which
+inductor fuses with the gather, so the chosen weights are read once, straight from the stacks,
+with no op call, no host read of the ids and no Python (v4-small, 2 CPU cores: the 8 layers'
+routed sums 0.9 ms, against 1.5 ms through the op).
 """
 
 from __future__ import annotations
@@ -53,10 +59,28 @@ def grouped_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 @torch.library.custom_op("kvcache::routed_experts", mutates_args=())
 def routed_experts(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1s: torch.Tensor,
                    w3s: torch.Tensor, w2s: torch.Tensor, limit: float) -> torch.Tensor:
-    """grouped_sum over stacked weights (w1s, w3s [E, d, inter], w2s [E, inter, d])."""
-    return grouped_sum(flat, weights, ids, lambda e: (w1s[e].t(), w3s[e].t(), w2s[e].t()), limit)
+    """grouped_sum over linear stacks (w1s, w3s [E, inter, d], w2s [E, d, inter])."""
+    return grouped_sum(flat, weights, ids, lambda e: (w1s[e], w3s[e], w2s[e]), limit)
 
 
 @routed_experts.register_fake
 def _(flat, weights, ids, w1s, w3s, w2s, limit):
     return torch.empty_like(flat)
+
+
+def gathered_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1s: torch.Tensor,
+                 w3s: torch.Tensor, w2s: torch.Tensor, limit: float) -> torch.Tensor:
+    """grouped_sum as tensor ops over linear stacks, for a compiled graph at one token (or a few:
+    every (token, slot) pair reads its expert's rows, so tokens sharing an expert read it twice).
+    Each token's terms in ascending expert id, like grouped_sum."""
+    ids, order = ids.sort(dim=1)
+    weights = weights.gather(1, order).to(flat.dtype)
+    x = flat[:, None, None, :]                                              # [N, 1, 1, d]
+    gate = (x * w1s[ids]).sum(-1).clamp(max=limit)                          # [N, k, inter]
+    up = (x * w3s[ids]).sum(-1).clamp(min=-limit, max=limit)
+    h = (F.silu(gate) * up)[:, :, None, :]                                  # [N, k, 1, inter]
+    y = (h * w2s[ids]).sum(-1)                                              # [N, k, d]
+    acc = torch.zeros_like(flat)
+    for j in range(ids.shape[1]):
+        acc = acc + y[:, j] * weights[:, j, None]
+    return acc

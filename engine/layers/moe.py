@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.expert_sum import grouped_sum, swiglu
+from kvcache.engine.layers.expert_sum import gathered_sum, grouped_sum, swiglu
 
 SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair (see MoE.routed)
 
@@ -160,6 +160,8 @@ class MoE(nn.Module):
         s = self.stacked
         if s.on_device:
             return s(flat, weights, ids)
+        if flat.shape[0] == 1 and torch.compiler.is_compiling():        # a batch-1 decode graph
+            return gathered_sum(flat, weights, ids, s.w1s, s.w3s, s.w2s, s.limit)
         return torch.ops.kvcache.routed_experts(flat, weights, ids, s.w1s, s.w3s, s.w2s, s.limit)
 
     def combine(self, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:

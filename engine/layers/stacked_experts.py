@@ -24,22 +24,33 @@ GATHER_BYTES = 256 << 20      # without grouped matmuls: weights gathered per ch
 
 
 class StackedExperts(nn.Module):
-    """w1s, w3s [E, d, inter] and w2s [E, inter, d]: the routed experts' weights, transposed."""
+    """The routed experts' weights in three stacked tensors, in one of two layouts:
 
-    def __init__(self, experts: nn.ModuleList):
+        transposed (device sums)  w1s, w3s [E, d, inter], w2s [E, inter, d]   x @ W, grouped matmuls
+        linear     (host sums)    w1s, w3s [E, inter, d], w2s [E, d, inter]   nn.Linear's, rows contiguous
+
+    The host path's matmuls and a one-token decode graph's gathered sums (layers/expert_sum.py)
+    read rows along the contiguous input dim: a compiled batch-1 sum over the transposed stacks
+    ran at ~60% of the speed it reaches on these (v4-small, 2 CPU cores)."""
+
+    def __init__(self, experts: nn.ModuleList, linear: bool = False):
         super().__init__()
         w = experts[0].w1.weight
         inter, d = w.shape
         self.limit = experts[0].limit
-        for name, shape in (("w1s", (inter, d)), ("w3s", (inter, d)), ("w2s", (d, inter))):
-            stacked = torch.empty((len(experts), shape[1], shape[0]), dtype=w.dtype, device=w.device)
+        self.linear = linear
+        for name in ("w1s", "w3s", "w2s"):
+            lin0 = getattr(experts[0], name[:2]).weight
+            shape = tuple(lin0.shape) if linear else tuple(lin0.shape[::-1])
+            stacked = torch.empty((len(experts),) + shape, dtype=w.dtype, device=w.device)
             for e, ex in enumerate(experts):
                 lin = getattr(ex, name[:2])
-                stacked[e].copy_(lin.weight.detach().t())
-                lin.weight = nn.Parameter(stacked[e].t(), requires_grad=False)   # a view: one copy in memory
+                stacked[e].copy_(lin.weight.detach() if linear else lin.weight.detach().t())
+                view = stacked[e] if linear else stacked[e].t()
+                lin.weight = nn.Parameter(view, requires_grad=False)    # a view: one copy in memory
             self.register_buffer(name, stacked, persistent=False)
         self.grouped = grouped_mm_works(w.dtype, w.device, d, inter)
-        self.on_device = True          # routed sums by forward(); False: by the host path (stack_experts)
+        self.on_device = not linear    # routed sums by forward(); False: by the host path (stack_experts)
 
     def stale(self, experts: nn.ModuleList) -> bool:
         """Whether the experts' parameters stopped being views into the stacks (the model was moved
@@ -48,7 +59,7 @@ class StackedExperts(nn.Module):
                    for e in (0, len(experts) - 1) for name in ("w1s", "w3s", "w2s"))
 
     def forward(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d]."""
+        """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d] (transposed stacks)."""
         N, k = ids.shape
         pair_ids = ids.reshape(-1)
         order = torch.argsort(pair_ids, stable=True)                              # pairs by expert
@@ -110,9 +121,10 @@ def device_experts_pay(model: nn.Module) -> bool:
 
 def stack_experts(model: nn.Module, on_device: bool = True) -> int:
     """Stack the experts of every MoE of `model` (their parameters become views: no second copy);
-    `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`), else by the
-    host path, which a decode graph reaches through the `kvcache::routed_experts` op with the
-    stacks as its inputs (layers/expert_sum.py). Returns how many MoEs. Under expert parallelism
+    `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`, transposed
+    stacks), else by the host path, which a decode graph reaches through the
+    `kvcache::routed_experts` op with the (linear) stacks as its inputs, or at one token sums in
+    the graph (layers/expert_sum.py). Returns how many MoEs. Under expert parallelism
     (a rank holds some experts only) nothing is stacked, and on_device is refused."""
     from kvcache.engine.layers.moe import MoE
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -121,7 +133,6 @@ def stack_experts(model: nn.Module, on_device: bool = True) -> int:
             raise ValueError("stacked experts do not support expert parallelism")
         return 0
     for m in moes:
-        if m.stacked is None or m.stacked.stale(m.experts):
-            m.stacked = StackedExperts(m.experts)
-        m.stacked.on_device = on_device
+        if m.stacked is None or m.stacked.stale(m.experts) or m.stacked.linear == on_device:
+            m.stacked = StackedExperts(m.experts, linear=not on_device)
     return len(moes)

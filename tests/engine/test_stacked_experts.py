@@ -64,6 +64,33 @@ def test_stacks_are_rebuilt_after_the_model_is_cast():
     torch.testing.assert_close(moe(x), ref(x))
 
 
+@torch.no_grad()
+def test_host_stacks_are_linear_and_a_compiled_token_sums_in_the_graph():
+    """Host-path stacks keep nn.Linear's layout (rows along the input dim); a one-token routed
+    sum compiled in a graph (gathered_sum: no op call) equals the op's, and so does gathered_sum
+    run eagerly on a few tokens (each token's terms in ascending expert id)."""
+    from kvcache.engine.layers.expert_sum import gathered_sum
+    moe = _moe()
+    stack_experts(moe, on_device=False)
+    s = moe.stacked
+    assert s.linear and s.w1s.shape[1:] == moe.experts[0].w1.weight.shape
+    assert s.w2s[3].data_ptr() == moe.experts[3].w2.weight.data_ptr() and s.w2s.is_contiguous()
+    calls = []
+    torch.compiler.reset()
+    fn = torch.compile(lambda x, w, i: (calls.append(1), moe.routed_sum(x, w, i))[1], backend="aot_eager")
+    for n in (1, 3):
+        x = torch.randn(n, moe.gate.weight.shape[1])
+        weights, ids = moe.gate(x, None)
+        op = torch.ops.kvcache.routed_experts(x, weights, ids, s.w1s, s.w3s, s.w2s, s.limit)
+        torch.testing.assert_close(gathered_sum(x, weights, ids, s.w1s, s.w3s, s.w2s, s.limit), op,
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe.routed_sum(x, weights, ids), op, rtol=0, atol=0)   # eager: the op
+        torch.testing.assert_close(fn(x, weights, ids), op, rtol=1e-5, atol=1e-5)
+    graph = torch._dynamo.explain(lambda x, w, i: moe.routed_sum(x, w, i))(x[:1], weights[:1], ids[:1])
+    ops = {str(n.target) for g in graph.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert not any("routed_experts" in o for o in ops)              # one token: summed in the graph
+
+
 def test_device_experts_are_off_by_default_on_the_cpu():
     """On the CPU the engine stacks the experts (block decode's op reads the stacks) but sums them
     by the host path."""
