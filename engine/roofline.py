@@ -6,8 +6,8 @@ than the CPU caches), so
     step time >= weight bytes a step touches / memory read bandwidth
     decode tokens/s <= batch / that time
 
-Weight bytes a step touches: every parameter outside the routed experts and the embedding
-(attention, norms, hyper-connections, the shared expert, gates, the output head), the embedding
+Weight bytes a step touches: every parameter outside the routed experts, the embedding and the
+drafter (attention, norms, hyper-connections, the shared expert, gates, the output head), the embedding
 rows of the batch's tokens, and the routed experts the batch selects. With `batch` tokens each
 choosing k of E experts per MoE layer, about E * (1 - (1 - k/E)^batch) distinct experts run
 (uniform routing; random-weight models route close to uniformly).
@@ -44,11 +44,14 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3, device: str = "cpu
 
 
 def step_weight_bytes(model: nn.Module, batch: int) -> int:
-    """Estimated weight bytes one decode step of `batch` tokens reads (see the module docstring)."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    """Estimated weight bytes one decode step of `batch` tokens reads (see the module docstring).
+    The drafter (`model.mtp`: MTP / DSpark stages) is not part of a plain decode step."""
+    drafter = getattr(model, "mtp", None)
+    off = {id(p) for p in drafter.parameters()} if drafter is not None else set()
+    moes = [m for m in model.modules() if isinstance(m, MoE) and not any(id(p) in off for p in m.parameters())]
     routed = {id(p) for m in moes for p in m.experts.parameters()}
     embed = getattr(model, "embed", None)
-    skip = routed | ({id(p) for p in embed.parameters()} if embed is not None else set())
+    skip = routed | off | ({id(p) for p in embed.parameters()} if embed is not None else set())
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
     if embed is not None:
         dense += min(batch, embed.weight.shape[0]) * embed.weight.shape[1] * embed.weight.element_size()
