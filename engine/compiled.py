@@ -107,9 +107,8 @@ def warm_up(run, block_size: int, vocab_size: int) -> None:
     """Meet every graph variant a serving engine needs before the first real request (a compile
     takes seconds to a minute on 2 CPU cores): `run(prompts, max_tokens)` generates on a scratch
     engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
-    1 tokens (batch-1: experts summed in the graph), each with one and with more history pages
-    (block decode: the page count is dynamic, one page its own graph), a prefill of another size
-    (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the
+    1 tokens (batch-1: experts summed in the graph; block decode's page count is dynamic and
+    never 1, decode_plan.MIN_PAGES), a prefill of another size (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the
     phases, whose decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]

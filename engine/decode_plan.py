@@ -22,6 +22,10 @@ from kvcache.engine.layers.history import PagedRows, slot_of
 from kvcache.engine.layers.paged_decode import DecodeStep, RatioStep
 
 RATIO_FIELDS = ("buf_slot", "buf_row", "closes", "carry", "count", "entry_at", "carry_slot", "visible")
+# Block tables are at least this wide (short histories padded with the scratch block, masked): a
+# one-page table would specialize a compiled graph on the size 1, and every block variant would
+# compile twice more at start (one page, more pages) for ~nothing saved at run time.
+MIN_PAGES = 2
 
 
 @dataclass
@@ -82,7 +86,8 @@ def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int =
     """The plan for one token per request (`layers`: the blocks' Attention modules; `states`: the
     requests' ModelStates at their current length), or None where the general path must run.
     `batch` / `pages` pad the step to that many rows / block-table columns (a CUDA graph's
-    bucket): padding rows read and write only the scratch block and slot."""
+    bucket; at least MIN_PAGES columns either way): padding reads and writes only the scratch
+    block and slot."""
     lanes = _lanes(layers, states[0].layers)
     if lanes is None:
         return None
@@ -107,7 +112,7 @@ def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int =
     nb = max(-(-(p + 1) // scratch.block_size) for p in rows["pos"]) if scratch.block_size else 0
     if (batch and len(states) > batch) or (pages and nb > pages):
         return None                                    # bigger than the bucket asked for
-    B, nb = max(batch, len(states)), max(pages, nb) if scratch.block_size else 0
+    B, nb = max(batch, len(states)), max(pages, nb, MIN_PAGES) if scratch.block_size else 0
     host = _packed(rows, per_ratio, tables, ratios, scratch, B, nb)
     return DecodePlan(host, B, nb, ratios, lanes, states, windows, comps, torch.device(device), scratch)
 
