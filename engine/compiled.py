@@ -31,6 +31,7 @@ from torch import nn
 
 PHASES = ("attn_in", "ffn_in", "ffn_out")
 WHOLE = ("decode",)       # a block's whole decode step as one graph, where the block class has one
+MODEL_WHOLE = "decode_layers"   # a model's batch-1 decode step (all blocks, logits) as one graph
 RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
 # A graph's launcher in C++ rather than Python: a v4-small batch-1 step spent 13 of its ~23 ms in
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
@@ -58,6 +59,7 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
     if not enabled:
         for blk in found:
             blk.__dict__.pop("compiled", None)
+        model.__dict__.pop("compiled", None)
         return len(found)
     _check(model)
     import torch._dynamo
@@ -68,7 +70,20 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
     for blk in found:
         variant = blk.variant() if callable(getattr(blk, "variant", None)) else None
         blk.__dict__["compiled"] = _compiled_phases(type(blk), variant, options)
+    if callable(getattr(model, MODEL_WHOLE, None)):
+        model.__dict__["compiled"] = {MODEL_WHOLE: _compiled_model(type(model), options)}
     return len(found)
+
+
+def _compiled_model(cls: type, options: dict):
+    """The model's batch-1 decode step (every block and the logits) as one compiled function,
+    once per model class, backend and options."""
+    import torch
+    key = (cls, MODEL_WHOLE, BACKEND, tuple(sorted(options.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(getattr(cls, MODEL_WHOLE), backend=BACKEND,
+                                       options=options if BACKEND == "inductor" else None)
+    return _COMPILED[key]
 
 
 def _compiled_phases(cls: type, variant, options: dict) -> dict:

@@ -210,8 +210,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             torch._dynamo.maybe_mark_dynamic(t, 1)
         for t in step.tensors():
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        whole = self.__dict__.get("compiled", {}).get("decode_layers")
+        if whole is not None and tokens.shape[1] == 1:
+            return whole(self, h, tokens, step, lanes)
         for i, blk in enumerate(self.layers):
             h = phase(blk, "decode", h, step.pos, self.rope, tokens, step, lanes[i])
+        return self.logits(h)[0]
+
+    def decode_layers(self, h: torch.Tensor, tokens: torch.Tensor, step: DecodeStep, lanes: list[dict]) -> torch.Tensor:
+        """Every block's decode and the logits: a batch-1 step compiled as one graph (compiled.py:
+        one graph call a step instead of one per block, whose fixed cost is most of what a
+        batch-1 block's graph adds to its matmuls)."""
+        for i, blk in enumerate(self.layers):
+            h = blk.decode(h, step.pos, self.rope, tokens, step, lanes[i])
         return self.logits(h)[0]
 
     def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):

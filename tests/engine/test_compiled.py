@@ -56,7 +56,25 @@ def _matches_eager(config, backend: str, monkeypatch, warmup: bool) -> None:
     for key, ref in eager_logits.items():
         torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
     compile_blocks(model, False)                      # and back: a later eager engine runs eager
-    assert not any(blk.__dict__.get("compiled") for blk in blocks(model))
+    assert not any(blk.__dict__.get("compiled") for blk in blocks(model)) and not model.__dict__.get("compiled")
+
+
+@pytest.mark.slow
+def test_v4_batch1_decode_step_is_one_graph_equal_to_eager(monkeypatch):
+    """A lone request's decode steps run every block and the logits as one compiled graph
+    (model.decode_layers): same greedy tokens as eager, logits within fp32 rounding."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    monkeypatch.setattr("kvcache.engine.compiled.OPTIONS", {})
+    torch._dynamo.reset()
+    model = randomize(build_model(v4_config(num_nextn_predict_layers=0)), 4).eval()
+    prompt = [[7] + torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(2)).tolist()]
+    eager_tokens, eager_logits, _ = _generate(model, prompt, False)
+    assert not _debug_get_cache_entry_list(type(model).decode_layers.__code__)
+    tokens, logits, _ = _generate(model, prompt, True, warmup=False)
+    assert _debug_get_cache_entry_list(type(model).decode_layers.__code__)     # the whole step compiled
+    assert tokens == eager_tokens and logits.keys() == eager_logits.keys()
+    for key, ref in eager_logits.items():
+        torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
