@@ -39,6 +39,7 @@ class _Graph:
     tokens: torch.Tensor          # [1, batch]
     logits: torch.Tensor          # [batch, vocab], written by each replay
     lanes: list                   # the pool lanes it reads and writes (the same tensors every step)
+    stacks: tuple                 # the experts' stacks it reads (rebuilt stacks: the graph is stale)
 
 
 def bucket(n: int) -> int:
@@ -87,6 +88,9 @@ class DecodeGraphs:
                 return None
         if any(a is not b for got, had in zip(plan.lanes, g.lanes) for a, b in zip(got.values(), had.values())):
             raise RuntimeError("the pool's lanes are not the tensors the graph was captured on")
+        if _stacks(self.model) != g.stacks:       # another engine restacked the experts (layout, cast): the
+            self.graphs.clear()                   # graphs hold the old stacks' addresses; capture anew
+            return self.logits(chunks, states)
         g.inputs.copy_(plan.host, non_blocking=True)
         g.tokens.copy_(tokens, non_blocking=True)
         g.graph.replay()
@@ -109,9 +113,14 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits = run()
-        g = _Graph(graph, inputs, tokens, logits, plan.lanes)
+        g = _Graph(graph, inputs, tokens, logits, plan.lanes, _stacks(self.model))
         self.graphs[(plan.batch, plan.pages)] = g
         return g
+
+
+def _stacks(model) -> tuple:
+    """The experts' stacks every block reads, by identity."""
+    return tuple(id(blk.ffn.stacked) for blk in model.layers)
 
 
 def _device_experts(model) -> bool:

@@ -73,7 +73,7 @@ def gathered_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     """grouped_sum as tensor ops over linear stacks, for a compiled graph at one token (or a few:
     every (token, slot) pair reads its expert's rows, so tokens sharing an expert read it twice).
     Each token's terms in ascending expert id, like grouped_sum."""
-    ids, order = ids.sort(dim=1)
+    ids, order = ids.sort(dim=1, stable=True)
     weights = weights.gather(1, order).to(flat.dtype)
     x = flat[:, None, None, :]                                              # [N, 1, 1, d]
     gate = (x * w1s[ids]).sum(-1).clamp(max=limit)                          # [N, k, inter]

@@ -50,7 +50,12 @@ class StackedExperts(nn.Module):
                 lin.weight = nn.Parameter(view, requires_grad=False)    # a view: one copy in memory
             self.register_buffer(name, stacked, persistent=False)
         self.grouped = grouped_mm_works(w.dtype, w.device, d, inter)
-        self.on_device = not linear    # routed sums by forward(); False: by the host path (stack_experts)
+
+    @property
+    def on_device(self) -> bool:
+        """Routed sums by forward() (transposed stacks); False: by the host path (linear stacks).
+        The layout decides it: stack_experts rebuilds the stacks to change it."""
+        return not self.linear
 
     def stale(self, experts: nn.ModuleList) -> bool:
         """Whether the experts' parameters stopped being views into the stacks (the model was moved
