@@ -78,12 +78,16 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
 def _compiled_model(cls: type, options: dict):
     """The model's batch-1 decode step (every block and the logits) as one compiled function,
     once per model class, backend and options."""
-    import torch
     key = (cls, MODEL_WHOLE, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(getattr(cls, MODEL_WHOLE), backend=BACKEND,
-                                       options=options if BACKEND == "inductor" else None)
+        _COMPILED[key] = _compile(getattr(cls, MODEL_WHOLE), options)
     return _COMPILED[key]
+
+
+def _compile(fn, options: dict):
+    """torch.compile with this module's backend (inductor takes `options`, other backends none)."""
+    import torch
+    return torch.compile(fn, backend=BACKEND, options=options if BACKEND == "inductor" else None)
 
 
 def _compiled_phases(cls: type, variant, options: dict) -> dict:
@@ -94,17 +98,14 @@ def _compiled_phases(cls: type, variant, options: dict) -> dict:
     the method's code object: dynamo keeps graphs per code object and walks them on every call,
     and with every variant's decode graphs on one code object the guard checks of a step's 8
     block calls cost ~1 ms more."""
-    import torch
     opts = tuple(sorted(options.items()))
     key = (cls, variant, BACKEND, opts)
     if key not in _COMPILED:
-        options = options if BACKEND == "inductor" else None
         shared = (cls, None, BACKEND, opts)
         if shared not in _COMPILED:
-            _COMPILED[shared] = {p: torch.compile(getattr(cls, p), backend=BACKEND, options=options) for p in PHASES}
-        _COMPILED[key] = {**_COMPILED[shared], **{
-            p: torch.compile(_own_code(getattr(cls, p), variant), backend=BACKEND, options=options)
-            for p in WHOLE if hasattr(cls, p)}}
+            _COMPILED[shared] = {p: _compile(getattr(cls, p), options) for p in PHASES}
+        _COMPILED[key] = {**_COMPILED[shared], **{p: _compile(_own_code(getattr(cls, p), variant), options)
+                                                  for p in WHOLE if hasattr(cls, p)}}
     return _COMPILED[key]
 
 
@@ -122,9 +123,10 @@ def warm_up(run, block_size: int, vocab_size: int) -> None:
     """Meet every graph variant a serving engine needs before the first real request (a compile
     takes seconds to a minute on 2 CPU cores): `run(prompts, max_tokens)` generates on a scratch
     engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
-    1 tokens (batch-1: experts summed in the graph; block decode's page count is dynamic and
-    never 1, decode_plan.MIN_PAGES), a prefill of another size (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the
-    phases, whose decode graphs this leaves to the first such step."""
+    1 tokens (batch-1: the whole model one graph, experts summed in it; block decode's page
+    count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another size (dynamic).
+    Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the phases, whose
+    decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]
     run([ids(block_size + 3, 1), ids(5, 2), ids(2, 3)], [4, 3, 2])

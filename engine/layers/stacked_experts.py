@@ -138,6 +138,6 @@ def stack_experts(model: nn.Module, on_device: bool = True) -> int:
             raise ValueError("stacked experts do not support expert parallelism")
         return 0
     for m in moes:
-        if m.stacked is None or m.stacked.stale(m.experts) or m.stacked.linear == on_device:
+        if m.stacked is None or m.stacked.stale(m.experts) or m.stacked.on_device != on_device:
             m.stacked = StackedExperts(m.experts, linear=not on_device)
     return len(moes)
