@@ -146,3 +146,33 @@ def test_device_experts_refuse_expert_parallelism():
             m.local_experts = {0, 1}                 # what engine/parallel.shard sets under --ep
     with pytest.raises(ValueError, match="expert parallelism"):
         LLM(model=model, config=dataclasses.replace(CFG, device_experts=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_sum_equals_each_token_summed_alone(dtype):
+    """The host path's grouped sum equals each token summed alone in ascending expert id (within
+    rounding: a matmul over several tokens may round unlike one over a token), also with k = 6,
+    experts shared by several tokens, no token, and experts held by another rank (expert
+    parallelism: theirs add nothing)."""
+    from kvcache.engine.layers.expert_sum import grouped_sum, swiglu
+    g = torch.Generator().manual_seed(7)
+    E, d, inter, limit = 8, 32, 16, 2.0
+    w1, w3 = (torch.randn(E, inter, d, generator=g).to(dtype) for _ in range(2))
+    w2 = torch.randn(E, d, inter, generator=g).to(dtype)
+    expert = lambda e: (w1[e], w3[e], w2[e])                                     # noqa: E731
+    for n, k in ((9, 2), (5, 6), (3, 1), (0, 2)):
+        x = torch.randn(n, d, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k, dtype=torch.long)
+        weights = torch.rand(n, k, generator=g)
+        for local in (None, {0, 3, 5}, set()):
+            want = torch.zeros_like(x)
+            for t in range(n):
+                acc = torch.zeros_like(x[t:t + 1])
+                for j in sorted(range(k), key=lambda j: int(ids[t, j])):
+                    if local is None or int(ids[t, j]) in local:
+                        acc = acc + swiglu(x[t:t + 1], *expert(int(ids[t, j])), limit) * weights[t, j].to(dtype)
+                want[t] = acc[0]
+            got = grouped_sum(x, weights, ids, expert, limit, local)
+            assert got.dtype == dtype and got.shape == x.shape
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{n=} {k=} {local=}: {m}")

@@ -47,5 +47,8 @@ def worker(rank: int, world: int, rendezvous: str, out_dir: str, modes: list[str
                 logits, toks = run(kind, mode, rank, world)
                 if rank == 0:
                     torch.save({"logits": logits, "tokens": toks}, os.path.join(out_dir, f"{kind}-{mode}.pt"))
+        # both ranks done before either tears down: a rank leaving while its peer still talks
+        # over gloo aborted one in ~1 run of 8 ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
