@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks' token-wise phases: faster "
-                   "steps after a one-time compile (about a minute on 2 CPU cores, cached across runs; needs g++ "
-                   "on CPU); not with --tp")
+                   "steps after a one-time compile at start (v4-small on 2 CPU cores: ~5 minutes the first "
+                   "time, ~20 s once inductor's cache holds the graphs; needs g++ on CPU); not with --tp")
     p.set_defaults(func=cmd_generate)
 
 
