@@ -56,7 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--configs", default="v4-small,v41-small", help="model configs (configs/models/NAME.json)")
     k.add_argument("--tokens", type=_checked(int), default=2048, help="prompt tokens (default 2048)")
     k.add_argument("--block-tokens", type=_checked(int), default=256, help="tokens per stored block (default 256)")
-    k.add_argument("--out-dir", default="benchmarks/results", metavar="DIR")
+    k.add_argument("--out-dir", default="benchmarks/results", metavar="DIR", help="where the JSON report goes")
     k.set_defaults(func=run_codec)
     e = sub.add_parser("engine", help="offline generation throughput and latency against transformers' generate",
                        description="Prompt and decode tokens/s, TTFT and TPOT of the engine at several batch sizes, "
@@ -89,11 +89,12 @@ def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "
     p.add_argument("--config", default="v4-small", help="model config (configs/models/NAME.json); random weights")
     p.add_argument("--lengths", default="2048,8192,32768",
                    help="shared prefix lengths in tokens (default 2048,8192,32768)")
-    p.add_argument("--output-tokens", type=_checked(int), default=16)
+    p.add_argument("--output-tokens", type=_checked(int), default=16, help="tokens generated per request (default 16)")
     p.add_argument("--workloads", default="document,chat,shared", help="any of document (always), chat, shared")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON, markdown and plot go (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run_cold_warm(args) -> int:
@@ -116,15 +117,19 @@ examples:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
-    p.add_argument("--configs", default="v4-tiny,v4-small")
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--prompt-tokens", type=_checked(int), default=128)
-    p.add_argument("--output-tokens", type=_checked(int), default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and a "
-                   "minute or two of compiling per config on 2 cores); 'ours' is then the eager engine")
+    p.add_argument("--configs", default="v4-tiny,v4-small",
+                   help="model configs (configs/models/NAME.json), random weights (default v4-tiny,v4-small)")
+    p.add_argument("--batches", default="1,8,32", help="requests generated at once, one run each (default 1,8,32)")
+    p.add_argument("--prompt-tokens", type=_checked(int), default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--output-tokens", type=_checked(int), default=32,
+                   help="greedy tokens generated per request (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and, with "
+                   "a cold inductor cache, ~2 (v4-tiny) to ~5 (v4-small) minutes of compiling per config on 2 "
+                   "cores); 'ours' is then the eager engine")
     p.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16 weights for "
                    "both engines; results in engine_throughput_<device>-*.json)")
     p.add_argument("--device-experts", choices=("auto", "on", "off"), default="auto",
@@ -174,9 +179,9 @@ def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benc
     p.add_argument("--decode-steps", type=_checked(int), default=16, help="decode steps timed (default 16)")
     p.add_argument("--baseline-max-tokens", type=_checked(int), default=8192,
                    help="longest prompt given to transformers (its eager attention is O(T^2) in memory)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--out-dir", default=default_out_dir, metavar="DIR", help="where the JSON report goes")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run_model(args) -> int:
