@@ -56,27 +56,47 @@ def cmd_generate(args) -> int:
     if args.compile and args.tp > 1:
         raise ValueError("--compile does not support tensor or expert parallelism yet: drop --compile or --tp")
     if args.tp == 1:
-        return _generate(0, 1, args, params, None)
+        return _generate(0, 1, args, params)
     import tempfile
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:      # every rank samples with the same (now fixed) seed
-        mp.spawn(_generate, args=(args.tp, args, params, d + "/rendezvous"), nprocs=args.tp, join=True)
+        try:
+            mp.spawn(_rank, args=(args.tp, args, params, d + "/rendezvous"), nprocs=args.tp, join=True)
+        except mp.ProcessExitedException as e:    # a rank's error: it said what went wrong on stderr
+            return e.exit_code if e.exit_code and e.exit_code > 0 else 1
     return 0
 
 
-def _generate(rank: int, world: int, args, params, rendezvous) -> int:
+def _rank(rank: int, world: int, args, params, rendezvous) -> None:
+    """One tensor-parallel rank: joins the group, generates in step with the others, and exits with
+    _generate's status (mp.spawn ignores return values; a non-zero exit reaches cmd_generate)."""
+    import torch.distributed as dist
+    backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        status = _generate(rank, world, args, params)
+        # every rank done before any tears down: a rank that left while its peer still talked
+        # over gloo aborted the peer ("terminate called without an active exception", SIGABRT)
+        dist.barrier()
+    except (ValueError, FileNotFoundError) as e:  # bad input: every rank finds it, rank 0 says it
+        if rank == 0:
+            print(f"kvcache generate: error: {e}", file=sys.__stderr__)
+        status = 2
+    finally:
+        dist.destroy_process_group()
+    if status:
+        sys.exit(status)
+
+
+def _generate(rank: int, world: int, args, params) -> int:
     from kvcache.engine.llm import LLM
-    if world > 1:
-        import torch.distributed as dist
-        from kvcache.engine.parallel import shard
-        backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     t0 = time.perf_counter()
     if args.compile and rank == 0:
-        print("[compiling the model's blocks before the first step: a minute or two on 2 CPU cores the first "
-              "time, seconds once cached]", file=sys.stderr)
+        print("[compiling the model's blocks before the first step: ~5 minutes for v4-small on 2 CPU cores "
+              "the first time, ~20 s once inductor's cache holds the graphs]", file=sys.stderr)
     llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty(), config=_config(args))
     if world > 1:
+        from kvcache.engine.parallel import shard
         shard(llm.engine.model, rank, world, tp=True, ep=args.ep)
     load_s = time.perf_counter() - t0
     if rank > 0:                                  # the other ranks compute in step, silently
@@ -111,8 +131,6 @@ def _generate(rank: int, world: int, args, params, rendezvous) -> int:
     if req.error:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
         return 1
-    if world > 1:
-        dist.destroy_process_group()
     return 0
 
 
