@@ -39,7 +39,7 @@ class _Graph:
     tokens: torch.Tensor          # [1, batch]
     logits: torch.Tensor          # [batch, vocab], written by each replay
     lanes: list                   # the pool lanes it reads and writes (the same tensors every step)
-    stacks: tuple                 # the experts' stacks it reads (rebuilt stacks: the graph is stale)
+    stacks: tuple                 # the experts' stack tensors it reads, held (so never freed under it)
 
 
 def bucket(n: int) -> int:
@@ -65,7 +65,10 @@ class DecodeGraphs:
 
     def logits(self, chunks: list[torch.Tensor], states: list) -> torch.Tensor | None:
         """The step's logits [len(chunks), vocab] by replaying its bucket's graph (states advanced),
-        or None when it is not a step the graphs take (the caller runs it as usual)."""
+        or None when it is not a step the graphs take (the caller runs it as usual). The logits
+        are a view of the graph's output buffer, which the next replay (of any graph: they share
+        one pool) overwrites: read or copy them before the next step (the engine copies them to
+        the host at once)."""
         if self.failed or any(len(ch) != 1 for ch in chunks) or len(chunks) > self.max_batch:
             return None
         if not _device_experts(self.model):      # another engine on this model turned them off since
@@ -88,8 +91,8 @@ class DecodeGraphs:
                 return None
         if any(a is not b for got, had in zip(plan.lanes, g.lanes) for a, b in zip(got.values(), had.values())):
             raise RuntimeError("the pool's lanes are not the tensors the graph was captured on")
-        if _stacks(self.model) != g.stacks:       # another engine restacked the experts (layout, cast): the
-            self.graphs.clear()                   # graphs hold the old stacks' addresses; capture anew
+        if not _same(_stacks(self.model), g.stacks):   # another engine restacked the experts (layout,
+            self.graphs.clear()                        # cast): the graphs read the old stacks; capture anew
             return self.logits(chunks, states)
         g.inputs.copy_(plan.host, non_blocking=True)
         g.tokens.copy_(tokens, non_blocking=True)
@@ -111,16 +114,26 @@ class DecodeGraphs:
                 run()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            logits = run()
+        # the outer stream context puts the caller's stream back even when the capture fails
+        # (torch.cuda.graph leaves its capture stream current if capture_end raises); thread_local:
+        # only this thread's unsafe calls break the capture, not other threads' (cache loads)
+        with torch.cuda.stream(torch.cuda.current_stream(device)):
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                logits = run()
         g = _Graph(graph, inputs, tokens, logits, plan.lanes, _stacks(self.model))
         self.graphs[(plan.batch, plan.pages)] = g
         return g
 
 
 def _stacks(model) -> tuple:
-    """The experts' stacks every block reads, by identity."""
-    return tuple(id(blk.ffn.stacked) for blk in model.layers)
+    """The experts' stack tensors every block reads (a cast or move replaces them, even inside the
+    same StackedExperts)."""
+    return tuple(t for blk in model.layers for t in (blk.ffn.stacked.w1s, blk.ffn.stacked.w3s, blk.ffn.stacked.w2s))
+
+
+def _same(now: tuple, captured: tuple) -> bool:
+    """Whether these are the very tensors a graph was captured on (identity, not equal values)."""
+    return len(now) == len(captured) and all(a is b for a, b in zip(now, captured))
 
 
 def _device_experts(model) -> bool:

@@ -28,6 +28,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# requests of different lengths: decode batches shrink 4 -> 2 -> 1 as they finish and the longest
+# outgrows 4 pages, so CUDA graphs meet several (batch, pages) buckets (equal lengths meet one)
+STAGGERED = [dataclasses.replace(GREEDY, max_tokens=n) for n in (70, 30, 12, 45)]
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +51,12 @@ def _on(model, dtype):
     return copy.deepcopy(model).to("cuda", dtype)
 
 
-def _generate(model, prompts, config=CFG):
+def _generate(model, prompts, config=CFG, params=GREEDY):
     """Greedy tokens and every sampled position's logits (host copies, by request and position)."""
     llm = LLM(model=model, config=config)
     seen = {}
     llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((req.prompt[0], pos), logits.float().cpu())
-    outs = llm.generate(prompts, GREEDY)
+    outs = llm.generate(prompts, params)
     return [o[0].token_ids for o in outs], seen
 
 
@@ -140,6 +143,7 @@ def _graph_decode_steps(llm) -> int:
 
 
 @torch.no_grad()
+@pytest.mark.timeout(900)        # compiled: two engines' start-up compiles
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_graphs_match_the_uncaptured_steps(compiled):
     """Decode steps replayed from CUDA graphs (padded to their bucket) give the tokens and logits
@@ -147,12 +151,13 @@ def test_cuda_graphs_match_the_uncaptured_steps(compiled):
     model = randomize(build_model(v4_config(num_nextn_predict_layers=0)), 3).eval()
     dev = _on(model, torch.float32)
     base = dataclasses.replace(CFG, device_experts=True, compile=compiled)
-    ref_tokens, ref_logits = _generate(dev, _prompts(), base)
+    ref_tokens, ref_logits = _generate(dev, _prompts(), base, STAGGERED)
     llm = LLM(model=dev, config=dataclasses.replace(base, cuda_graphs=True))
     seen = {}
     llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((req.prompt[0], pos), logits.float().cpu())
-    tokens = [o[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
-    assert _graph_decode_steps(llm) >= 2                      # several buckets (4 requests down to 1)
+    tokens = [o[0].token_ids for o in llm.generate(_prompts(), STAGGERED)]
+    assert llm.engine.decode_graphs.failed is None
+    assert _graph_decode_steps(llm) >= 3                      # buckets: 4 requests down to 1, 4 and 8 pages
     assert tokens == ref_tokens
     for k, ref in ref_logits.items():
         torch.testing.assert_close(seen[k], ref, rtol=1e-3, atol=1e-3)
@@ -163,9 +168,10 @@ def test_cuda_graphs_in_bf16_capture_and_agree():
     model = randomize(build_model(v4_config(num_nextn_predict_layers=0)), 3).eval()
     dev = _on(model, torch.bfloat16)
     base = dataclasses.replace(CFG, device_experts=True)
-    ref_tokens, _ = _generate(dev, _prompts(), base)
+    ref_tokens, _ = _generate(dev, _prompts(), base, STAGGERED)
     llm = LLM(model=dev, config=dataclasses.replace(base, cuda_graphs=True))
-    tokens = [o[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
-    assert _graph_decode_steps(llm) >= 2
+    tokens = [o[0].token_ids for o in llm.generate(_prompts(), STAGGERED)]
+    assert llm.engine.decode_graphs.failed is None
+    assert _graph_decode_steps(llm) >= 3
     same = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y))
     assert same >= 0.5 * sum(len(x) for x in ref_tokens)     # bf16 rounding differs with the padded shapes
