@@ -39,9 +39,9 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_av
 
 if [[ $STEPS == *" tests "* ]]; then
 say "tests"
-timeout "${T_TESTS:-240}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_accelerator.py \
+timeout "${T_TESTS:-240}" $PY -m pytest -v --durations=10 -p no:cacheprovider tests/engine/test_accelerator.py \
     tests/engine/test_stacked_experts.py tests/engine/test_decode_graphs.py > "$OUT/tests.log" 2>&1
-say "tests exit $? : $(tail -1 "$OUT/tests.log")"
+say "tests exit $? (124: out of time; each test's verdict is in tests.log) : $(tail -1 "$OUT/tests.log")"
 fi
 
 for graphs in --cuda-graphs ""; do
