@@ -121,9 +121,8 @@ def _own_code(fn, variant):
 
 def warm_up(run, block_size: int, vocab_size: int) -> None:
     """Meet every graph variant a serving engine needs before the first real request (a compile
-    takes seconds to two minutes on 2 CPU cores;
-    v4-small: ~280 s for all of them with a cold inductor cache, ~20 s warm): `run(prompts, max_tokens)` generates on a scratch
-    engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
+    takes seconds to two minutes on 2 CPU cores; v4-small: ~280 s for all of them with a cold
+    inductor cache, ~20 s warm): `run(prompts, max_tokens)` generates on a scratch engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
     1 tokens (batch-1: the whole model one graph, experts summed in it; block decode's page
     count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another size (dynamic).
     Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the phases, whose

@@ -58,20 +58,17 @@ def grouped_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return torch.zeros_like(flat)
     perm = torch.tensor(order, dtype=torch.long, device=flat.device)
     x = flat[perm // k]                                                # [n*k, d], pairs by expert
-    inter = expert(held[0][0])[0].shape[0]
-    g, u = x.new_empty(n * k, inter), x.new_empty(n * k, inter)
-    for e, a, b in held:
-        w1, w3, _ = expert(e)
+    ws = [expert(e) for e, _, _ in held]                               # (w1, w3, w2) per held expert
+    g, u = (x.new_empty(n * k, ws[0][0].shape[0]) for _ in range(2))
+    for (w1, w3, _), (_, a, b) in zip(ws, held):
         torch.mm(x[a:b], w1.t(), out=g[a:b])
         torch.mm(x[a:b], w3.t(), out=u[a:b])
     h = F.silu(g.clamp_(max=limit)).mul_(u.clamp_(min=-limit, max=limit))
     # rows of experts held elsewhere (expert parallelism) add zero
     y = torch.empty_like(x) if len(held) == len(spans) else torch.zeros_like(x)
-    for e, a, b in held:
-        torch.mm(h[a:b], expert(e)[2].t(), out=y[a:b])
-    # pair p of the (token, slot) grid sits at row inv[p] of the sorted pairs
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(n * k, device=flat.device)
+    for (_, _, w2), (_, a, b) in zip(ws, held):
+        torch.mm(h[a:b], w2.t(), out=y[a:b])
+    inv = perm.argsort()             # pair p of the (token, slot) grid sits at row inv[p] of the sorted pairs
     slots = torch.argsort(ids, dim=1, stable=True)                     # each token's slots, ascending expert
     at = inv.view(n, k).gather(1, slots)
     terms = y[at] * weights.gather(1, slots)[..., None].to(flat.dtype)  # [n, k, d]

@@ -59,8 +59,8 @@ class _CpuGraphs(dg.DecodeGraphs):
             return self.model.decode_step(tokens, step_views(inputs, plan.batch, plan.pages, plan.ratios), plan.lanes)
         for _ in range(2):           # the warm-up on the null plan: must move no request's state
             run()
-        g = dg._Graph(_Replay(run, run().clone()), inputs, tokens, None, plan.lanes, dg._stacks(self.model))
-        g.logits = g.graph.out
+        out = run().clone()
+        g = dg._Graph(_Replay(run, out), inputs, tokens, out, plan.lanes, dg._stacks(self.model))
         self.graphs[(plan.batch, plan.pages)] = g
         return g
 

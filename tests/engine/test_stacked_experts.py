@@ -162,7 +162,8 @@ def test_grouped_sum_equals_each_token_summed_alone(dtype):
     expert = lambda e: (w1[e], w3[e], w2[e])                                     # noqa: E731
     for n, k in ((9, 2), (5, 6), (3, 1), (0, 2)):
         x = torch.randn(n, d, generator=g).to(dtype)
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n else torch.zeros(0, k, dtype=torch.long)
+        ids = (torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n
+               else torch.zeros(0, k, dtype=torch.long))
         weights = torch.rand(n, k, generator=g)
         for local in (None, {0, 3, 5}, set()):
             want = torch.zeros_like(x)
