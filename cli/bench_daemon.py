@@ -29,8 +29,8 @@ from kvcache.cli.bench_servers import (MissingDependency, check_dependencies, da
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.shm_client import read_direct
 from kvcache.kvstore.store import PutItem
-from kvcache.tiering.bench_tiers import (_copy_all, _copy_each, _interleave, _load, _raw_write, _scratch_dir,
-                                         machine_info, parse_sizes, size_label, write_results)
+from kvcache.tiering.bench_record import load_now, machine_info, write_results
+from kvcache.tiering.bench_tiers import _copy_all, _copy_each, _interleave, _raw_write, _scratch_dir, parse_sizes, size_label
 
 DEFAULT_SIZES = "256K,1M,4M"
 # ratio -> (operation, measured side, baseline side); top level: worst case over sizes
@@ -323,7 +323,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
     if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1:
         raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1")
     redis_path = check_dependencies(redis_server)
-    started, load = time.perf_counter(), _load()
+    started, load = time.perf_counter(), load_now()
     with contextlib.ExitStack() as cleanup:   # unwinds on errors and Ctrl-C: clients, processes, then dirs
         root, sock_dir = _scratch_dir(data_dir), tempfile.mkdtemp(prefix="kvb-")   # sockets: short paths
         cleanup.callback(shutil.rmtree, root, True)

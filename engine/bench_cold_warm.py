@@ -218,7 +218,7 @@ def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int =
     from kvcache.engine.checkpoint.init import random_weights
     from kvcache.engine.config import ModelConfig
     from kvcache.engine.models import build_model
-    from kvcache.tiering.bench_tiers import machine_info, write_results
+    from kvcache.tiering.bench_record import machine_info, write_results
     from kvcache.engine.bench_cold_warm_report import chat_workload, shared_workload, write_report
     torch.manual_seed(seed)
     mc = ModelConfig.load(os.path.join(CONFIG_DIR, f"{config}.json"))

@@ -22,7 +22,7 @@ from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
-from kvcache.tiering.bench_tiers import machine_info, write_results
+from kvcache.tiering.bench_record import machine_info, write_results
 
 LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")

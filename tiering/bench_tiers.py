@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,13 +33,13 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from kvcache import __version__
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_blocks
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import BlockMeta, Tier, raw_layout
 from kvcache.tiering.base import BlockWrite, Placement
+from kvcache.tiering.bench_record import load_now, machine_info, write_results
 from kvcache.tiering.dram import DramConfig, DramTier
 from kvcache.tiering.nvme import NvmeConfig, NvmeTier
 from kvcache.tiering.slab import SlabAllocator
@@ -340,41 +336,6 @@ def bench_lookup(root: str, n_blocks: int, runs: int, progress: bool) -> dict:
             "raw_lmdb_ms": t_raw * 1e3, "store_vs_raw_lmdb": t_raw / t_store}
 
 
-# ---------------------------------------------------------------- machine and report
-def _proc(path: str, parse):
-    try:
-        with open(path) as f:
-            return parse(f.read())
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _load() -> dict:
-    """Load average and pressure stalls (% of time, last 60 s): other work skews the numbers."""
-    some60 = lambda text: float(text.split()[2].split("=")[1])  # noqa: E731
-    return {"loadavg": os.getloadavg(), "pressure_cpu_some_avg60": _proc("/proc/pressure/cpu", some60),
-            "pressure_io_some_avg60": _proc("/proc/pressure/io", some60)}
-
-
-def _filesystem(path: str) -> dict:
-    st, out = os.statvfs(path), {"path": os.path.abspath(path)}
-    out.update(size_bytes=st.f_blocks * st.f_frsize, free_bytes=st.f_bavail * st.f_frsize)
-    try:
-        df = subprocess.run(["df", "-PT", path], capture_output=True, text=True, timeout=10).stdout.splitlines()
-        out.update(zip(("device", "type"), df[1].split()[:2]), mount=df[1].split()[-1])
-    except (OSError, IndexError, subprocess.SubprocessError):
-        pass
-    return out
-
-
-def machine_info(data_dir: str) -> dict:
-    return {"uname": platform.uname()._asdict(), "cpu_count": os.cpu_count(), "mem_total_bytes": _proc(
-                "/proc/meminfo", lambda t: int(t.split("MemTotal:")[1].split()[0]) * 1024),
-            "filesystem": _filesystem(data_dir), "python": sys.version.split()[0],
-            "python_impl": platform.python_implementation(), "kvcache": __version__, "numpy": np.__version__,
-            "load_at_end": _load()}
-
-
 def summarize(per_size: dict[str, dict]) -> dict:
     """Ratios per size, the worst case over sizes of each at top level, and target flags."""
     by_ratio = {name: {label: r[sec][op] / r[sec][bop] for label, r in per_size.items()}
@@ -385,20 +346,6 @@ def summarize(per_size: dict[str, dict]) -> dict:
                              "per_size_pass": {s: v >= t for s, v in by_ratio[name].items()}}
                       for name, t in TARGETS.items()}
     return out
-
-
-def write_results(doc: dict, out_dir: str, name: str = "tier_throughput") -> tuple[str, str]:
-    """<name>-<UTC time>.json and <name>-latest.json, each written atomically."""
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path, latest = (os.path.join(out_dir, f"{name}-{s}.json") for s in (stamp, "latest"))
-    doc["files"] = {"json": os.path.abspath(path), "latest": os.path.abspath(latest)}
-    text = json.dumps(doc, indent=2) + "\n"
-    for p in (path, latest):
-        with open(p + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(p + ".tmp", p)
-    return path, latest
 
 
 # ---------------------------------------------------------------- entry point
@@ -445,7 +392,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
     if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, index_blocks, hash_runs, lookup_runs) < 1:
         raise ValueError("need block sizes, and repeats, total bytes, batch bytes, index blocks and runs >= 1")
-    started, root, load = time.perf_counter(), _scratch_dir(data_dir), _load()
+    started, root, load = time.perf_counter(), _scratch_dir(data_dir), load_now()
     try:
         per_size, hashes, lookup = _measure(sizes, total_bytes, repeats, batch_bytes, root, segment_bytes,
                                             index_blocks, hash_runs, lookup_runs, progress)
