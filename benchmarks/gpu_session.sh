@@ -11,7 +11,9 @@
 # STEPS picks some (default: all, in this order). Each step has its own time limit, so one that
 # hangs or compiles too long costs only its share; all four need ~13 minutes with cold compile
 # caches, more than one 10-minute device call: split them, e.g. STEPS="tests graphs" then
-# STEPS="bench profile" (TORCHINDUCTOR_CACHE_DIR keeps what the first call compiled).
+# STEPS="bench profile" (TORCHINDUCTOR_CACHE_DIR keeps what the first call compiled, but only
+# while the device machine stays warm: it is handed back after ~30 s idle, so make the second
+# call at once, or count on compiling cold again).
 # On a machine without this package installed: wheels the GPU image lacks (lmdb, zstandard,
 # a newer transformers) may sit in .whl/ and are installed offline into /tmp/site first.
 # Smoke run without a GPU: DEVICE=cpu CONFIGS=v4-tiny T_TESTS=60 benchmarks/gpu_session.sh
