@@ -128,7 +128,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
                    help=f"where the JSON report goes (default {default_out_dir})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and, with "
-                   "a cold inductor cache, ~2 (v4-tiny) to ~5 (v4-small) minutes of compiling per config on 2 "
+                   "a cold inductor cache, ~2 (v4-tiny) to ~5-8 (v4-small) minutes of compiling per config on 2 "
                    "cores); 'ours' is then the eager engine")
     p.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16 weights for "
                    "both engines; results in engine_throughput_<device>-*.json)")

@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
     p.add_argument("--compile", action="store_true", help="torch.compile the blocks' token-wise phases: faster "
-                   "steps after a one-time compile at start (v4-small on 2 CPU cores: ~5 minutes the first "
-                   "time, ~20 s once inductor's cache holds the graphs; needs g++ on CPU); not with --tp")
+                   "steps after a one-time compile at start (v4-small on 2 CPU cores: ~5-8 minutes the first "
+                   "time, under a minute once inductor's cache holds the graphs; needs g++ on CPU); not with --tp")
     p.set_defaults(func=cmd_generate)
 
 
@@ -92,8 +92,8 @@ def _generate(rank: int, world: int, args, params) -> int:
     from kvcache.engine.llm import LLM
     t0 = time.perf_counter()
     if args.compile and rank == 0:
-        print("[compiling the model's blocks before the first step: ~5 minutes for v4-small on 2 CPU cores "
-              "the first time, ~20 s once inductor's cache holds the graphs]", file=sys.stderr)
+        print("[compiling the model's blocks before the first step: ~5-8 minutes for v4-small on 2 CPU cores "
+              "the first time, under a minute once inductor's cache holds the graphs]", file=sys.stderr)
     llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty(), config=_config(args))
     if world > 1:
         from kvcache.engine.parallel import shard

@@ -13,8 +13,10 @@ per-request state is touched:
 The phases are the blocks' own methods (`Block.attn_in` ...): eager and compiled run the same
 code. Compiled functions are made once per block class and shared by every layer of that class
 (dynamo guards on a block's structure, e.g. its attention kind, not on which layer it is).
+A pure decode step (block decode, engine/decode_plan.py) is not phases but one graph for the
+whole model (`decode_layers`: every block's `decode` and the logits), one call a step.
 Shapes: a batch-1 step has its own graphs, other token counts share one dynamic graph (the
-first count seen also gets a static one). An engine with `compile = true` meets them all at start
+first count seen also gets a static one, except in block decode, dynamic from the start). An engine with `compile = true` meets them all at start
 (`warm_up`: a few scratch requests), so no request waits for a compile; the inductor cache
 (TORCHINDUCTOR_CACHE_DIR) keeps them across restarts.
 
@@ -25,17 +27,19 @@ are not compiled (their all-reduces sit inside the phases): `compile_blocks` ref
 from __future__ import annotations
 
 import shutil
-import types
 
 from torch import nn
 
 PHASES = ("attn_in", "ffn_in", "ffn_out")
-WHOLE = ("decode",)       # a block's whole decode step as one graph, where the block class has one
-MODEL_WHOLE = "decode_layers"   # a model's batch-1 decode step (all blocks, logits) as one graph
+MODEL_WHOLE = "decode_layers"   # a model's block-decode step (all blocks, logits) as one graph
 RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
 # A graph's launcher in C++ rather than Python: a v4-small batch-1 step spent 13 of its ~23 ms in
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
-OPTIONS = {"cpp_wrapper": True}
+# Launcher and kernels built as two files (launcher at -O1, kernels -O3, side by side): the
+# whole-model decode graphs' one huge file took g++ minutes at -O3 on one core; v4-small's cold
+# start 702 -> 456 s, and steps no slower (two engines alternating in one process: b1 11.8 vs
+# 14.5 ms, b8 31.6 vs 34.3 ms, noise on a slow VM)
+OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 # CUDA: Triton kernels with inductor's default (Python) launchers
 ACCELERATOR_OPTIONS: dict = {}
 BACKEND = "inductor"
@@ -68,16 +72,16 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
                                                            16 * RECOMPILE_LIMIT)
     options = OPTIONS if next(model.parameters()).device.type == "cpu" else ACCELERATOR_OPTIONS
     for blk in found:
-        variant = blk.variant() if callable(getattr(blk, "variant", None)) else None
-        blk.__dict__["compiled"] = _compiled_phases(type(blk), variant, options)
+        blk.__dict__["compiled"] = _compiled_phases(type(blk), options)
     if callable(getattr(model, MODEL_WHOLE, None)):
         model.__dict__["compiled"] = {MODEL_WHOLE: _compiled_model(type(model), options)}
     return len(found)
 
 
 def _compiled_model(cls: type, options: dict):
-    """The model's batch-1 decode step (every block and the logits) as one compiled function,
-    once per model class, backend and options."""
+    """The model's decode step (every block's decode and the logits) as one compiled function,
+    once per model class, backend and options: one graph call a step instead of one per block
+    (v4-small at batch 8, one process, alternating: 26.6-29.2 vs 32.5-38.1 ms a step)."""
     key = (cls, MODEL_WHOLE, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
         _COMPILED[key] = _compile(getattr(cls, MODEL_WHOLE), options)
@@ -90,43 +94,25 @@ def _compile(fn, options: dict):
     return torch.compile(fn, backend=BACKEND, options=options if BACKEND == "inductor" else None)
 
 
-def _compiled_phases(cls: type, variant, options: dict) -> dict:
-    """The compiled functions of a block class and variant (e.g. its attention kind), made once
-    per process (and backend and options): every engine and every layer of the variant share
-    them. The phases (prefill and the general path) are one per class, as their graphs largely
-    coincide across variants; a whole-block decode is one per variant, each on its own copy of
-    the method's code object: dynamo keeps graphs per code object and walks them on every call,
-    and with every variant's decode graphs on one code object the guard checks of a step's 8
-    block calls cost ~1 ms more."""
-    opts = tuple(sorted(options.items()))
-    key = (cls, variant, BACKEND, opts)
+def _compiled_phases(cls: type, options: dict) -> dict:
+    """The compiled phases of a block class, made once per process (and backend and options):
+    every engine and every layer of the class share them (dynamo keeps a graph per variant the
+    calls meet, e.g. attention kind, under the same functions)."""
+    key = (cls, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
-        shared = (cls, None, BACKEND, opts)
-        if shared not in _COMPILED:
-            _COMPILED[shared] = {p: _compile(getattr(cls, p), options) for p in PHASES}
-        _COMPILED[key] = {**_COMPILED[shared], **{p: _compile(_own_code(getattr(cls, p), variant), options)
-                                                  for p in WHOLE if hasattr(cls, p)}}
+        _COMPILED[key] = {p: _compile(getattr(cls, p), options) for p in PHASES}
     return _COMPILED[key]
-
-
-def _own_code(fn, variant):
-    """`fn` with a code object of its own (same bytecode), so that its dynamo cache is its own."""
-    if variant is None:
-        return fn
-    code = fn.__code__.replace(co_name=fn.__name__)
-    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    own.__qualname__, own.__doc__ = fn.__qualname__, fn.__doc__
-    return own
 
 
 def warm_up(run, block_size: int, vocab_size: int) -> None:
     """Meet every graph variant a serving engine needs before the first real request (a compile
-    takes seconds to two minutes on 2 CPU cores; v4-small: ~280 s for all of them with a cold
-    inductor cache, ~20 s warm): `run(prompts, max_tokens)` generates on a scratch engine. Variants: a prefill step (static size), pure decode steps of 3, 2 (dynamic size) and
-    1 tokens (batch-1: the whole model one graph, experts summed in it; block decode's page
-    count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another size (dynamic).
-    Decode steps the block-decode plan cannot take (engine/decode_plan.py) run the phases, whose
-    decode graphs this leaves to the first such step."""
+    takes seconds to minutes on 2 CPU cores; v4-small: ~5-8 minutes for all of them with a cold
+    inductor cache, ~30 s warm): `run(prompts, max_tokens)` generates on a scratch engine.
+    Variants: a prefill step (static size), pure decode steps of 3, 2 (one dynamic whole-model
+    graph) and 1 tokens (batch 1: its own whole-model graph, experts summed in it; block
+    decode's page count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another
+    size (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run
+    the phases, whose decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]
     run([ids(block_size + 3, 1), ids(5, 2), ids(2, 3)], [4, 3, 2])

@@ -1,7 +1,7 @@
 """The routed experts' sum on the host: tokens grouped by expert, one matmul per active expert
 (not per token), each token's terms added in ascending expert id whatever else is in the batch.
 
-MoE.routed runs it between compiled phases; a decode step compiled as one graph per block calls
+MoE.routed runs it between compiled phases; a block-decode step compiled as one graph calls
 it as the opaque op `kvcache::routed_experts` (its inputs: the stacked weights of
 layers/stacked_experts.py, linear layout), so the graph holds no data-dependent Python and the op
 reads the chosen ids back on its own.

@@ -69,15 +69,11 @@ class Block(nn.Module):
                                                           token_ids)
         return phase(self, "ffn_out", self.ffn.routed(flat, weights, ids), flat, weights, shared, h, post, comb)
 
-    def variant(self) -> tuple:
-        """What makes blocks of this class differ in structure (engine/compiled.py compiles each
-        variant on its own): the attention kind and whether the MoE routes by token id."""
-        return self.attn.kind, self.ffn.gate.hashed
-
     def decode(self, h, pos, rope, token_ids, step: DecodeStep, lanes: dict) -> torch.Tensor:
         """A pure decode step of requests whose state is all in the pool (engine/decode_plan.py):
         the same block as forward(), with no per-request Python and no host sync (the routed
-        experts' host path is one opaque op): one compiled graph per block."""
+        experts' host path is one opaque op): compiled, every block's decode is part of one
+        graph for the whole step (the model's decode_layers)."""
         x, post, comb, (q, kv, pre) = self.attn_in(h, pos, rope, True)
         keys, bias = decode_keys(self.attn, kv, pre, step, lanes, rope)
         h, post, comb, flat, weights, ids, shared = self.ffn_in(Attended(None, keys, bias), q, h, post, comb, pos,
@@ -205,22 +201,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         # (1 page is a graph of its own), not a static graph for the first count seen
         torch._dynamo.maybe_mark_dynamic(step.tables, 1)
         # and so does the batch: dynamic from the first compile, not after a static graph for
-        # the first size seen (a whole-block compile is ~15 s on 2 cores; batch 1 gets its own)
+        # the first size seen (a whole-step compile takes minutes on 2 cores; batch 1 gets its own)
         for t in (h, tokens):
             torch._dynamo.maybe_mark_dynamic(t, 1)
         for t in step.tensors():
             torch._dynamo.maybe_mark_dynamic(t, 0)
         whole = self.__dict__.get("compiled", {}).get("decode_layers")
-        if whole is not None and tokens.shape[1] == 1:
-            return whole(self, h, tokens, step, lanes)
-        for i, blk in enumerate(self.layers):
-            h = phase(blk, "decode", h, step.pos, self.rope, tokens, step, lanes[i])
-        return self.logits(h)[0]
+        return (whole or type(self).decode_layers)(self, h, tokens, step, lanes)
 
     def decode_layers(self, h: torch.Tensor, tokens: torch.Tensor, step: DecodeStep, lanes: list[dict]) -> torch.Tensor:
-        """Every block's decode and the logits: a batch-1 step compiled as one graph (compiled.py:
-        one graph call a step instead of one per block, whose fixed cost is most of what a
-        batch-1 block's graph adds to its matmuls)."""
+        """Every block's decode and the logits: a compiled decode step as one graph (compiled.py:
+        one graph call a step instead of one per block; a graph call's fixed cost, guards,
+        wrappers and sizes passed in, is most of what a batch-1 block's graph adds to its
+        matmuls, and at batch 8 one graph is ~10-20 % faster than eight)."""
         for i, blk in enumerate(self.layers):
             h = blk.decode(h, step.pos, self.rope, tokens, step, lanes[i])
         return self.logits(h)[0]

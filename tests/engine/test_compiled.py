@@ -60,21 +60,25 @@ def _matches_eager(config, backend: str, monkeypatch, warmup: bool) -> None:
 
 
 @pytest.mark.slow
-def test_v4_batch1_decode_step_is_one_graph_equal_to_eager(monkeypatch):
-    """A lone request's decode steps run every block and the logits as one compiled graph
-    (model.decode_layers): same greedy tokens as eager, logits within fp32 rounding."""
+def test_v4_decode_step_is_one_graph_equal_to_eager(monkeypatch):
+    """Decode steps of a batch and of a lone request each run every block and the logits as one
+    compiled graph (model.decode_layers: one for batch 1, one dynamic in the batch size): same
+    greedy tokens as eager, logits within fp32 rounding."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     monkeypatch.setattr("kvcache.engine.compiled.OPTIONS", {})
     torch._dynamo.reset()
     model = randomize(build_model(v4_config(num_nextn_predict_layers=0)), 4).eval()
-    prompt = [[7] + torch.randint(3, 300, (37,), generator=torch.Generator().manual_seed(2)).tolist()]
-    eager_tokens, eager_logits, _ = _generate(model, prompt, False)
-    assert not _debug_get_cache_entry_list(type(model).decode_layers.__code__)
-    tokens, logits, _ = _generate(model, prompt, True, warmup=False)
-    assert _debug_get_cache_entry_list(type(model).decode_layers.__code__)     # the whole step compiled
-    assert tokens == eager_tokens and logits.keys() == eager_logits.keys()
-    for key, ref in eager_logits.items():
-        torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
+    g = torch.Generator().manual_seed(2)
+    # equal lengths: one prefill step, then every decode step has both requests
+    batch = [[7 + i] + torch.randint(3, 300, (20,), generator=g).tolist() for i in range(2)]
+    graphs = lambda: len(_debug_get_cache_entry_list(type(model).decode_layers.__code__))  # noqa: E731
+    for prompts, want in ((batch, 1), (batch[:1], 2)):       # the batch's graph, then batch 1's too
+        eager_tokens, eager_logits, _ = _generate(model, prompts, False)
+        tokens, logits, _ = _generate(model, prompts, True, warmup=False)
+        assert graphs() == want
+        assert tokens == eager_tokens and logits.keys() == eager_logits.keys()
+        for key, ref in eager_logits.items():
+            torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
