@@ -16,9 +16,10 @@ code. Compiled functions are made once per block class and shared by every layer
 A pure decode step (block decode, engine/decode_plan.py) is not phases but one graph for the
 whole model (`decode_layers`: every block's `decode` and the logits), one call a step.
 Shapes: a batch-1 step has its own graphs, other token counts share one dynamic graph (the
-first count seen also gets a static one, except in block decode, dynamic from the start). An engine with `compile = true` meets them all at start
-(`warm_up`: a few scratch requests), so no request waits for a compile; the inductor cache
-(TORCHINDUCTOR_CACHE_DIR) keeps them across restarts.
+first count seen also gets a static one, except in block decode, dynamic from the start). An
+engine with `compile = true` meets them all at start (`warm_up`: a few scratch requests), so no
+request waits for a compile; the inductor cache (TORCHINDUCTOR_CACHE_DIR) keeps them across
+restarts.
 
 CPU needs a C++ compiler (inductor writes C++); CUDA uses Triton. Tensor and expert parallelism
 are not compiled (their all-reduces sit inside the phases): `compile_blocks` refuses them.

@@ -48,8 +48,9 @@ class EngineConfig:
     # CPU (where the host path is faster). It is set on the model: engines sharing a model share it
     device_experts: bool | None = None
     # a decode step (one token per request, every state in the pool) as tensor ops only, with
-    # no per-request Python (compiled: one graph for the whole step) (engine/decode_plan.py, layers/paged_decode.py); False: the general
-    # path (Attention.core) for every step. Set on the model, like device_experts
+    # no per-request Python (engine/decode_plan.py, layers/paged_decode.py; compiled: one graph
+    # for the whole step); False: the general path (Attention.core) for every step. Set on the
+    # model, like device_experts
     block_decode: bool = True
     # CUDA: replay block decode steps as CUDA graphs, one per (batch, pages) bucket
     # (engine/decode_graphs.py); needs block_decode and device_experts

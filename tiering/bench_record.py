@@ -50,10 +50,11 @@ def _filesystem(path: str) -> dict:
 def _cpu() -> dict:
     """The CPU's model name and the matmul-relevant flags it reports (Linux /proc/cpuinfo)."""
     def parse(text: str) -> dict:
-        fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
-        flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
-        model = next((v for k, v in fields.items() if k.strip() == "model name"), "").strip()
-        return {"model": model or platform.processor(), "matmul_flags": [f for f in MATMUL_FLAGS if f in flags]}
+        first = text.split("\n\n")[0]           # the first processor's entry
+        fields = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)}
+        flags = set(fields.get("flags", "").split())
+        return {"model": fields.get("model name") or platform.processor(),
+                "matmul_flags": [f for f in MATMUL_FLAGS if f in flags]}
     return _proc("/proc/cpuinfo", parse) or {"model": platform.processor(), "matmul_flags": []}
 
 

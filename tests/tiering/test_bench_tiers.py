@@ -4,6 +4,7 @@
 import argparse
 import json
 import math
+import platform
 
 import pytest
 
@@ -40,8 +41,10 @@ def test_run_writes_report(tmp_path):
     for key in ("machine", "config", "sizes", "ratios_per_size", "targets", *RATIOS,
                 "hash_128k_ms", "lookup_1000_in_1M_ms"):
         assert key in report, key
-    for key in ("cpu_count", "mem_total_bytes", "filesystem", "python", "kvcache", "uname"):
+    for key in ("cpu", "cpu_count", "mem_total_bytes", "filesystem", "python", "kvcache", "uname"):
         assert key in report["machine"], key
+    cpu = report["machine"]["cpu"]                  # x86 Linux runners list at least AVX2's pair
+    assert cpu["model"] and (platform.machine() != "x86_64" or {"avx2", "fma"} <= set(cpu["matmul_flags"]))
     for name in (*RATIOS, "hash_128k_ms", "hash_128k_sha256_ms", "lookup_1000_in_1M_ms"):
         assert _positive(report[name]), name
     r = report["sizes"]["64K"]
