@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
@@ -61,26 +62,31 @@ def cmd_generate(args) -> int:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:      # every rank samples with the same (now fixed) seed
         try:
-            mp.spawn(_rank, args=(args.tp, args, params, d + "/rendezvous"), nprocs=args.tp, join=True)
-        except mp.ProcessExitedException as e:    # a rank's error: it said what went wrong on stderr
+            mp.spawn(_rank, args=(args.tp, args, params, d), nprocs=args.tp, join=True)
+        except mp.ProcessExitedException as e:
+            # a rank's bad input: said here, once every rank is gone. A rank that printed it itself
+            # could be SIGTERMed by mp.spawn (another rank exited first) before the line got out.
+            said = sorted(pathlib.Path(d).glob("error-*"))
+            if said:
+                print(f"kvcache generate: error: {said[0].read_text()}", file=sys.stderr)
             return e.exit_code if e.exit_code and e.exit_code > 0 else 1
     return 0
 
 
-def _rank(rank: int, world: int, args, params, rendezvous) -> None:
+def _rank(rank: int, world: int, args, params, workdir: str) -> None:
     """One tensor-parallel rank: joins the group, generates in step with the others, and exits with
-    _generate's status (mp.spawn ignores return values; a non-zero exit reaches cmd_generate)."""
+    _generate's status (mp.spawn ignores return values; a non-zero exit reaches cmd_generate). Bad
+    input is written to workdir/error-<rank> for cmd_generate to print once."""
     import torch.distributed as dist
     backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)
     try:
         status = _generate(rank, world, args, params)
         # every rank done before any tears down: a rank that left while its peer still talked
         # over gloo aborted the peer ("terminate called without an active exception", SIGABRT)
         dist.barrier()
-    except (ValueError, FileNotFoundError) as e:  # bad input: every rank finds it, rank 0 says it
-        if rank == 0:
-            print(f"kvcache generate: error: {e}", file=sys.__stderr__)
+    except (ValueError, FileNotFoundError) as e:  # bad input: every rank finds it
+        pathlib.Path(workdir, f"error-{rank}").write_text(str(e))
         status = 2
     finally:
         dist.destroy_process_group()
