@@ -51,7 +51,7 @@ def cmd_generate(args) -> int:
     from kvcache.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                            seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos).with_seed()
     if args.tp < 1:
         raise ValueError("--tp must be >= 1")
     if args.compile and args.tp > 1:
@@ -60,7 +60,7 @@ def cmd_generate(args) -> int:
         return _generate(0, 1, args, params)
     import tempfile
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as d:      # every rank samples with the same (now fixed) seed
+    with tempfile.TemporaryDirectory() as d:      # every rank samples with the same seed (drawn above)
         try:
             mp.spawn(_rank, args=(args.tp, args, params, d), nprocs=args.tp, join=True)
         except mp.ProcessExitedException as e:

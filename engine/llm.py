@@ -1,8 +1,10 @@
 """Offline generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`.
 
     llm = LLM("/models/v4-small")                        # or LLM(model=..., tokenizer=...)
-    for out in llm.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32, temperature=0)):
-        print(out.text, out.finish_reason, out.metrics.ttft_s)
+    for (out,) in llm.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32, temperature=0)):
+        print(out.text, out.finish_reason, out.metrics.ttft_s)     # one Completion per sample (n)
+
+`llm.engine.requests` holds the last call's requests (and anything still running).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcache.engine.llm_engine import EngineConfig, LLMEngine
+from kvcache.engine.prefix_cache import CacheUsage
 from kvcache.engine.request import Metrics, Request
 from kvcache.engine.sampling import SamplingParams
 
@@ -23,11 +26,12 @@ class Completion:
     finish_reason: str | None
     error: str | None
     metrics: Metrics
+    usage: CacheUsage | None = None      # what the prefix cache served it (engines with a cache)
 
 
 def completion(req: Request) -> Completion:
     return Completion(req.request_id, req.prompt, list(req.output), req.text,
-                      req.finish_reason.value if req.finish_reason else None, req.error, req.metrics)
+                      req.finish_reason.value if req.finish_reason else None, req.error, req.metrics, req.usage)
 
 
 class LLM:
@@ -51,19 +55,22 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] = SamplingParams(),
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  priorities: list[int] | None = None) -> list[list[Completion]]:
-        """One list of `n` completions per prompt, in prompt order."""
+        """One list of `n` completions per prompt, in prompt order. Every prompt is checked before
+        any is queued: one bad prompt raises ValueError and nothing runs."""
         if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.engine.add_request(p, sp, (priorities or [0] * len(prompts))[i])
-                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        priorities = [0] * len(prompts) if priorities is None else priorities
+        if len(plist) != len(prompts) or len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params and "
+                             f"{len(priorities)} priorities: give one each (or one params for all)")
+        ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, plist)]
+        for rid in [r for r, req in self.engine.requests.items() if req.finished]:   # an earlier call's
+            self.engine.requests.pop(rid, None)
+        reqs = [self.engine.add_request(i, sp, pr) for i, sp, pr in zip(ids, plist, priorities)]
         while self.engine.has_work():
             self.engine.step()
-        out = []
-        for req in reqs:
-            family = [req] + [self.engine.requests[f"{req.request_id}/{i}"] for i in range(1, req.params.n)
-                              if f"{req.request_id}/{i}" in self.engine.requests]
-            out.append([completion(r) for r in family])
-        return out
+        return [[completion(r) for r in self.engine.family(req.request_id)] for req in reqs]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.block_pool import BlockPool, PoolExhausted
 from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
 from kvcache.engine.kv_blocks import block_layout, layout_id
 from kvcache.engine.kv_connector import CacheConfig, KVConnector
@@ -139,7 +139,23 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "") -> Request:
         """Validate and queue a prompt (text needs a tokenizer, or token ids); returns the request
-        (for n > 1 the parent: its children appear in `self.requests` after its prefill)."""
+        (for n > 1 the parent: its children appear in `self.requests` after its prefill, as
+        `<id>/1` ... `<id>/<n-1>`). A params object without a seed gets a fresh one per request."""
+        ids = self.validate(prompt, params)
+        if "/" in request_id:
+            raise ValueError(f"request id {request_id!r} has a '/': it names an n > 1 request's samples (id/1 ...)")
+        req = Request(ids, params.with_seed(), priority, request_id)
+        if self.cache is not None:
+            req.usage = CacheUsage(prompt_tokens=len(ids))
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def validate(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a ValueError saying what is wrong with the request: nothing
+        is queued (LLM.generate checks a whole batch before it queues any of it)."""
         ids = self._ids(prompt)
         mc = self.model.config
         if not ids:
@@ -153,14 +169,17 @@ class LLMEngine:
         params.check_vocab(mc.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        req = Request(ids, params, priority, request_id)
-        if self.cache is not None:
-            req.usage = CacheUsage(prompt_tokens=len(ids))
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.scheduler.add(req)
-        self.requests[req.request_id] = req
-        return req
+        self.scheduler.check_fits(ids, params)
+        return ids
+
+    def family(self, request_id: str) -> list[Request]:
+        """A request and, for n > 1, its forked samples (those that exist yet: forks happen when the
+        parent samples its first token)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        kids = (self.requests.get(f"{request_id}/{i}") for i in range(1, req.params.n))
+        return [req] + [k for k in kids if k is not None]
 
     def _ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -169,10 +188,19 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_bos=True)
         return [int(t) for t in prompt]
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request (and its finished samples) from `self.requests`: a long-lived
+        engine would otherwise keep every request it ever served."""
+        for req in self.family(request_id):
+            if req.finished:
+                del self.requests[req.request_id]
+
     def abort(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self.scheduler.abort(req)
+        """Abort a request and everything it holds; a parent's abort takes its n > 1 samples with
+        it (one sample alone: abort `<id>/<i>`). Unknown or finished ids: nothing to do."""
+        for req in self.family(request_id):
+            if not req.finished:
+                self.scheduler.abort(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -229,7 +257,7 @@ class LLMEngine:
 
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
-        sampled, now = {}, time.perf_counter()
+        sampled, forked, now = {}, [], time.perf_counter()
         for i, ch in enumerate(out.chunks):
             req = ch.request
             if not ch.samples or req.finished:
@@ -241,7 +269,7 @@ class LLMEngine:
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
                 if req.params.n > 1 and req.parent is None:
-                    self._fork(req, logits[i], pos)
+                    forked += self._fork(req, logits[i], pos)
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
             self._key_blocks(ch.request, ch.start + len(ch.tokens))
@@ -253,6 +281,9 @@ class LLMEngine:
             if new or id(req) in finished:
                 self._detokenize(req)
                 results.append(StepOutput(req, new, req.finished))
+        for child in forked:                         # their first token, sampled at the fork
+            self._detokenize(child)
+            results.append(StepOutput(child, list(child.output), child.finished))
         return results
 
     def _key_blocks(self, req: Request, computed: int) -> None:
@@ -268,15 +299,18 @@ class LLMEngine:
             self.pool.set_key(req.block_ids[i], key)
         req.block_keys += new
 
-    def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> None:
+    def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> list[Request]:
         """n > 1: children share the parent's prompt blocks and KV state; each samples its own
-        first token (stream i) from the same logits, then runs on its own."""
+        first token (stream i) from the same logits, then runs on its own. They keep the parent's
+        place in the queue (its arrival), ahead of requests that came after it."""
         full = len(parent.prompt) // self.pool.block_size
+        children = []
         for i in range(1, parent.params.n):
             child = Request(list(parent.prompt), parent.params, parent.priority, f"{parent.request_id}/{i}",
-                            stream=i, parent=parent)
+                            stream=i, parent=parent, arrival_seq=parent.arrival_seq)
+            children.append(child)
             child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
-            child.metrics.first_token = parent.metrics.first_token
+            child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
             self.requests[child.request_id] = child
             tail = len(parent.block_ids) - full
             if tail > self.pool.num_free() or not self.kv.free_slots:  # no room now: it recomputes its prompt later
@@ -290,8 +324,10 @@ class LLMEngine:
                 child.state, child.num_computed = parent.state.clone(self._view(child)), len(parent.prompt)
                 child.status = Status.RUNNING
                 self.scheduler.running.append(child)
-            if self.scheduler._stop_reason(child, child.output[-1], self._stop_string) is not None:
-                self.scheduler.abort(child, FinishReason.STOP)
+            reason = self.scheduler._stop_reason(child, child.output[-1], self._stop_string)
+            if reason is not None:                                      # a stop, or max_tokens 1
+                self.scheduler.abort(child, reason)
+        return children
 
     def _isolate(self, out: SchedulerOutput) -> list[StepOutput]:
         results = []
@@ -299,10 +335,14 @@ class LLMEngine:
             req = ch.request
             req.state, req.num_computed = None, 0           # the failed batch may have advanced it
             self._drop_state(req)
-            if req.block_ids and self.pool.blocks[req.block_ids[0]].ref_count > 1:
-                n = len(req.block_ids)                           # shared hit blocks: never rewrite them
+            if any(self.pool.blocks[b].ref_count > 1 for b in req.block_ids):
+                try:                     # shared blocks (a prefix hit, n > 1): never rewrite them
+                    own = self.pool.allocate(len(req.block_ids))
+                except PoolExhausted:    # no room for its own copy now: it recomputes later
+                    self.scheduler.preempt(req)
+                    continue
                 self.pool.release(req.block_ids)
-                req.block_ids, req.block_keys = self.pool.allocate(n), []
+                req.block_ids, req.block_keys = own, []
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
             try:
                 logits = self._run([chunk])
@@ -321,14 +361,19 @@ class LLMEngine:
         for s in req.params.stop:
             at = req.text.find(s)
             if at >= 0:
-                req.text = req.text[:at]
+                req.text, req.text_cut = req.text[:at], True
                 return True
         return False
 
     def _detokenize(self, req: Request) -> None:
-        if self.tokenizer is not None and not (req.finished and req.finish_reason is FinishReason.STOP
-                                               and req.params.stop):
-            req.text = self.tokenizer.decode(req.output, skip_special=True)
+        """req.text from its output. A stop string's cut is final; a stop token that ended the
+        request is in its output ids but not in its text (with or without stop strings)."""
+        if self.tokenizer is None or req.text_cut:
+            return
+        out = req.output
+        if req.finish_reason is FinishReason.STOP and out and self.scheduler.is_stop_token(req, out[-1]):
+            out = out[:-1]
+        req.text = self.tokenizer.decode(out, skip_special=True)
 
     def check_idle(self) -> None:
         """The pool's invariant, and nothing held when nothing runs."""

@@ -66,6 +66,7 @@ class Request:
     arrival_seq: int = field(default_factory=lambda: next(_ids))
     parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill
     text: str = ""                   # detokenised output (when a tokenizer is attached)
+    text_cut: bool = False           # a stop string cut `text`: later decodes leave it as it is
     usage: object = None             # engine.prefix_cache.CacheUsage when a cache is configured
     resume: object = None            # after a prefix hit: how its first state is built (prefix_cache.Resume)
     cache_planned: bool = False      # the prefix cache has looked this request up
@@ -92,5 +93,5 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, int, int]:
+        return (self.priority, self.arrival_seq, self.stream)   # n > 1 samples share their parent's arrival

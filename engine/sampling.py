@@ -13,6 +13,9 @@ a preemption that recomputes it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -35,12 +38,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()           # stop strings (need a tokenizer)
     ignore_eos: bool = False
     n: int = 1
-    seed: int | None = None              # None: drawn once per request from os.urandom
+    seed: int | None = None              # None: the engine draws one per request (draw_seed)
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
             if not ok:
                 raise ValueError(f"invalid sampling parameter: {what}")
+        for name in ("max_tokens", "top_k", "n"):
+            need(_is_int(getattr(self, name)), f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(_is_real(v), f"{name} must be a finite number, got {v!r}")
         need(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         need(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
@@ -50,11 +58,24 @@ class SamplingParams:
         need(-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
              "presence_penalty and frequency_penalty must be in [-2, 2]")
         need(self.n >= 1, f"n must be >= 1, got {self.n}")
-        need(all(isinstance(k, int) for k in self.logit_bias), "logit_bias keys must be token ids (int)")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if self.seed is None:
-            object.__setattr__(self, "seed", int.from_bytes(os.urandom(8), "little") >> 1)
+        need(all(_is_int(k) for k in self.logit_bias), "logit_bias keys must be token ids (int)")
+        need(all(_is_real(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
+        # one stop string or id alone is that one, not its characters (tuple("###") is 3 stops)
+        object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,) if _is_int(self.stop_token_ids)
+                           else tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        need(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids must be token ids (int)")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 1 << 64),
+             f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        for name in ("max_tokens", "top_k", "n", "seed"):        # numpy ints -> int (seed.to_bytes)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+
+    def with_seed(self) -> "SamplingParams":
+        """These parameters with a seed: their own, or a fresh one (one per request, so requests
+        that share a params object without a seed do not share their draws)."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=draw_seed())
 
     @property
     def greedy(self) -> bool:
@@ -67,8 +88,23 @@ class SamplingParams:
                              f"(0..{vocab_size - 1})")
 
 
+def draw_seed() -> int:
+    """A fresh random seed (63 bits, from os.urandom)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def _is_int(v) -> bool:           # numpy integers too; not bools (True is not a token count)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def uniform(seed: int, position: int, stream: int) -> float:
     """A uniform draw in [0, 1) that depends only on (seed, position, stream)."""
+    if seed is None:
+        raise ValueError("sampling needs a seed: give the engine the request's params.with_seed()")
     h = xxhash.xxh3_64_intdigest(seed.to_bytes(8, "little", signed=False) + position.to_bytes(8, "little")
                                  + stream.to_bytes(4, "little"))
     return (h >> 11) * (1.0 / (1 << 53))

@@ -58,11 +58,14 @@ class Scheduler:
         self.on_finish = lambda req, reason: None     # called before a finishing request lets go of anything
 
     # ------------------------------------------------------------------ queue
+    def check_fits(self, prompt: list[int], params) -> None:
+        """A ValueError if a request this long could never run, even alone in the pool."""
+        if self.pool.blocks_for(len(prompt) + params.max_tokens + self.lookahead) > self.pool.num_blocks:
+            raise ValueError(f"the request needs more KV blocks than the whole pool holds ({len(prompt)} prompt + "
+                             f"{params.max_tokens} new tokens); shorten it or grow the pool")
+
     def add(self, req: Request) -> None:
-        if self.pool.blocks_for(len(req.prompt) + req.params.max_tokens + self.lookahead) > self.pool.num_blocks:
-            raise ValueError(f"request {req.request_id} needs more KV blocks than the whole pool holds "
-                             f"({len(req.prompt)} prompt + {req.params.max_tokens} new tokens); shorten it or "
-                             "grow the pool")
+        self.check_fits(req.prompt, req.params)
         req.status = Status.WAITING
         self.waiting.append(req)
 
@@ -128,6 +131,10 @@ class Scheduler:
             if victim is req:
                 return False
 
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to wait: its blocks are released and it recomputes later."""
+        self._preempt(req, SchedulerOutput())
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.pool.release(req.block_ids)
@@ -160,9 +167,13 @@ class Scheduler:
                 done.append(req)
         return done
 
+    def is_stop_token(self, req: Request, tok: int) -> bool:
+        p = req.params
+        return tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_id)
+
     def _stop_reason(self, req: Request, tok: int, stop_check) -> FinishReason | None:
         p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_id):
+        if self.is_stop_token(req, tok):
             return FinishReason.STOP
         if stop_check is not None and stop_check(req):
             return FinishReason.STOP

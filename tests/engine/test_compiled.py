@@ -60,6 +60,7 @@ def _matches_eager(config, backend: str, monkeypatch, warmup: bool) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)      # three cold compiles (phases, the batch's graph, batch 1's): a busy VM took > 300 s
 def test_v4_decode_step_is_one_graph_equal_to_eager(monkeypatch):
     """Decode steps of a batch and of a lone request each run every block and the logits as one
     compiled graph (model.decode_layers: one for batch 1, one dynamic in the batch size): same

@@ -45,7 +45,7 @@ def open_store(path) -> BlockStore:
 
 def run(llm, ps):
     outs = [llm.generate([p], GREEDY)[0][0] for p in ps]
-    return outs, [llm.engine.requests[o.request_id].usage for o in outs]
+    return outs, [o.usage for o in outs]
 
 
 def _tapped(llm, into: dict, key) -> None:
@@ -71,7 +71,7 @@ def test_bounded_replay_from_the_pool_keeps_greedy_tokens(model):
         for i, p in enumerate(ps):
             _tapped(llm, warm_logits, i)
             outs.append(llm.generate([p], GREEDY)[0][0])
-        usage = [llm.engine.requests[o.request_id].usage for o in outs]
+        usage = [o.usage for o in outs]
         for w, o in zip(want, outs):
             agree += sum(a == b for a, b in zip(w, o.token_ids))
             total += len(w)
