@@ -53,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     k = sub.add_parser("codec", help="zstd and zstd-shuffle2 on the KV history the models cache",
                        description="Compression ratio and speed of the object tier's codecs on the bf16 history "
                                    "rows (compressed entries, index keys) of demo V4 / V4.1 models after a prefill.")
-    k.add_argument("--configs", default="v4-small,v41-small", help="model configs (configs/models/NAME.json)")
+    k.add_argument("--configs", type=_names, default="v4-small,v41-small", help="model configs (configs/models/NAME.json)")
     k.add_argument("--tokens", type=_checked(int), default=2048, help="prompt tokens (default 2048)")
     k.add_argument("--block-tokens", type=_checked(int), default=256, help="tokens per stored block (default 256)")
     k.add_argument("--out-dir", default="benchmarks/results", metavar="DIR", help="where the JSON report goes")
@@ -87,7 +87,7 @@ examples:
 
 def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
     p.add_argument("--config", default="v4-small", help="model config (configs/models/NAME.json); random weights")
-    p.add_argument("--lengths", default="2048,8192,32768",
+    p.add_argument("--lengths", type=_counts, default="2048,8192,32768",
                    help="shared prefix lengths in tokens (default 2048,8192,32768)")
     p.add_argument("--output-tokens", type=_checked(int), default=16, help="tokens generated per request (default 16)")
     p.add_argument("--workloads", default="document,chat,shared", help="any of document (always), chat, shared")
@@ -100,7 +100,7 @@ def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "
 def run_cold_warm(args) -> int:
     from kvcache.engine.bench_cold_warm import run
     from kvcache.engine.bench_cold_warm_report import format_table
-    doc = run(args.config, tuple(int(n) for n in args.lengths.split(",") if n.strip()), args.output_tokens,
+    doc = run(args.config, tuple(args.lengths), args.output_tokens,
               args.out_dir, args.seed, progress=not args.no_progress,
               workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
     print(format_table(doc))
@@ -117,9 +117,9 @@ examples:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
-    p.add_argument("--configs", default="v4-tiny,v4-small",
+    p.add_argument("--configs", type=_names, default="v4-tiny,v4-small",
                    help="model configs (configs/models/NAME.json), random weights (default v4-tiny,v4-small)")
-    p.add_argument("--batches", default="1,8,32", help="requests generated at once, one run each (default 1,8,32)")
+    p.add_argument("--batches", type=_counts, default="1,8,32", help="requests generated at once, one run each (default 1,8,32)")
     p.add_argument("--prompt-tokens", type=_checked(int), default=128, help="tokens per prompt (default 128)")
     p.add_argument("--output-tokens", type=_checked(int), default=32,
                    help="greedy tokens generated per request (default 32)")
@@ -142,8 +142,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
 
 def run_engine(args) -> int:
     from kvcache.engine.bench_engine import format_table, run
-    doc = run([c.strip() for c in args.configs.split(",") if c.strip()],
-              [int(b) for b in args.batches.split(",") if b.strip()], args.out_dir, args.prompt_tokens,
+    doc = run(args.configs,
+              args.batches, args.out_dir, args.prompt_tokens,
               args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
               device=args.device, device_experts={"auto": None, "on": True, "off": False}[args.device_experts],
               cuda_graphs=args.cuda_graphs)
@@ -154,7 +154,7 @@ def run_engine(args) -> int:
 
 def run_codec(args) -> int:
     from kvcache.engine.bench_kv_codec import run
-    doc = run([c.strip() for c in args.configs.split(",") if c.strip()], args.tokens, args.out_dir,
+    doc = run(args.configs, args.tokens, args.out_dir,
               args.block_tokens)
     print("codec on KV history (bf16): ratio, compress / decompress GB/s")
     for name, r in doc["results"].items():
@@ -174,8 +174,8 @@ Needs the engine extra (torch) and transformers (the test extra).
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
-    p.add_argument("--configs", default="v4-tiny,v4-small", help="model configs (configs/models/NAME.json)")
-    p.add_argument("--lengths", default="512,2048,8192", help="prompt lengths in tokens")
+    p.add_argument("--configs", type=_names, default="v4-tiny,v4-small", help="model configs (configs/models/NAME.json)")
+    p.add_argument("--lengths", type=_counts, default="512,2048,8192", help="prompt lengths in tokens")
     p.add_argument("--decode-steps", type=_checked(int), default=16, help="decode steps timed (default 16)")
     p.add_argument("--baseline-max-tokens", type=_checked(int), default=8192,
                    help="longest prompt given to transformers (its eager attention is O(T^2) in memory)")
@@ -186,8 +186,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benc
 
 def run_model(args) -> int:
     from kvcache.engine.bench_model import format_table, run
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    doc = run([c.strip() for c in args.configs.split(",") if c.strip()], lengths, args.out_dir,
+    lengths = args.lengths
+    doc = run(args.configs, lengths, args.out_dir,
               args.decode_steps, args.baseline_max_tokens, args.seed, progress=not args.no_progress)
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}")
@@ -207,6 +207,25 @@ def _checked(parse, ok=lambda v: v > 0, what="a positive number"):
         return value
     convert.__name__ = parse.__name__
     return convert
+
+
+def _names(text: str) -> list[str]:
+    """An argparse type: a comma-separated list of at least one name."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing: give one or more, comma-separated")
+    return names
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of at least one positive integer."""
+    try:
+        values = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of positive integers (e.g. 1,8,32)")
+    return values
 
 
 def add_tiers_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
@@ -63,6 +64,9 @@ def cmd_generate(args) -> int:
     with tempfile.TemporaryDirectory() as d:      # every rank samples with the same seed (drawn above)
         try:
             mp.spawn(_rank, args=(args.tp, args, params, d), nprocs=args.tp, join=True)
+        except mp.ProcessRaisedException as e:   # a rank's unexpected error: its last line, not a traceback
+            print(f"kvcache generate: error: a rank failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+            return 1
         except mp.ProcessExitedException as e:
             # a rank's bad input: said here, once every rank is gone. A rank that printed it itself
             # could be SIGTERMed by mp.spawn (another rank exited first) before the line got out.
@@ -88,6 +92,9 @@ def _rank(rank: int, world: int, args, params, workdir: str) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad input: every rank finds it
         pathlib.Path(workdir, f"error-{rank}").write_text(str(e))
         status = 2
+    except BrokenPipeError:                       # `| head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 141
     finally:
         dist.destroy_process_group()
     if status:
@@ -115,9 +122,11 @@ def _generate(rank: int, world: int, args, params) -> int:
     while engine.has_work():
         for out in engine.step():
             if out.request is req and engine.tokenizer is not None:
-                sys.stdout.write(req.text[len(shown):])
-                sys.stdout.flush()
-                shown = req.text
+                upto = printable(req.text, not req.finished, params.stop)
+                if upto > len(shown):
+                    sys.stdout.write(req.text[len(shown):upto])
+                    sys.stdout.flush()
+                    shown = req.text[:upto]
             elif out.request is req:
                 sys.stdout.write("".join(f" {t}" for t in out.new_tokens))
                 sys.stdout.flush()
@@ -138,6 +147,18 @@ def _generate(rank: int, world: int, args, params) -> int:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
+    """How much of a request's text can be shown now. While it runs, not a trailing U+FFFD (the
+    decoder's stand-in for a character whose bytes are still to come) and not the last
+    len(longest stop string) - 1 characters (they may begin a stop string the next token ends)."""
+    if not running:
+        return len(text)
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    return max(0, min(n, len(text) - (max(map(len, stops), default=1) - 1)))
 
 
 def _config(args):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import sys
 import time
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:         # `kvcache ... | head`: the reader left; no traceback, and no
+        devnull = os.open(os.devnull, os.O_WRONLY)    # second one when Python flushes stdout at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 def now() -> float:

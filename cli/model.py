@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     i.add_argument("--config", required=True, metavar="NAME", help="configs/models/NAME.json or a config.json path")
     i.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
     i.add_argument("--seed", type=int, default=0, help="weights seed (default 0): same seed, same bytes")
-    i.add_argument("--shard-mib", type=float, default=1024, help="safetensors shard size (default 1024 MiB)")
+    i.add_argument("--shard-mib", type=_positive, default=1024, help="safetensors shard size (default 1024 MiB)")
     i.set_defaults(func=cmd_init)
     g = ms.add_parser("logits", help="float32 logits for every position of a prompt, as .npy")
     g.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
@@ -159,3 +159,14 @@ def cmd_info(args) -> int:
 def _ranges(ids) -> str:
     ids = list(ids)
     return ",".join(map(str, ids)) if len(ids) <= 6 else f"{ids[0]}..{ids[-1]} ({len(ids)})"
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return v

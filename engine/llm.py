@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 from dataclasses import dataclass
 
 from kvcache.engine.llm_engine import EngineConfig, LLMEngine
@@ -43,7 +45,8 @@ class LLM:
             if model_dir is None:
                 raise ValueError("give a checkpoint directory or a model")
             model, _ = load_model(model_dir, device=device, progress=progress)
-            tokenizer = tokenizer or load_tokenizer(model_dir)
+            if tokenizer is None and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+                tokenizer = load_tokenizer(model_dir)   # none: token-id prompts only (text is refused)
         self.engine = LLMEngine(model, tokenizer, config, store=store)
 
     def close(self) -> None:
@@ -59,8 +62,7 @@ class LLM:
                  priorities: list[int] | None = None) -> list[list[Completion]]:
         """One list of `n` completions per prompt, in prompt order. Every prompt is checked before
         any is queued: one bad prompt raises ValueError and nothing runs."""
-        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params
         plist = params if isinstance(params, list) else [params] * len(prompts)
         priorities = [0] * len(prompts) if priorities is None else priorities
@@ -74,3 +76,16 @@ class LLM:
         while self.engine.has_work():
             self.engine.step()
         return [[completion(r) for r in self.engine.family(req.request_id)] for req in reqs]
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, or token ids: a list, numpy array or tensor) or many, as a list of
+    prompts, each text or a list of ints."""
+    if hasattr(prompts, "tolist"):                 # numpy array, tensor: [n] is one prompt, [b, n] many
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, bytes)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        return [prompts]
+    return [p.tolist() if hasattr(p, "tolist") else p for p in prompts]

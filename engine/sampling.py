@@ -131,6 +131,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, 
     if p.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / p.temperature, dim=-1)
+    if not bool(torch.isfinite(probs).all()):      # a temperature so small the scaled logits overflow:
+        return int(torch.argmax(logits))           # its limit, greedy (not NaN probabilities)
     order = torch.argsort(probs, descending=True, stable=True)
     sorted_p = probs[order]
     keep = torch.ones_like(sorted_p, dtype=torch.bool)

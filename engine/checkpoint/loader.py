@@ -54,7 +54,11 @@ class ShardedTensors:
             full = os.path.join(path, fname)
             if not os.path.exists(full):
                 raise CheckpointError(f"shard {fname} named by the index is missing from {path}")
-            self._handles[fname] = stack.enter_context(safe_open(full, framework="pt"))
+            try:
+                self._handles[fname] = stack.enter_context(safe_open(full, framework="pt"))
+            except Exception as e:       # safetensors' own error type (truncated, bad header...)
+                raise CheckpointError(f"{full} is not a readable safetensors file ({e}); re-download or "
+                                      "re-write the checkpoint") from None
         self.where = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
         for fname, h in self._handles.items():     # the index must not promise what a shard lacks
             listed = {n for n, f in self.where.items() if f == fname}

@@ -32,6 +32,8 @@ def encode_tensor(name: str, t: torch.Tensor, config: ModelConfig) -> dict[str, 
 def save_checkpoint(model: torch.nn.Module, config: ModelConfig, out_dir: str, shard_bytes: int = 1 << 30,
                     progress=None) -> list[str]:
     """Write `model`'s parameters and buffers under their official names; returns the shard files."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} is a file, not a directory: give a directory for the checkpoint")
     os.makedirs(out_dir, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -167,3 +167,19 @@ async def test_async_engine_survives_a_step_that_raises(model, monkeypatch):
 async def _collect(aeng, prompt):
     return [t async for out in aeng.generate(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
             for t in out.new_tokens]
+
+
+def test_a_vanishing_temperature_samples_greedily():
+    from kvcache.engine.sampling import sample
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, SamplingParams(temperature=1e-300, seed=1), 5, 0, [], []) == int(torch.argmax(logits))
+
+
+def test_prompts_as_arrays_and_tensors(model):
+    import numpy as np
+    llm = LLM(model=model, config=CFG)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    p = prompts(2)
+    want = [o[0].token_ids for o in llm.generate(p, greedy)]
+    assert [o[0].token_ids for o in llm.generate(np.array(p[0]), greedy)] == want[:1]
+    assert [o[0].token_ids for o in llm.generate([torch.tensor(p[0]), np.array(p[1], dtype=np.int64)], greedy)] == want

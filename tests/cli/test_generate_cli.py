@@ -1,0 +1,82 @@
+"""`kvcache generate` at its edges, through the real command line: what reaches stdout while a
+request streams, a reader that leaves, and broken or missing inputs as one clear error line."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvcache.cli.generate import printable
+from tests.cli.test_model_cli import kv
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen") / "m"
+    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
+    return d
+
+
+def test_printable_holds_back_a_partial_character_and_a_possible_stop_string():
+    assert printable("ab\ufffd", True, ()) == 2                  # the character's bytes are still coming
+    assert printable("ab\ufffd", False, ()) == 3                 # finished: all of it
+    assert printable("abcdef", True, ("xyz",)) == 4              # "ef" may begin "xyz"...
+    assert printable("abcdef", True, ("x", "longer")) == 1       # ...the longest stop string counts
+    assert printable("ab", True, ("longer",)) == 0
+
+
+def test_text_before_a_stop_string_never_reaches_stdout(model_dir):
+    base = ("generate", "--model", str(model_dir), "--prompt", "A prefix cache", "--max-tokens", "24", "--ignore-eos")
+    free = kv(*base).stdout
+    assert len(free) > 12
+    stop = free[6:10]                                            # spans tokens: found only after it is complete
+    cut = kv(*base, "--stop", stop)
+    assert cut.stdout == free[: free.find(stop)] and "finish: stop" in cut.stderr
+
+
+def test_a_reader_that_leaves_ends_the_run_without_a_traceback(model_dir):
+    p = subprocess.Popen([sys.executable, "-m", "kvcache.cli.main", "generate", "--model", str(model_dir),
+                          "--prompt", "hi", "--max-tokens", "64", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()                                             # `| head -c 0`: gone before the first token
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_truncated_weights_file_is_one_clear_error(model_dir, tmp_path):
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    shard = next(bad.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    r = kv("generate", "--model", str(bad), "--prompt-ids", "1,2,3", check=False)
+    assert r.returncode == 2 and "not a readable safetensors file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_token_ids_need_no_tokenizer_and_text_says_so(model_dir, tmp_path):
+    import shutil
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    ok = kv("generate", "--model", str(bare), "--prompt-ids", "5,6,7", "--max-tokens", "3", "--ignore-eos")
+    assert len(ok.stdout.split()) == 3 and "3 generated" in ok.stderr
+    r = kv("generate", "--model", str(bare), "--prompt", "hello", check=False)
+    assert r.returncode == 2 and "need a tokenizer" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_device_this_machine_lacks_is_one_clear_error(model_dir):
+    r = kv("generate", "--model", str(model_dir), "--prompt-ids", "1,2", "--device", "cuda", check=False)
+    assert r.returncode == 2 and "CUDA build of torch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_lists_and_paths_are_refused_up_front(tmp_path):
+    for flags, what in ((("--batches", "0"), "positive integers"), (("--configs", ","), "names nothing")):
+        r = kv("bench", "engine", *flags, "--out-dir", str(tmp_path), check=False)
+        assert r.returncode == 2 and what in r.stderr, r.stderr
+    (tmp_path / "file").write_text("x")
+    r = kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "file"), check=False)
+    assert r.returncode == 2 and "is a file" in r.stderr
+    r = kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"), "--shard-mib", "0", check=False)
+    assert r.returncode == 2 and "not a positive number" in r.stderr
