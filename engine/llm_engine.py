@@ -313,7 +313,8 @@ class LLMEngine:
             child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
             self.requests[child.request_id] = child
             tail = len(parent.block_ids) - full
-            if tail > self.pool.num_free() or not self.kv.free_slots:  # no room now: it recomputes its prompt later
+            full_batch = len(self.scheduler.running) >= self.scheduler.max_running
+            if tail > self.pool.num_free() or not self.kv.free_slots or full_batch:  # no room: recomputes later
                 self.scheduler.waiting.append(child)
             else:
                 shared = parent.block_ids[:full]

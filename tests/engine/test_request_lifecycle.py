@@ -183,3 +183,15 @@ def test_prompts_as_arrays_and_tensors(model):
     want = [o[0].token_ids for o in llm.generate(p, greedy)]
     assert [o[0].token_ids for o in llm.generate(np.array(p[0]), greedy)] == want[:1]
     assert [o[0].token_ids for o in llm.generate([torch.tensor(p[0]), np.array(p[1], dtype=np.int64)], greedy)] == want
+
+
+def test_samples_never_run_more_requests_than_max_running(model):
+    import dataclasses
+    engine = LLMEngine(model, None, dataclasses.replace(CFG, max_running=2))
+    parent = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=6, n=4, seed=5, **SAMPLED))
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2 and all(len(r.output) == 6 for r in engine.family(parent.request_id))
+    engine.check_idle()
