@@ -30,7 +30,8 @@ from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.shm_client import read_direct
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.bench_record import load_now, machine_info, write_results
-from kvcache.tiering.bench_tiers import _copy_all, _copy_each, _interleave, _raw_write, _scratch_dir, parse_sizes, size_label
+from kvcache.tiering.bench_baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
+from kvcache.tiering.bench_tiers import parse_sizes, size_label
 
 DEFAULT_SIZES = "256K,1M,4M"
 # ratio -> (operation, measured side, baseline side); top level: worst case over sizes
@@ -177,24 +178,24 @@ def _put_round(w: Work, s: Sides, ih, iu, iw, region: memoryview, fd: int, acc: 
     if s.aof is not None:
         s.aof.delete(*w.kh)
     for j, (a, b) in enumerate(w.batches):
-        _interleave(acc, {"put:memcpy": lambda: _copy_all(w.blocks[a:b], region[a * w.size:]),
+        interleave(acc, {"put:memcpy": lambda: copy_all(w.blocks[a:b], region[a * w.size:]),
                           "put:daemon_http_memory": lambda: _daemon_put(s.memory, iw[j], durable=False),
                           "put:redis_tcp": lambda: _redis_put(s.rt, w.kh[a:b], w.blocks[a:b]),
                           "put:redis_unix": lambda: _redis_put(s.ru, w.ku[a:b], w.blocks[a:b])}, j + r)
     for j, (a, b) in enumerate(w.batches):
-        steps = {"put:raw_write": lambda: _raw_write(fd, w.blocks[a:b]),
+        steps = {"put:raw_write": lambda: raw_write(fd, w.blocks[a:b]),
                  "put:daemon_http": lambda: _daemon_put(s.http, ih[j]),
                  "put:daemon_unix": lambda: _daemon_put(s.unix, iu[j])}
         if s.aof is not None:
             steps["put:redis_aof_always"] = lambda: _redis_put(s.aof, w.kh[a:b], w.blocks[a:b])
-        _interleave(acc, steps, j + r)
+        interleave(acc, steps, j + r)
 
 
 def _get_round(w: Work, s: Sides, out: memoryview, acc: dict, r: int) -> None:
     for j, (a, b) in enumerate(w.batches):
         held = _arena_views(s.shm, w.ku[a:b])     # untimed: where the daemon holds this batch
-        _interleave(acc, {"get:memcpy": lambda: _copy_each(w.blocks[a:b], out),
-                          "get:memcpy_arena": lambda: _copy_each(held, out),
+        interleave(acc, {"get:memcpy": lambda: copy_each(w.blocks[a:b], out),
+                          "get:memcpy_arena": lambda: copy_each(held, out),
                           "get:daemon_http": lambda: _daemon_get(s.http, w.kh[a:b], out, w.size),
                           "get:daemon_unix": lambda: _daemon_get(s.unix, w.ku[a:b], out, w.size),
                           "get:daemon_shm": lambda: _daemon_get(s.shm, w.ku[a:b], out, w.size),
@@ -325,7 +326,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
     redis_path = check_dependencies(redis_server)
     started, load = time.perf_counter(), load_now()
     with contextlib.ExitStack() as cleanup:   # unwinds on errors and Ctrl-C: clients, processes, then dirs
-        root, sock_dir = _scratch_dir(data_dir), tempfile.mkdtemp(prefix="kvb-")   # sockets: short paths
+        root, sock_dir = scratch_dir(data_dir), tempfile.mkdtemp(prefix="kvb-")   # sockets: short paths
         cleanup.callback(shutil.rmtree, root, True)
         cleanup.callback(shutil.rmtree, sock_dir, True)
         # processes first, before any thread of ours exists (preexec_fn runs in the forked child)

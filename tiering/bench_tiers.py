@@ -24,7 +24,6 @@ import datetime as dt
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -38,6 +37,8 @@ from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_blocks
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import BlockMeta, Tier, raw_layout
+from kvcache.tiering.bench_baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
+                                             scratch_dir)
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.bench_record import load_now, machine_info, write_results
 from kvcache.tiering.dram import DramConfig, DramTier
@@ -88,17 +89,6 @@ def size_label(n: int) -> str:
     return f"{n // _UNITS[unit]}{unit}"
 
 
-def _median_s(fn: Callable[[], object], runs: int) -> float:
-    """Median seconds of `runs` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------- workload
 @dataclass
 class Workload:
@@ -139,20 +129,6 @@ def _rounds(round_fn: Callable[[int], dict[str, float]], nbytes: int, repeats: i
     return {**{name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}, "rounds_s": times}
 
 
-def _interleave(acc: dict[str, float], steps: dict[str, Callable[[], object]], j: int) -> None:
-    """Time each step once, adding to acc; batch j starts at step j, so each op runs
-    first, middle and last equally often and bursts of noise hit all ops alike, and odd
-    batches run the cycle backwards, so each op also runs before and after each other op
-    about equally often (the first to read bytes another process just wrote pays for cold caches)."""
-    names = list(steps)
-    if j % 2:
-        names.reverse()
-    for name in names[j % len(names):] + names[: j % len(names)]:
-        t0 = time.perf_counter()
-        steps[name]()
-        acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
-
-
 def _checked_gets(get, keys: list[bytes], size: int) -> None:
     for k in keys:
         if get(k) != size:
@@ -163,18 +139,6 @@ def _checked_get_many(store: BlockStore, keys: list[bytes], out: memoryview, siz
     """The batched load path (one index transaction), into one reused buffer like memcpy."""
     if store.get_many_into(keys, [out] * len(keys)) != [size] * len(keys):
         raise RuntimeError(f"a batch of {len(keys)} benchmark blocks could not be read back")
-
-
-def _copy_each(blocks: list[memoryview], dst: memoryview) -> None:
-    for b in blocks:
-        dst[:] = b
-
-
-def _copy_all(blocks: list[memoryview], region: memoryview) -> None:
-    pos = 0
-    for b in blocks:
-        region[pos: pos + b.nbytes] = b
-        pos += b.nbytes
 
 
 # ---------------------------------------------------------------- DRAM
@@ -198,12 +162,12 @@ def _dram_round(w: Workload, out: memoryview, region: memoryview, tier: DramTier
         for k in keys:
             tier.delete(k)
         store.delete(keys)
-        _interleave(acc, {"memcpy_put": lambda: _copy_all(w.blocks[a:b], region[a * w.size:]),
+        interleave(acc, {"memcpy_put": lambda: copy_all(w.blocks[a:b], region[a * w.size:]),
                           "tier_put": lambda: tier.put(writes[j]),
                           "store_put": lambda: store.put_many(items[j])}, j + r)
     for j, (a, b) in enumerate(w.batches):
         keys = w.keys[a:b]
-        _interleave(acc, {"memcpy_get": lambda: _copy_each(w.blocks[a:b], dst),
+        interleave(acc, {"memcpy_get": lambda: copy_each(w.blocks[a:b], dst),
                           "tier_get": lambda: _checked_gets(lambda k: tier.get_into(k, None, out), keys, w.size),
                           "store_get": lambda: _checked_gets(lambda k: store.get_into(k, out), keys, w.size),
                           "store_get_many": lambda: _checked_get_many(store, keys, out, w.size)}, j + r)
@@ -231,18 +195,6 @@ def bench_dram(w: Workload, out: memoryview, region: memoryview, root: str, repe
 
 
 # ---------------------------------------------------------------- NVMe
-def _raw_write(fd: int, blocks: list[memoryview]) -> None:
-    """The baseline put: write() each block, then one fdatasync for the batch."""
-    for b in blocks:
-        if os.write(fd, b) != b.nbytes:
-            raise RuntimeError("short write in the raw baseline")
-    os.fdatasync(fd)
-
-
-def _raw_read(fd: int, dst: memoryview, offset: int, n: int) -> None:
-    for i in range(n):
-        if os.preadv(fd, [dst], offset + i * dst.nbytes) != dst.nbytes:
-            raise RuntimeError("short read in the raw baseline")
 
 
 def _nvme_round(w: Workload, out: memoryview, root: str, writes, items, nvme: NvmeConfig,
@@ -262,13 +214,13 @@ def _nvme_round(w: Workload, out: memoryview, root: str, writes, items, nvme: Nv
         store.register_namespace(_NS)
         where: dict[bytes, Placement] = {}
         for j, (a, b) in enumerate(w.batches):
-            _interleave(acc, {"raw_write": lambda: _raw_write(fd, w.blocks[a:b]),
+            interleave(acc, {"raw_write": lambda: raw_write(fd, w.blocks[a:b]),
                               "tier_put": lambda: where.update(zip(w.keys[a:b], tier.put(writes[j]))),
                               "store_put": lambda: store.put_many(items[j])}, j + r)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         tier.drop_page_cache()
         store.nvme.drop_page_cache()
-        _interleave(acc, {"raw_read": lambda: _raw_read(fd, out[: w.size], 0, len(w.keys)),
+        interleave(acc, {"raw_read": lambda: raw_read(fd, out[: w.size], 0, len(w.keys)),
                           "tier_get": lambda: _checked_gets(lambda k: tier.get_into(k, where[k], out), w.keys, w.size),
                           "store_get": lambda: _checked_gets(lambda k: store.get_into(k, out), w.keys, w.size)}, r)
     return acc
@@ -287,7 +239,7 @@ def bench_hash(runs: int) -> dict[str, float]:
     out = {}
     for algo in (HashAlgo.XXH3_128, HashAlgo.SHA256):
         ns = Namespace(_NS.model_fingerprint, _NS.kv_layout, 256, algo=algo)
-        out[algo.value] = _median_s(lambda: hash_blocks(ns, tokens), runs) * 1e3
+        out[algo.value] = median_s(lambda: hash_blocks(ns, tokens), runs) * 1e3
     return out
 
 
@@ -328,7 +280,7 @@ def bench_lookup(root: str, n_blocks: int, runs: int, progress: bool) -> dict:
         hits = store.lookup(chain).num_hits
         if hits != m:
             raise RuntimeError(f"lookup found {hits} of {m} present blocks")
-        t_store, t_raw = _median_s(lambda: store.lookup(chain), runs), _median_s(raw, runs)
+        t_store, t_raw = median_s(lambda: store.lookup(chain), runs), median_s(raw, runs)
     finally:
         store.close()
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -349,14 +301,6 @@ def summarize(per_size: dict[str, dict]) -> dict:
 
 
 # ---------------------------------------------------------------- entry point
-def _scratch_dir(data_dir: str | None) -> str:
-    """A fresh directory for the run's files inside `data_dir` (default: the current directory,
-    so the disk measured is the one you run from; /tmp is often tmpfs)."""
-    parent = data_dir or os.getcwd()
-    if data_dir is None and not os.access(parent, os.W_OK):
-        parent = tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".kvcache-bench-", dir=parent)
 
 
 def _measure(sizes: list[int], total_bytes: int, repeats: int, batch_bytes: int, root: str,
@@ -392,7 +336,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 3, *, batch_bytes:
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
     if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, index_blocks, hash_runs, lookup_runs) < 1:
         raise ValueError("need block sizes, and repeats, total bytes, batch bytes, index blocks and runs >= 1")
-    started, root, load = time.perf_counter(), _scratch_dir(data_dir), load_now()
+    started, root, load = time.perf_counter(), scratch_dir(data_dir), load_now()
     try:
         per_size, hashes, lookup = _measure(sizes, total_bytes, repeats, batch_bytes, root, segment_bytes,
                                             index_blocks, hash_runs, lookup_runs, progress)
