@@ -49,11 +49,16 @@ WINDOW = 4096                 # one recv for frame headers (and the first bytes 
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 
 
+def _is_count(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def wants(head: Head) -> bool:
     """Requests this path serves; everything else (chunked bodies, Expect, HTTP/1.0) is aiohttp's."""
     h = head.headers
     return (head.method == "POST" and head.target == BULK_PATH and head.version == "HTTP/1.1"
-            and "transfer-encoding" not in h and "expect" not in h and h.get("content-length", "x").isdigit())
+            and "transfer-encoding" not in h and "expect" not in h and _is_count(h.get("content-length", "x")))
 
 
 class StagingPool:

@@ -5,12 +5,12 @@ Two drivers share `PutBatch`: `ingest_puts` (async; aiohttp's handler, any HTTP 
 
     receive chunk k+1 ──────────────┐       (the event loop)
     store chunk k (put_many) ───────┤       (a store worker thread)
-    wait for chunk k, start k+1 ────┘       at most one chunk in flight; quota checked per chunk
+    wait for chunk k, start k+1 ────┘       at most one chunk in flight; quota held per chunk
 
 (the blocking driver stores each chunk in its own thread, see there).
 `next_chunk()` is called when a chunk has been handed to the store: payload buffers of the chunk
 before it may be reused from then on. DRAM landings (payloads received straight into reserved
-arena chunks) that put_many did not adopt are released by `store_chunk`.
+arena chunks) that put_many did not adopt are released by `put_within_quota`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import asyncio
 
 from aiohttp import web
 
-from kvcache.cli.server import CONFIG, METRICS, POOL, STORE, Principal, check_quota, check_quota_now
+from kvcache.cli.quota import put_within_quota
+from kvcache.cli.server import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
 from kvcache.kvstore import wire
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import PutItem
@@ -60,14 +61,6 @@ class PutBatch:
         return {"stored": self.stored, "already_present": self.present, "durable": self.durable}
 
 
-def store_chunk(store, items: list[PutItem]) -> PutResult:
-    """put_many, then free the DRAM landings it did not adopt (duplicates, a failed put)."""
-    try:
-        return store.put_many(items)
-    finally:
-        store.release_payloads([it.payload for it in items])
-
-
 async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
                       chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
     """Store one upload: the stream header is read with `read(n)`, each frame with
@@ -81,10 +74,9 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
         if pending is not None:
             batch.done(await pending)
             pending = None
-        items, nbytes = batch.take()
-        if items:
-            await check_quota(app, who, nbytes)
-            pending = loop.run_in_executor(app[POOL], store_chunk, store, items)
+        items, _ = batch.take()
+        if items:                    # quota held from its check to the end of its put (cli/quota.py)
+            pending = loop.run_in_executor(app[POOL], put_within_quota, store, app[QUOTAS], who, items)
             if next_chunk is not None:
                 next_chunk()
     try:
@@ -110,10 +102,9 @@ def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame,
     batch = PutBatch(who, chunk_limit)
 
     def flush() -> None:
-        items, nbytes = batch.take()
+        items, _ = batch.take()
         if items:
-            check_quota_now(store, who, nbytes)
-            batch.done(store_chunk(store, items))
+            batch.done(put_within_quota(store, app[QUOTAS], who, items))
             if next_chunk is not None:
                 next_chunk()
     for _ in range(count):

@@ -1,6 +1,7 @@
 """Reconfiguring a running daemon: `POST /v1/admin/reconfigure` (admin) and SIGHUP.
 
-    new config (the --config file read again, or a JSON body shaped like the TOML)
+    new config (the --config file read again: the whole config; or a JSON body shaped like the
+      │ TOML: the settings it sends, the rest kept)
       │ parse and validate all of it ── any error: 400, nothing changes
       v
     hot settings ──> swapped in at once: tokens (add, revoke, quotas, flags), request limits,
@@ -44,15 +45,23 @@ class LiveConfig:
 CONFIG_FILE = web.AppKey("config_file", str)
 
 
-def reconfigure(app: web.Application, raw: Mapping[str, Any]) -> dict:
-    """Apply `raw` (a parsed config) to the running daemon; what changed and what needs a restart."""
+def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = False) -> dict:
+    """Apply `raw` (a parsed config) to the running daemon; what changed and what needs a restart.
+    partial (a JSON body): the [server] settings and the sections `raw` leaves out stay as they
+    are; else (the config file) `raw` is the whole config, and what it leaves out is the default."""
     from kvcache.cli import server as srv
     from kvcache.kvstore.config import StoreConfig
     live, store = app[srv.CONFIG], app[srv.STORE]
     old_server, old_store = live.current, store.config
-    new_server = ServerConfig.from_dict(raw.get("server", {}),
-                                        **{f: getattr(old_server, f) for f in FIXED_SERVER})
+    if not isinstance(raw.get("server", {}), Mapping):
+        raise ValueError("[server] must be a table of settings")
+    if partial:
+        new_server = old_server.updated({k: v for k, v in raw.get("server", {}).items() if k not in FIXED_SERVER})
+    else:
+        new_server = ServerConfig.from_dict(raw.get("server", {}), **{f: getattr(old_server, f) for f in FIXED_SERVER})
     new_store = StoreConfig.from_dict(raw, data_dir=old_store.data_dir)
+    if partial:
+        new_store = _keep_unsent(new_store, old_store, raw)
     if old_store.dram is not None and new_store.dram is not None and new_store.dram.shared_memory is None:
         new_store = dataclasses.replace(new_store, dram=dataclasses.replace(
             new_store.dram, shared_memory=old_store.dram.shared_memory))   # serve's default, as at start
@@ -76,6 +85,18 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any]) -> dict:
     return {"applied": applied, "restart_required": restart}
 
 
+def _keep_unsent(new, old, raw: Mapping[str, Any]):
+    """`new` with the store settings `raw` does not send taken from `old`: a section it leaves
+    out, or a [store] key it leaves out. A section it sends is that section whole."""
+    section = {"dram": "dram", "nvme": "nvme", "object_store": "object", "retention": "retention"}
+    keep = {}
+    for f in dataclasses.fields(old):
+        sent = f.name in raw.get("store", {}) if f.name not in section else section[f.name] in raw
+        if not sent:
+            keep[f.name] = getattr(old, f.name)
+    return dataclasses.replace(new, **keep)
+
+
 def read_config_file(path: str) -> dict:
     try:
         with open(path, "rb") as f:
@@ -90,7 +111,8 @@ async def reconfigure_handler(request: web.Request) -> web.Response:
     """Body: a JSON object shaped like the TOML config, or nothing to re-read the --config file."""
     from kvcache.cli import server as srv
     srv._require_admin(request)
-    if request.can_read_body:
+    partial = request.can_read_body          # (False once the body has been read)
+    if partial:
         raw = await request.json()
         if not isinstance(raw, dict):
             raise srv.BlockFormatError("expected a JSON object shaped like the TOML config")
@@ -100,7 +122,7 @@ async def reconfigure_handler(request: web.Request) -> web.Response:
             raise srv.BlockFormatError("this daemon was started without --config: send the new settings "
                                        "as a JSON body shaped like the TOML config")
         raw = read_config_file(path)
-    return web.json_response(reconfigure(request.app, raw))
+    return web.json_response(reconfigure(request.app, raw, partial=partial))
 
 
 def reload_on_sighup(app: web.Application) -> None:

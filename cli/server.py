@@ -16,6 +16,7 @@ import functools
 import hmac
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvcache.cli.metrics import Metrics
+from kvcache.cli.quota import Quotas, QuotaExceeded, put_within_quota
 from kvcache.cli.server_config import ServerConfig
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
@@ -35,6 +37,7 @@ STORE = web.AppKey("store", BlockStore)
 CONFIG = web.AppKey("config", ServerConfig)
 POOL = web.AppKey("pool", ThreadPoolExecutor)
 METRICS = web.AppKey("metrics", Metrics)
+QUOTAS = web.AppKey("quotas", Quotas)
 TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
 QUOTA = web.RequestKey("quota", object)
@@ -130,29 +133,6 @@ async def _call(request: web.Request, fn, *args, **kw):
     return await loop.run_in_executor(request.app[POOL], functools.partial(fn, *args, **kw))
 
 
-async def _check_quota(request: web.Request, incoming: int) -> None:
-    await check_quota(request.app, principal(request), incoming)
-
-
-async def check_quota(app: web.Application, who: Principal, incoming: int) -> None:
-    if who.quota is not None:
-        await asyncio.get_running_loop().run_in_executor(app[POOL], check_quota_now, app[STORE], who, incoming)
-
-
-def check_quota_now(store: BlockStore, who: Principal, incoming: int) -> None:
-    """Refuse a put that would take the tenant past its quota (counted on payload bytes)."""
-    if who.quota is None:
-        return
-    used, _ = store.tenant_usage(who.tenant)
-    if used + incoming > who.quota:
-        raise QuotaExceeded(f"tenant {who.tenant!r} holds {used} of its {who.quota} bytes; this put needs "
-                            f"{incoming} more. Delete or unpin blocks, wait for retention, or raise the quota")
-
-
-class QuotaExceeded(Exception):
-    pass
-
-
 _ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitError, 413, "request_entity_too_large"),
            (BlockFormatError, 400, "bad_request"), (ValueError, 400, "bad_request"), (KeyError, 400, "bad_request"),
            (TypeError, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
@@ -203,21 +183,42 @@ async def register_namespace(request: web.Request) -> web.Response:
 
 
 async def put_block(request: web.Request) -> web.Response:
-    cfg = request.app[CONFIG]
-    if request.content_length is not None and request.content_length > cfg.max_block_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=cfg.max_block_bytes, actual_size=request.content_length)
+    limit = request.app[CONFIG].max_block_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     ns_hex = request.headers.get("X-KVCache-Namespace")
     if not ns_hex:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
     ns = bytes.fromhex(ns_hex)
-    layout = request.headers.get("X-KVCache-Layout")
-    ttl = request.headers.get("X-KVCache-TTL")
-    body = await request.read()
-    await _check_quota(request, len(body))
-    item = PutItem(_key(request, request.match_info["key"]), body, ns,
-                   tuple(TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(layout)) if layout else None,
-                   request[TENANT], float(ttl) if ttl else None)
-    return web.json_response(_put_json(await _call(request, request.app[STORE].put_many, [item])))
+    layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
+    body = await _read_at_most(request, limit)
+    item = PutItem(_key(request, request.match_info["key"]), body, ns, layout, request[TENANT],
+                   float(ttl) if ttl else None)
+    r = await _call(request, put_within_quota, request.app[STORE], request.app[QUOTAS], principal(request), [item])
+    return web.json_response(_put_json(r))
+
+
+async def _read_at_most(request: web.Request, limit: int) -> bytes:
+    """The body, or 413 once it passes `limit` (a chunked body has no Content-Length to check first)."""
+    body = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 20):
+        body += chunk
+        if len(body) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+    return bytes(body)
+
+
+def _layout(header: str | None) -> tuple[TensorSpec, ...] | None:
+    """X-KVCache-Layout: a JSON list of [name, dtype, shape] (shape a list of ints), or absent."""
+    if not header:
+        return None
+    try:
+        specs = json.loads(header)
+        if not all(isinstance(n, str) and isinstance(d, str) for n, d, _ in specs):
+            raise TypeError("names and dtypes are strings")
+        return tuple(TensorSpec(n, d, tuple(int(x) for x in shape)) for n, d, shape in specs)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise BlockFormatError(f"X-KVCache-Layout must be a JSON list of [name, dtype, [dims...]] ({e})") from None
 
 
 def _put_json(r) -> dict:
@@ -254,8 +255,11 @@ async def batch_put(request: web.Request) -> web.Response:
         return buf
     from kvcache.cli.put_batch import ingest_puts   # put_batch imports this module
     read = content.readexactly
-    return web.json_response(await ingest_puts(request.app, principal(request), read,
-                                               lambda limit: wire.read_put_frame(read, limit, read_payload)))
+    reply = await ingest_puts(request.app, principal(request), read,
+                              lambda limit: wire.read_put_frame(read, limit, read_payload))
+    if await content.read(1):       # as the native path (cli/bulk_put.py): the frames must end the body
+        raise BlockFormatError("bytes follow the last frame of the batch")
+    return web.json_response(reply)
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
@@ -312,8 +316,8 @@ async def exists(request: web.Request) -> web.Response:
 async def pin(request: web.Request) -> web.Response:
     keys, body = await _keys(request)
     ttl = body.get("ttl_s")
-    if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
-        raise BlockFormatError("ttl_s must be a positive number of seconds")
+    if ttl is not None and not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < math.inf):
+        raise BlockFormatError("ttl_s must be a positive, finite number of seconds")
     return web.json_response({"changed": await _call(request, request.app[STORE].pin, keys, ttl)})
 
 
@@ -333,7 +337,9 @@ async def run_gc(request: web.Request) -> web.Response:
     from kvcache.gc.collector import Collector
     _require_admin(request)
     body = await request.json() if request.can_read_body else {}
-    steps = int(body.get("max_steps", 100))
+    if not isinstance(body, dict) or not isinstance(body.get("max_steps", 100), int) or body.get("max_steps", 100) < 1:
+        raise BlockFormatError('expected {"max_steps": a positive integer} or no body')
+    steps = body.get("max_steps", 100)
     report = await _call(request, Collector(request.app[STORE]).run, steps)
     return web.json_response(dataclasses.asdict(report))
 
@@ -357,6 +363,7 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
+    app[QUOTAS] = Quotas()
     from kvcache.cli.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
     app[STAGING] = StagingPool()
     app[UPLOADS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="kvcache-upload")

@@ -106,9 +106,9 @@ class AsyncKVClient:
         self._directory: tuple | None = None   # (its mapping, DirectoryReader): reads without a lease
         self._control: ShmControl | None = None
         self.control_path = ""          # the daemon's shm control socket, once attached
-        self._token = token or ""
         self.base_url = base_url.rstrip("/")
         token = token if token is not None else os.environ.get("KVCACHE_TOKEN")
+        self._token = token or ""       # the shared-memory handshake's too (KVCACHE_TOKEN included)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.unix_socket, self.pool_size = unix_socket, pool_size
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
@@ -278,7 +278,8 @@ class AsyncKVClient:
                 info = await self._json("GET", "/v1/shm")
                 arena = LocalArena.attach(info)
                 try:
-                    self._control = await ShmControl.connect(info["control_socket"], self._token)
+                    self._control = await ShmControl.connect(info["control_socket"], self._token,
+                                                             self._timeout.total)
                     self._directory = attach_directory(info.get("directory"))
                 except BaseException:
                     arena.close()

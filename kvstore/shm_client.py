@@ -80,19 +80,24 @@ class LocalArena:
 class ShmControl:
     """The client end of the control socket (kvstore/shm_wire.py): one connection, calls in turn."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout_s: float = 30.0):
         self._reader, self._writer = reader, writer
         self._lock = asyncio.Lock()
+        self.timeout_s = timeout_s   # a call's bound: a stopped daemon must not hang its readers
         self.tenant = ""     # from HELLO's answer: directory entries are under the tenant's keys
 
     @classmethod
-    async def connect(cls, path: str, token: str) -> "ShmControl":
+    async def connect(cls, path: str, token: str, timeout_s: float = 30.0) -> "ShmControl":
         try:
-            reader, writer = await asyncio.open_unix_connection(path)
-        except OSError as e:
-            raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e}") from e
-        ctl = cls(reader, writer)
-        status, body = await ctl.call(w.HELLO, token.encode())
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout_s)
+        except OSError as e:         # TimeoutError included
+            raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e!r}") from e
+        ctl = cls(reader, writer, timeout_s)
+        try:
+            status, body = await ctl.call(w.HELLO, token.encode())
+        except (OSError, asyncio.IncompleteReadError) as e:
+            await ctl.close()
+            raise ArenaUnavailable(f"the daemon's control socket {path} did not answer: {e!r}") from e
         if status:
             await ctl.close()
             raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")
@@ -100,10 +105,19 @@ class ShmControl:
         return ctl
 
     async def call(self, op: int, body: bytes) -> tuple[int, bytes]:
+        """One request and its answer, within timeout_s (TimeoutError, an OSError: the connection
+        is closed then, since a late answer would be read as the next call's)."""
         async with self._lock:
-            self._writer.write(w.frame(op, body))
-            n, status = w.split_head(await self._reader.readexactly(w.HEAD_BYTES))
-            return status, await self._reader.readexactly(n)
+            try:
+                return await asyncio.wait_for(self._exchange(op, body), self.timeout_s)
+            except TimeoutError:
+                self._writer.close()
+                raise
+
+    async def _exchange(self, op: int, body: bytes) -> tuple[int, bytes]:
+        self._writer.write(w.frame(op, body))
+        n, status = w.split_head(await self._reader.readexactly(w.HEAD_BYTES))
+        return status, await self._reader.readexactly(n)
 
     async def lease(self, keys: list[bytes]) -> tuple[int, list]:
         status, body = await self.call(w.LEASE, w.encode_keys(keys))

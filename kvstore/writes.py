@@ -14,6 +14,7 @@ A mixin only to keep each file readable: it uses BlockStore's state (config, tie
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -79,8 +80,8 @@ class StoreWrites:
             if len(item.key) != ns.algo.digest_size:
                 raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
                                        f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
-            if item.ttl_s is not None and not item.ttl_s > 0:
-                raise BlockFormatError(f"a block's ttl_s must be positive, got {item.ttl_s}")
+            if item.ttl_s is not None and not 0 < item.ttl_s < math.inf:      # inf: kept past every retention
+                raise BlockFormatError(f"a block's ttl_s must be positive and finite, got {item.ttl_s}")
             payload = memoryview(item.payload).cast("B")
             checked.append((item, payload, check_layout(item.layout, payload.nbytes)))
         writes, metas, seen = [], [], set()
