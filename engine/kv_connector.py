@@ -38,6 +38,8 @@ class CacheConfig:
     """The engine's `[cache]` section (configs/engine-cache.toml documents each field)."""
     store: str = ""                  # open_store spec: a directory, a store TOML, http://host:port, unix:///sock
     token: str | None = None         # bearer token for a daemon (else $KVCACHE_TOKEN)
+    model_id: str = ""               # names the weights in block keys (e.g. "v4.1-flash@flash-1017"); empty: a
+                                     #   checksum of the weights at start (a store never mixes two models' KV)
     mode: str = "replay"             # replay: rebuild windows/carry by recomputing the last blocks of a hit
     replay_blocks: int = 0           #   (approximate; 0 = 4 sliding windows); exact: resume from a tail snapshot
     save: bool = True                # save newly computed blocks (and snapshots in exact mode)

@@ -30,6 +30,7 @@ from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
+from kvcache.engine.weights_id import weights_id
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class LLMEngine:
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
-        self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv))
+        self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv), weights_id(model, config.cache))
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}
@@ -385,13 +386,14 @@ class LLMEngine:
             raise AssertionError(f"idle engine still holds state slots ({self.kv.free_slots} free)")
 
 
-def engine_namespace(config, block_size: int, layout: str) -> Namespace:
-    """Block keys depend on the model (its config's fingerprint), the pool's block layout id
-    (engine/kv_blocks.py) and the block size."""
+def engine_namespace(config, block_size: int, layout: str, weights_id: str = "") -> Namespace:
+    """Block keys depend on the model (its config's fingerprint and, with a cache, its weights:
+    engine/weights_id.py), the pool's block layout id (engine/kv_blocks.py) and the block size."""
     import hashlib
     import json
     fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
-    return Namespace(f"{config.model_type}:{fingerprint}", layout, block_size, name=config.model_type)
+    model = f"{config.model_type}:{fingerprint}" + (f":{weights_id}" if weights_id else "")
+    return Namespace(model, layout, block_size, name=config.model_type)
 
 
 def replace_params(params: SamplingParams, **changes) -> SamplingParams:

@@ -261,3 +261,28 @@ def test_a_tier_slower_than_recomputing_is_skipped(model, tmp_path):
         outs, usage = run(llm, ps[2:])
         assert outs[0].token_ids == want[1] and usage[0].cached_tokens.get("nvme") == 96
     store.close()
+
+
+@torch.no_grad()
+def test_a_store_never_serves_one_models_blocks_to_another(tmp_path):
+    """Same config, other weights (a fine-tune, another seed): other block keys, so no hit and the
+    cold tokens; `[cache] model_id` names the weights instead of checksumming them."""
+    from tests.engine.tiny import randomize, v4_config
+    from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    a, b = (randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=s).eval() for s in (1, 2))
+    P, Qs = prompts(23, n_questions=2)
+    store = open_store(tmp_path)
+    with LLM(model=a, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    with LLM(model=b, config=cached("exact"), store=store) as other:
+        outs, usage = run(other, [P + Qs[1]])
+        assert usage[0].total_cached == 0 and [o.token_ids for o in outs] == cold(b, [P + Qs[1]])
+    with LLM(model=a, config=cached("exact"), store=store) as same:       # the same weights: a hit
+        assert run(same, [P + Qs[1]])[1][0].total_cached > 0
+    named = dataclasses.replace(CFG, cache=CacheConfig(mode="exact", snapshot_interval=48, model_id="tiny@1"))
+    with LLM(model=a, config=named, store=store) as first:
+        assert first.engine.namespace != LLM(model=a, config=cached("exact")).engine.namespace
+        run(first, [P + Qs[0]])
+    with LLM(model=a, config=named, store=store) as again:
+        assert run(again, [P + Qs[1]])[1][0].total_cached > 0
+    store.close()
