@@ -312,6 +312,8 @@ class LLMEngine:
             children.append(child)
             child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
             child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
+            if parent.usage is not None:            # its prompt came the parent's way (a hit or not)
+                child.usage = dataclasses.replace(parent.usage, cached_tokens=dict(parent.usage.cached_tokens))
             self.requests[child.request_id] = child
             tail = len(parent.block_ids) - full
             full_batch = len(self.scheduler.running) >= self.scheduler.max_running

@@ -22,6 +22,7 @@ prefix shared by concurrent requests is fetched once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from kvcache.engine.kv_blocks import decode_blocks, encode_block
 from kvcache.engine.kv_connector import CacheConfig, KVConnector, end_snapshot_key, snapshot_key
 from kvcache.engine.request import Request, Status
 from kvcache.kvstore.hashing import hash_blocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class PrefixCache:
     def _plan(self, req: Request) -> None:
         pool, n_full = self.engine.pool, (len(req.prompt) - 1) // self.bs
         req.usage.prompt_tokens = len(req.prompt)
+        req.usage.cached_tokens = {}                     # a re-plan (after a preemption) reports its own hit
         keys = hash_blocks(self.engine.namespace, req.prompt[: n_full * self.bs]) if n_full else []
         hbm = 0
         while hbm < len(keys) and pool.lookup(keys[hbm]) is not None:
@@ -202,8 +206,10 @@ class PrefixCache:
         snap = plan.snap_mem or snap
         if self.config.mode == "exact" and (held < plan.use or snap is None):
             use, resume = 0, None                        # exact or nothing: recompute from the start
+        elif self.config.mode == "exact" and (state := _decoded(snap)) is None:   # not a snapshot: a miss
+            use, resume = 0, None
         elif self.config.mode == "exact":
-            use, resume = held, Resume(held * self.bs, held * self.bs, snapshot.decode(snap))
+            use, resume = held, Resume(held * self.bs, held * self.bs, state)
             if plan.end:
                 tail = self._partial_block(resume.snapshot)
                 if tail is None:
@@ -332,3 +338,12 @@ class PrefixCache:
     def forget(self, req: Request) -> None:
         """The request lost its state (preempted, failed): plan again when it is next admitted."""
         req.cache_planned, req.resume, req.saved_blocks = False, None, 0
+
+
+def _decoded(snap) -> dict | None:
+    """A tail snapshot's contents, or None (logged) if its bytes do not decode as one."""
+    try:
+        return snapshot.decode(snap)
+    except Exception as e:           # safetensors' own errors, bad metadata, a missing tensor...
+        log.warning("a tail snapshot from the store does not decode (%s): recomputing instead", e)
+        return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvcache.engine.block_pool import BlockPool, PoolExhausted
+from kvcache.engine.block_pool import BlockPool
 from kvcache.engine.request import FinishReason, Request, Status
 
 
@@ -98,9 +98,7 @@ class Scheduler:
             if req.status is Status.WAITING_FOR_KV or req in out.preempted:
                 continue
             n = self._cut(req, req.num_computed, min(req.num_tokens - req.num_computed, budget))
-            try:
-                req.block_ids += self.pool.allocate(self._blocks_missing(req, n))
-            except PoolExhausted:
+            if not self._admit_blocks(req, n):
                 break                                  # FCFS: nothing behind it jumps the queue
             self.waiting.remove(req)
             self.running.append(req)
@@ -108,6 +106,24 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
             budget -= n
         return out
+
+    def _admit_blocks(self, req: Request, n: int) -> bool:
+        """Blocks for a waiting request's first n tokens. Waiting requests ranked after it that
+        hold blocks (a cache hit loaded for them) give theirs back first, worst first: else such
+        a holder, itself kept waiting by this one, could block the queue for good (the blocks
+        keep their content keys, so its next plan finds them in the pool again)."""
+        need = self._blocks_missing(req, n)
+        holders = sorted((r for r in self.waiting if r.block_ids and r.status is Status.WAITING   # not mid-load
+                          and r.sort_key() > req.sort_key()), key=Request.sort_key)
+        while need > self.pool.num_free() and holders:
+            victim = holders.pop()
+            self.pool.release(victim.block_ids)
+            victim.block_ids, victim.block_keys, victim.num_computed, victim.state = [], [], 0, None
+            self._reset_state(victim)
+        if need > self.pool.num_free():
+            return False
+        req.block_ids += self.pool.allocate(need)
+        return True
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         toks = req.tokens[req.num_computed: req.num_computed + n]

@@ -286,3 +286,56 @@ def test_a_store_never_serves_one_models_blocks_to_another(tmp_path):
     with LLM(model=a, config=named, store=store) as again:
         assert run(again, [P + Qs[1]])[1][0].total_cached > 0
     store.close()
+
+
+@torch.no_grad()
+def test_a_waiting_hit_gives_its_blocks_to_a_better_request(model, tmp_path):
+    """A request resumed from the store waits (max_running) holding its loaded blocks; a better one
+    that needs them gets them, and the holder finds them in the pool again later (found by
+    review: the engine spun forever, nothing running). In a pool this small its blocks are
+    reallocated meanwhile, so it loads or recomputes them again: the same tokens either way."""
+    P, Qs = prompts(29)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    tight = dataclasses.replace(CFG, num_blocks=8, max_running=1,
+                                cache=CacheConfig(mode="exact", snapshot_interval=48))
+    with LLM(model=model, config=tight, store=store) as warm:
+        e = warm.engine
+        busy = e.add_request(Qs[2] * 2, GREEDY)
+        e.step()
+        holder = e.add_request(P + Qs[1], GREEDY)       # 6 blocks from the store; waits behind `busy`
+        e.step()
+        e.step()
+        assert holder.status.value == "waiting" and len(holder.block_ids) == 6
+        better = e.add_request(prompts(30, doc=40)[0], GREEDY, priority=-1)
+        for _ in range(200):
+            if not e.has_work():
+                break
+            e.step()
+        assert not e.has_work() and all(r.finish_reason.value == "length" for r in (busy, holder, better))
+        assert holder.output == cold(model, [P + Qs[1]])[0]
+        e.check_idle()
+    store.close()
+
+
+@torch.no_grad()
+def test_usage_reports_the_last_plan_and_samples_get_it_too(model, tmp_path):
+    P, Qs = prompts(31)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    with LLM(model=model, config=cached("exact"), store=store) as warm:
+        e = warm.engine
+        r = e.add_request(P + Qs[1], SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True))
+        preempted = 0
+        while e.has_work():
+            e.step()
+            if r.status.value == "running" and r.output and preempted < 3:   # recompute after a hit, 3 times
+                e.scheduler.preempt(r)
+                preempted += 1
+        assert preempted == 3 and r.usage.total_cached <= len(r.prompt)
+        child = e.family(r.request_id)[1]
+        assert child.usage is not None and child.usage.prompt_tokens == len(r.prompt)
+        e.check_idle()
+    store.close()
