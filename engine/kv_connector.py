@@ -89,12 +89,13 @@ def snapshot_key(block_key: bytes) -> bytes:
     return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()
 
 
-def end_snapshot_key(prev: bytes, tail: list[int]) -> bytes:
+def end_snapshot_key(prev: bytes, tail: list[int], size: int) -> bytes:
     """Where the snapshot of a request that ended `len(tail)` tokens into a block lives: `prev` is
-    the key of the last full block before it (or the namespace id when there is none)."""
+    the key of the last full block before it (or the namespace id when there is none); `size`
+    bytes, as long as the namespace's block keys (16, or 32 with sha256)."""
     import array
     return hashlib.blake2b(b"kvcache-end-snapshot-v1" + prev + array.array("q", tail).tobytes(),
-                           digest_size=16).digest()
+                           digest_size=size).digest()
 
 
 class KVConnector:

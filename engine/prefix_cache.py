@@ -172,7 +172,8 @@ class PrefixCache:
         (snapshot bytes in memory, its key in the store, end) or None. One batched exists call."""
         prev = keys[k - 1] if k else self.engine.namespace.id
         ends = range(min((k + 1) * self.bs - 1, len(req.prompt) - 1), k * self.bs, -1)
-        cands = [(L, end_snapshot_key(prev, req.prompt[k * self.bs: L])) for L in ends]
+        size = self.engine.namespace.algo.digest_size
+        cands = [(L, end_snapshot_key(prev, req.prompt[k * self.bs: L], size)) for L in ends]
         for L, key in cands:
             if key in self.snapshots:
                 return self.snapshots[key], None, L
@@ -299,7 +300,7 @@ class PrefixCache:
                 self._save_snapshot(req.block_keys[k - 1], req)
             return
         prev = req.block_keys[k - 1] if k else self.engine.namespace.id
-        key = end_snapshot_key(prev, req.tokens[k * self.bs: L])
+        key = end_snapshot_key(prev, req.tokens[k * self.bs: L], self.engine.namespace.algo.digest_size)
         snap = snapshot.capture(req.state)
         snap["partial"] = torch.frombuffer(bytearray(encode_block(self.engine.kv, req.block_ids[k])), dtype=torch.uint8)
         self._remember(key, snapshot.encode(snap))
@@ -317,8 +318,9 @@ class PrefixCache:
 
     def _remember(self, key: bytes, data: bytes, store_key: bytes | None = None) -> None:
         """Keep a snapshot in engine memory (bounded) and save it to the store."""
+        old = self.snapshots.pop(key, None)          # the same point again: replace, not count twice
+        self._snap_bytes += len(data) - (len(old) if old is not None else 0)
         self.snapshots[key] = data
-        self._snap_bytes += len(data)
         while self._snap_bytes > self.config.snapshot_memory_bytes and self.snapshots:
             self._snap_bytes -= len(self.snapshots.popitem(last=False)[1])
         if self.connector is not None:
