@@ -181,6 +181,8 @@ def tenant_key(tenant: str, key: bytes) -> bytes:
     """
     if not tenant:
         return key
+    if len(key) < 16:    # the stored key is as long as the sent one: 1-8 bytes would collide across tenants
+        raise ValueError(f"a tenant's block keys are at least 16 bytes (block hashes), got {len(key)}")
     h = xxhash.xxh3_128() if len(key) <= 16 else hashlib.sha256()
     for part in (b"kvcache.tenant", tenant.encode(), key):
         _frame(h, part)

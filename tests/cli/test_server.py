@@ -118,7 +118,8 @@ async def test_tenants_cannot_see_each_other(client):
 
 
 @pytest.mark.parametrize("method, path, kwargs, status, code", [
-    ("put", "/v1/blocks/abcd", {"data": b"x"}, 422, "unknown_namespace"),
+    ("put", "/v1/blocks/" + "ab" * 16, {"data": b"x"}, 422, "unknown_namespace"),
+    ("put", "/v1/blocks/abcd", {"data": b"x"}, 400, "bad_request"),          # a tenant's keys: >= 16 bytes
     ("get", "/v1/blocks/not-hex", {}, 400, "bad_request"),
     ("get", "/v1/blocks/" + "ab" * 65, {}, 400, "bad_request"),
     ("post", "/v1/lookup", {"data": b"{nope"}, 400, "bad_request"),
@@ -126,7 +127,7 @@ async def test_tenants_cannot_see_each_other(client):
     ("post", "/v1/lookup", {"json": {"keys": ["ab"] * 101}}, 413, "request_entity_too_large"),
     ("post", "/v1/blocks/batch_put", {"data": b"XXXX\x01\x00\x00\x00"}, 400, "bad_request"),
     ("post", "/v1/blocks/batch_put", {"data": wire.stream_header(65)}, 413, "request_entity_too_large"),
-    ("post", "/v1/blocks/batch_get", {"json": {"keys": ["ab"] * 65}}, 413, "request_entity_too_large"),
+    ("post", "/v1/blocks/batch_get", {"json": {"keys": ["ab" * 16] * 65}}, 413, "request_entity_too_large"),
     ("post", "/v1/blocks/batch_put", {"data": wire.stream_header(2) + b"\x10" + b"k" * 8}, 400, "truncated_body"),
     ("post", "/v1/pin", {"json": {"keys": [], "ttl_s": -1}}, 400, "bad_request"),
     ("get", "/v1/nothing", {}, 404, "not_found"),
