@@ -59,8 +59,12 @@ def cmd_generate(args) -> int:
         raise ValueError("--compile does not support tensor or expert parallelism yet: drop --compile or --tp")
     if args.tp == 1:
         return _generate(0, 1, args, params)
+    import logging
     import tempfile
     import torch.multiprocessing as mp
+    # mp.spawn logs "Terminating process ... via signal SIGTERM" when one rank's error ends the
+    # others: noise next to the one error line a rank's bad input gets
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as d:      # every rank samples with the same seed (drawn above)
         try:
             mp.spawn(_rank, args=(args.tp, args, params, d), nprocs=args.tp, join=True)
