@@ -104,11 +104,9 @@ def _count(model) -> int:
 
 def model_facts(config) -> dict:
     """Parameter counts from the config alone (no weights built), and the KV layout."""
-    import torch
     from kvcache.engine.kv_layout import ROW_FORMATS, kv_layout
-    from kvcache.engine.models import model_class
-    with torch.device("meta"):
-        model = model_class(config)(config)
+    from kvcache.engine.models import build_empty
+    model = build_empty(config)
     groups: dict[str, int] = {}
     for name, p in model.named_parameters():
         part = ("embed/head" if name.startswith(("embed", "head")) else "drafter (mtp)" if name.startswith("mtp.")

@@ -169,12 +169,10 @@ def load_model(path: str, device: str = "cpu", progress: bool = True):
     """(model, config) from a checkpoint directory: fp32 weights on CPU, bf16 on an accelerator
     (engine/device.py); quantised tensors are dequantised on the way in."""
     from kvcache.engine.device import select
-    from kvcache.engine.models import model_class
+    from kvcache.engine.models import build_empty
     place = select(device)
     config = ModelConfig.load(path)
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model = model.to_empty(device=place.device)
+    model = build_empty(config).to_empty(device=place.device)
     if place.dtype != torch.float32:
         model = model.to(place.dtype)
     load_weights(model, config, path, progress)
