@@ -44,7 +44,7 @@ class CacheConfig:
     replay_blocks: int = 0           #   (approximate; 0 = 4 sliding windows); exact: resume from a tail snapshot
     save: bool = True                # save newly computed blocks (and snapshots in exact mode)
     cost_model: bool = True          # skip a tier's blocks when loading them is slower than recomputing
-    pin_ttl_s: float = 60.0          # pins taken while a fetch is in flight (released after it)
+    pin_ttl_s: float = 60.0          # soft pins taken for a fetch (they lapse on their own after this)
     max_pending_save_bytes: int = 512 << 20
     snapshot_interval: int = 512     # exact mode: prefill chunks end on multiples of this (tokens), and each
                                      #   such point gets a snapshot; a multiple of the block size
@@ -153,20 +153,14 @@ class KVConnector:
     def _fetch(self, keys: list[bytes], tiers: list[str], snap_key: bytes | None):
         want = keys + ([snap_key] if snap_key else [])
         t0 = time.perf_counter()
-        pinned = False
         try:
+            # a soft pin for the fetch, left to lapse: an unpin drops a hard pin first, and the
+            # blocks may hold someone else's (an operator's, another client's)
             self.store.pin(want, ttl_s=self.config.pin_ttl_s)
-            pinned = True
             got = self.store.get_many(want)
         except Exception as e:
             log.warning("cache fetch of %d blocks failed (%s): they are recomputed", len(want), e)
             got = [None] * len(want)
-        finally:
-            if pinned:
-                try:
-                    self.store.unpin(want)
-                except Exception as e:
-                    log.warning("releasing cache pins failed (%s); their TTL releases them", e)
         dt = time.perf_counter() - t0
         loaded = sum(memoryview(p).nbytes for p in got if p is not None)
         slow = [t for t in tiers if t != "hbm"]

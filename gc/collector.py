@@ -92,14 +92,19 @@ class Collector:
         r.scanned = len(chunk)
         self._cursor = chunk[-1][0] if len(chunk) == self.batch else None
         r.wrapped = self._cursor is None
-        expired, updates = [], {}
+        expired, lapsed = [], []
         for key, meta in chunk:
             if store._expired(meta, now):
                 expired.append(key)
             elif 0 < meta.soft_pin_until <= now:
-                meta.soft_pin_until = 0.0
-                updates[key] = meta
+                lapsed.append(key)
         with store._lock:
+            # the scan ran unlocked: write back only what is still so now (a delete, a pin or a
+            # compaction since then must not be undone by the scan's stale copy)
+            updates = {k: m for k, m in zip(lapsed, store.index.get_many(lapsed))
+                       if m is not None and 0 < m.soft_pin_until <= now}
+            for m in updates.values():
+                m.soft_pin_until = 0.0
             dram_expired = [k for k, m in list(store._dram_meta.items())[: self.batch] if store._expired(m, now)]
             for k in dram_expired:
                 store._dram_meta.pop(k, None)
@@ -122,14 +127,20 @@ class Collector:
         live = sum(s.live_bytes for s in store.index.segments().values())
         if live <= cfg.high_watermark * cfg.capacity_bytes:
             return
-        target, now = cfg.low_watermark * cfg.capacity_bytes, store.clock()
+        target, now, stale = cfg.low_watermark * cfg.capacity_bytes, store.clock(), 0
         while live > target and r.evicted < max_victims:
             victim = self._pick_victim(now)
             if victim is None:
                 log.warning("NVMe tier over its watermark but every sampled block is pinned")
                 return
-            key, meta = victim
-            with store._lock:
+            key, sampled = victim
+            with store._lock:    # sampled unlocked: act on what the index holds now, if still a victim
+                [meta] = store.index.get_many([key])
+                if meta is None or Tier.NVME not in meta.residency or meta.is_pinned(now):
+                    stale += 1
+                    if stale > max_victims:
+                        return
+                    continue
                 if store.index.object_location(key) is not None:
                     meta.residency &= ~Tier.NVME
                     store.index.commit({key: meta}, counters={"evicted_nvme": 1})

@@ -104,8 +104,10 @@ def _verify(store, key: bytes, meta: BlockMeta, deep: bool) -> str | None:
             store.nvme.read_record(key, placement)
         else:
             from kvcache.kvstore.block_format import decode_header
-            header = decode_header(os.pread(store.nvme._reader(meta.segment_id),
-                                            meta.record_len - meta.payload_len, meta.offset))
+            with store.nvme.readers.open(meta.segment_id) as fd:
+                if fd is None:
+                    raise FileNotFoundError(f"segment {meta.segment_id} is missing")
+                header = decode_header(os.pread(fd, meta.record_len - meta.payload_len, meta.offset))
             if header.key != key:
                 errors.append("record holds another block")
     except Exception as e:  # a malformed header in quick mode

@@ -32,6 +32,7 @@ from kvcache.kvstore.block_format import (
 from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
+from kvcache.tiering.segment_readers import SegmentReaders
 from kvcache.tiering.segment import (
     HEAD_BYTES, align_up, encode_head, parse_segment_name, segment_name,
 )
@@ -88,8 +89,7 @@ class NvmeTier(BlockTier):
         self._on_corrupt = on_corrupt or (lambda key, placement, why: None)
         self._clock = clock
         self._write_lock = threading.Lock()
-        self._fd_lock = threading.Lock()
-        self._read_fds: dict[int, int] = {}
+        self.readers = SegmentReaders(self.path)
         self._staging = mmap.mmap(-1, 8 << 20) if config.o_direct else None
         try:
             os.makedirs(root, exist_ok=True)
@@ -165,10 +165,7 @@ class NvmeTier(BlockTier):
         """Unlink a segment the index no longer references (compaction's last step)."""
         if segment_id == self._active_id:
             raise StoreError("cannot remove the active segment")
-        with self._fd_lock:
-            fd = self._read_fds.pop(segment_id, None)
-            if fd is not None:
-                os.close(fd)
+        self.readers.drop(segment_id)
         size = _file_size(self.path(segment_id))
         try:
             os.unlink(self.path(segment_id))
@@ -299,25 +296,15 @@ class NvmeTier(BlockTier):
                 self._unsynced = False
 
     # ---------------------------------------------------------------- reads
-    def _reader(self, segment_id: int) -> int | None:
-        with self._fd_lock:
-            fd = self._read_fds.get(segment_id)
-            if fd is None:
-                try:
-                    fd = os.open(self.path(segment_id), os.O_RDONLY)
-                except FileNotFoundError:
-                    return None
-                if len(self._read_fds) >= 256:
-                    os.close(self._read_fds.pop(next(iter(self._read_fds))))
-                self._read_fds[segment_id] = fd
-            return fd
-
     def read_record(self, key: bytes, placement: Placement, out=None) -> tuple[RecordHeader, memoryview] | None:
         """Header and payload view (into `out` when given and the codec is raw), or None."""
-        fd = self._reader(placement.segment_id)
-        if fd is None:
-            self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
-            return None
+        with self.readers.open(placement.segment_id) as fd:
+            if fd is None:
+                self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
+                return None
+            return self._read_at(fd, key, placement, out)
+
+    def _read_at(self, fd: int, key: bytes, placement: Placement, out) -> tuple[RecordHeader, memoryview] | None:
         hlen = placement.record_len - placement.payload_len
         hbuf = bytearray(hlen)
         if out is not None and memoryview(out).nbytes >= placement.payload_len:
@@ -335,8 +322,9 @@ class NvmeTier(BlockTier):
         except CorruptBlockError as e:
             self._on_corrupt(key, placement, f"segment {placement.segment_id} offset {placement.offset}: {e}")
             return None
-        except OSError as e:
-            self._on_corrupt(key, placement, f"read error in segment {placement.segment_id}: {e.strerror}")
+        except OSError as e:     # the disk, not the record: a miss this time, not a quarantine
+            log.warning("read error in segment %d at %d: %s (a miss)", placement.segment_id, placement.offset,
+                        e.strerror)
             return None
         return header, body
 
@@ -418,10 +406,7 @@ class NvmeTier(BlockTier):
     def close(self) -> None:
         with self._write_lock:
             self._seal_active()
-        with self._fd_lock:
-            for fd in self._read_fds.values():
-                os.close(fd)
-            self._read_fds.clear()
+        self.readers.close_all()
         if self._staging is not None:
             self._staging.close()
 

@@ -339,3 +339,18 @@ def test_usage_reports_the_last_plan_and_samples_get_it_too(model, tmp_path):
         assert child.usage is not None and child.usage.prompt_tokens == len(r.prompt)
         e.check_idle()
     store.close()
+
+
+@torch.no_grad()
+def test_a_fetch_leaves_anothers_hard_pin_alone(model, tmp_path):
+    P, Qs = prompts(37)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    from kvcache.kvstore.hashing import hash_blocks
+    with LLM(model=model, config=cached("exact"), store=store) as warm:
+        keys = hash_blocks(warm.engine.namespace, P)
+        store.pin(keys)                                        # an operator's hard pins
+        assert run(warm, [P + Qs[1]])[1][0].total_cached > 0   # the fetch pinned and read them
+    assert all(m.hard_pins == 1 for m in store.index.get_many(keys))
+    store.close()

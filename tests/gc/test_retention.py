@@ -179,3 +179,51 @@ def test_explicit_ttl_per_block(make_store, clock):
     assert s.get(long_[0]) is None
     with pytest.raises(BlockFormatError, match="ttl_s"):
         s.put(make_keys(1, start=300)[0], b"x", NS.id, ttl_s=0)
+
+
+def test_expiry_never_writes_back_a_stale_scan(make_store, clock, monkeypatch):
+    """Expiry scans unlocked, then clears lapsed soft pins under the lock: a delete or a hard pin
+    that lands in between is kept (the scan's old copy resurrected the deleted block, or
+    wiped the pin; found by review)."""
+    s = make_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    s.pin(keys, ttl_s=1 * HOUR)
+    clock.advance(hours=2)                          # the soft pins have lapsed; the blocks have not expired
+    real_scan = s.index.scan
+
+    def scan_then_race(cursor, n):
+        chunk = real_scan(cursor, n)
+        s.delete(keys[:1])                          # lands between the scan and the commit
+        s.pin(keys[1:2])                            # a hard pin, likewise
+        return chunk
+    monkeypatch.setattr(s.index, "scan", scan_then_race)
+    Collector(s).step()
+    monkeypatch.undo()
+    assert s.index.get(keys[0]) is None and s.get(keys[0]) is None
+    assert s.index.get(keys[1]).hard_pins == 1
+    assert s.index.get(keys[2]).soft_pin_until == 0.0
+
+
+def test_capacity_eviction_skips_a_victim_pinned_after_sampling(make_store, clock, monkeypatch):
+    import dataclasses
+    from kvcache.tiering.nvme import NvmeConfig
+    cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
+    s = make_store(dram_mib=None, nvme_config=cfg)
+    keys = make_keys(100)
+    put_blocks(s, keys, n=16384)                    # 1.6 MiB: under the watermark while putting
+    s.nvme.config = dataclasses.replace(cfg, capacity_bytes=3 << 19)   # 1.5 MiB: now over it, GC evicts
+    col = Collector(s, sample=200)
+    real_pick = col._pick_victim
+    pinned = []
+
+    def pick_then_pin(now):
+        victim = real_pick(now)
+        if victim is not None and not pinned:
+            s.pin([victim[0]])                      # pinned after it was sampled
+            pinned.append(victim[0])
+        return victim
+    monkeypatch.setattr(col, "_pick_victim", pick_then_pin)
+    assert col.step().evicted > 0
+    meta = s.index.get(pinned[0])
+    assert meta is not None and meta.hard_pins == 1
