@@ -53,6 +53,7 @@ class Collector:
         self.batch = batch
         self.sample = sample
         self._cursor: bytes | None = None
+        self._dram_pos = 0             # where the next DRAM-only expiry window starts
         self._rng = random.Random(seed)
 
     def step(self) -> GcReport:
@@ -105,7 +106,13 @@ class Collector:
                        if m is not None and 0 < m.soft_pin_until <= now}
             for m in updates.values():
                 m.soft_pin_until = 0.0
-            dram_expired = [k for k, m in list(store._dram_meta.items())[: self.batch] if store._expired(m, now)]
+            # DRAM-only blocks (write-back, not yet on NVMe): the next `batch` of them each step, so
+            # expired ones behind long-lived ones are reached too (always the first batch: never)
+            held = list(store._dram_meta.items())
+            start = self._dram_pos if self._dram_pos < len(held) else 0
+            window = held[start: start + self.batch]
+            self._dram_pos = start + len(window)
+            dram_expired = [k for k, m in window if store._expired(m, now)]
             for k in dram_expired:
                 store._dram_meta.pop(k, None)
             still = [k for k, m in zip(expired, store.index.get_many(expired)) if m and store._expired(m, now)]

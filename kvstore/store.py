@@ -305,14 +305,21 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         self.stats_counters["quarantined"] += 1
 
     def _quarantine(self, key: bytes, placement: Placement, reason: str) -> None:
-        """A persistent copy failed verification: forget it, count it, log it. Never served.
+        """An NVMe copy failed verification: forget it (and the block, unless an object copy
+        remains), count it, log it. Never served.
         A block that compaction has just moved elsewhere is left alone (the reader retries)."""
         with self._lock:
             meta = self.index.get(key)
             if meta is None or (meta.segment_id, meta.offset) != (placement.segment_id, placement.offset):
                 return
             log.error("quarantined block %s: %s", key.hex(), reason)
-            self.index.commit(deletes=[key], counters={"quarantined": 1})
+            if self.index.object_location(key) is not None:     # the object copy is intact: keep it
+                meta.residency &= ~Tier.NVME
+                self.index.commit({key: meta}, counters={"quarantined": 1})
+            else:
+                self.index.commit(deletes=[key], counters={"quarantined": 1})
+                if self.dram is not None:        # no index entry: nothing may serve or hold it
+                    self.dram.delete(key)
             self.stats_counters["quarantined"] += 1
             line = json.dumps({"time": self.clock(), "key": key.hex(), "reason": reason})
             with open(os.path.join(self.config.data_dir, "quarantine.jsonl"), "a") as f:

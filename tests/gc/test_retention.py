@@ -227,3 +227,17 @@ def test_capacity_eviction_skips_a_victim_pinned_after_sampling(make_store, cloc
     assert col.step().evicted > 0
     meta = s.index.get(pinned[0])
     assert meta is not None and meta.hard_pins == 1
+
+
+def test_dram_only_expiry_reaches_past_its_first_batch(make_store, clock):
+    """Expiry of DRAM-only blocks walks all of them a batch per step: expired blocks behind a
+    batch of long-lived ones were never collected (it always looked at the first batch)."""
+    s = make_store(nvme=False)
+    keep, short = make_keys(6), make_keys(6, start=1000)
+    put_blocks(s, keep)
+    s.pin(keep)                                     # never expire
+    put_blocks(s, short)
+    clock.advance(hours=80)                         # past the 72 h default: `short` expired
+    col = Collector(s, batch=4)
+    expired = sum(col.step().expired for _ in range(8))     # a few passes of 4: every block seen
+    assert expired == len(short) and all(k in s._dram_meta for k in keep)

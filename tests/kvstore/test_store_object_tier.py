@@ -230,3 +230,19 @@ def test_drop_copies_never_drops_the_last_copy(make_store, tmp_path):
     s.object = None                                  # no object copy behind new blocks: NVMe is their last copy
     put_blocks(s, keys[4:], n=4096)
     assert s.drop_copies(keys[4:], Tier.NVME) == 0 and s.lookup(keys[4:]).num_hits == 2
+
+
+def test_a_corrupt_nvme_copy_leaves_the_object_copy_serving(object_store):
+    s = object_store()
+    keys = make_keys(3)
+    put_blocks(s, keys)
+    s.flush()                                       # the packs have landed
+    meta = s.index.get(keys[1])
+    with open(s.nvme.path(meta.segment_id), "r+b") as f:
+        f.seek(meta.offset + meta.record_len - 10)
+        f.write(b"\xff\xfe")
+    assert s.get(keys[1]) == payload_for(keys[1])   # served from the object tier
+    after = s.index.get(keys[1])
+    assert after is not None and Tier.NVME not in after.residency and s.index.object_location(keys[1])
+    assert s.stats().persistent_counters["quarantined"] == 1
+    assert s.get(keys[1]) == payload_for(keys[1])
