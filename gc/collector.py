@@ -185,6 +185,10 @@ class Collector:
         self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
         if u is not None and u.live_blocks:
             r.segments_compacted += 1
+        # the copies and the index entries naming them durable before the old file goes, whatever
+        # the fsync policy: a power loss must not take blocks that were durable before compaction
+        nvme.sync()
+        store.index.sync()
         with store._lock:
             left = store.index.segments().get(best)
             if left is not None and left.live_blocks:
