@@ -70,6 +70,7 @@ class Index:
                              "move it aside and run `kvcache check DIR --rebuild`") from e
         self._touch_lock = threading.Lock()
         self._touches: dict[bytes, tuple[float, int]] = {}
+        self._flushing: dict[bytes, tuple[float, int]] = {}     # touches being written (flush_touches)
 
     def _open_optional(self, name: bytes):
         """A database added after the first release: created when writable, absent when an
@@ -85,7 +86,7 @@ class Index:
 
     def get_many(self, keys: Iterable[bytes]) -> list[BlockMeta | None]:
         """Metadata per key (None if absent), with access times not yet flushed folded in."""
-        touches, objects = self._touches, self._objects
+        touches, flushing, objects = self._touches, self._flushing, self._objects
         with self.env.begin(db=self._blocks, buffers=True) as txn:
             out = []
             for k in keys:
@@ -95,6 +96,8 @@ class Index:
                     if touches and k in touches:
                         ts, n = touches[k]
                         meta.last_access, meta.access_count = max(meta.last_access, ts), meta.access_count + n
+                    if flushing and k in flushing:     # being written: its time counts already (max:
+                        meta.last_access = max(meta.last_access, flushing[k][0])   # twice is harmless)
                     if objects is not None and txn.get(k, db=objects) is not None:
                         meta.residency |= Tier.OBJECT  # derived, never stored: no lost updates
                 out.append(meta)
@@ -320,19 +323,25 @@ class Index:
 
     def flush_touches(self) -> int:
         with self._touch_lock:
+            # readers keep seeing these times until the write commits (else a block read just now
+            # looks idle for that moment, and GC's re-check may expire it)
             touches, self._touches = self._touches, {}
-        if not touches or self.readonly:
-            return 0
-        with self._write() as txn:
-            for key, (ts, n) in touches.items():
-                raw = txn.get(key, db=self._blocks)
-                if raw is None:
-                    continue
-                meta = BlockMeta.unpack(raw)
-                meta.last_access = max(meta.last_access, ts)
-                meta.access_count += n
-                txn.put(key, meta.pack(), db=self._blocks)
-        return len(touches)
+            self._flushing = touches
+        try:
+            if not touches or self.readonly:
+                return 0
+            with self._write() as txn:
+                for key, (ts, n) in touches.items():
+                    raw = txn.get(key, db=self._blocks)
+                    if raw is None:
+                        continue
+                    meta = BlockMeta.unpack(raw)
+                    meta.last_access = max(meta.last_access, ts)
+                    meta.access_count += n
+                    txn.put(key, meta.pack(), db=self._blocks)
+            return len(touches)
+        finally:
+            self._flushing = {}
 
     def sync(self) -> None:
         if not self.readonly:

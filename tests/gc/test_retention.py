@@ -241,3 +241,25 @@ def test_dram_only_expiry_reaches_past_its_first_batch(make_store, clock):
     col = Collector(s, batch=4)
     expired = sum(col.step().expired for _ in range(8))     # a few passes of 4: every block seen
     assert expired == len(short) and all(k in s._dram_meta for k in keep)
+
+
+def test_access_times_stay_visible_while_they_are_flushed(make_store, clock, monkeypatch):
+    import contextlib
+    s = make_store()
+    keys = make_keys(1)
+    put_blocks(s, keys)
+    clock.advance(hours=10)
+    s.get(keys[0])                                  # buffered access time: now
+    read_at = clock()
+    assert s.index.pending_touches() == 1
+    seen, real = [], s.index._write
+
+    @contextlib.contextmanager
+    def spying_write():
+        seen.append(s.index.get(keys[0]).last_access)   # a reader while the flush writes
+        with real() as txn:
+            yield txn
+    monkeypatch.setattr(s.index, "_write", spying_write)
+    s.index.flush_touches()
+    monkeypatch.undo()
+    assert seen == [read_at] and s.index.get(keys[0]).last_access == read_at
