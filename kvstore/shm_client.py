@@ -105,13 +105,14 @@ class ShmControl:
         return ctl
 
     async def call(self, op: int, body: bytes) -> tuple[int, bytes]:
-        """One request and its answer, within timeout_s (TimeoutError, an OSError: the connection
-        is closed then, since a late answer would be read as the next call's)."""
+        """One request and its answer, within timeout_s (TimeoutError, an OSError). A call that does
+        not complete (timed out, cancelled, failed) closes the connection: the next call fails
+        over to HTTP instead of reading this call's late answer as its own."""
         async with self._lock:
             try:
                 return await asyncio.wait_for(self._exchange(op, body), self.timeout_s)
-            except TimeoutError:
-                self._writer.close()
+            except BaseException:    # a timeout, a cancelled caller, a broken frame: the answer may
+                self._writer.close()   # still come, and the next call would read it as its own
                 raise
 
     async def _exchange(self, op: int, body: bytes) -> tuple[int, bytes]:
@@ -170,7 +171,11 @@ class BlockingShmControl:
             sock.close()
             raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e}") from e
         ctl = cls(sock)
-        status, body = ctl.call(w.HELLO, token.encode())
+        try:
+            status, body = ctl.call(w.HELLO, token.encode())
+        except (OSError, w.ShmProtocolError) as e:      # a timeout, a reset, a malformed answer
+            ctl.close()
+            raise ArenaUnavailable(f"the daemon's control socket {path} did not answer: {e!r}") from e
         if status:
             ctl.close()
             raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")

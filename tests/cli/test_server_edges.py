@@ -131,3 +131,50 @@ def test_only_an_ascii_content_length_takes_the_native_upload_path():
     from kvcache.cli.http_front import Head
     head = lambda length: Head("POST", BULK_PATH, "HTTP/1.1", {"content-length": length}, 0)  # noqa: E731
     assert wants(head("12")) and not wants(head("\u00b2")) and not wants(head("1\u0661"))
+
+
+async def test_a_cancelled_control_call_never_hands_its_answer_to_the_next(tmp_path):
+    """A caller cancelled while its lease request is in flight: the connection closes, so the
+    next call fails (and the client reads over HTTP) instead of taking the old answer as its own."""
+    from kvcache.kvstore import shm_wire as w
+    from kvcache.kvstore.shm_client import ShmControl
+    path = str(tmp_path / "ctl.sock")
+
+    async def slow_echo(reader, writer):              # answers each request with its own body, late
+        try:
+            while True:
+                n, _ = w.split_head(await reader.readexactly(w.HEAD_BYTES))
+                body = await reader.readexactly(n)
+                await asyncio.sleep(0.3)
+                writer.write(w.frame(0, body))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+    server = await asyncio.start_unix_server(slow_echo, path)
+    async with server:
+        reader, writer = await asyncio.open_unix_connection(path)
+        ctl = ShmControl(reader, writer, timeout_s=5)
+        first = asyncio.create_task(ctl.call(w.LEASE, b"first"))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        try:
+            answer = await ctl.call(w.LEASE, b"second")
+        except (OSError, asyncio.IncompleteReadError):
+            answer = None                              # the closed connection: fall back
+        assert answer != (0, b"first")
+        assert not ctl.alive()
+
+
+def test_a_blocking_control_socket_that_never_answers_is_unavailable_not_an_error(tmp_path):
+    import socket
+    from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl
+    path = str(tmp_path / "ctl.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)                                 # accepts (in the backlog), never answers
+    try:
+        with pytest.raises(ArenaUnavailable, match="did not answer"):
+            BlockingShmControl.connect(path, ADMIN, timeout_s=0.3)
+    finally:
+        listener.close()
