@@ -44,7 +44,7 @@ class CacheConfig:
     replay_blocks: int = 0           #   (approximate; 0 = 4 sliding windows); exact: resume from a tail snapshot
     save: bool = True                # save newly computed blocks (and snapshots in exact mode)
     cost_model: bool = True          # skip a tier's blocks when loading them is slower than recomputing
-    pin_ttl_s: float = 60.0          # soft pins taken for a fetch (they lapse on their own after this)
+    pin_ttl_s: float = 10.0          # soft pins taken for a fetch (they lapse on their own after this)
     max_pending_save_bytes: int = 512 << 20
     snapshot_interval: int = 512     # exact mode: prefill chunks end on multiples of this (tokens), and each
                                      #   such point gets a snapshot; a multiple of the block size
