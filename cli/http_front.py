@@ -62,8 +62,10 @@ def parse_head(raw: bytes) -> Head | None:
         if not line:
             break
         name, sep, value = line.partition(":")
-        name = name.strip().lower()
-        if not sep or not name or name != name.strip() or name in headers and name in ("content-length", "host"):
+        if not sep or not name or name != name.strip():   # "Content-Length : 5": aiohttp refuses it too
+            return None
+        name = name.lower()
+        if name in headers and name in ("content-length", "host"):
             return None
         headers[name] = value.strip()
     return Head(parts[0], parts[1], parts[2], headers, len(raw))

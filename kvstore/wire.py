@@ -177,6 +177,8 @@ def _parse_meta(raw: bytes) -> dict:
         if layout is not None:
             meta["layout"] = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in layout)
         if meta.get("ttl_s") is not None:
+            if isinstance(meta["ttl_s"], bool):     # float(True) would be a 1-second TTL
+                raise TypeError("ttl_s is a number of seconds, not a boolean")
             meta["ttl_s"] = float(meta["ttl_s"])
         return meta
     except (ValueError, TypeError, AttributeError) as e:

@@ -199,3 +199,4 @@ def test_parse_head():
     assert parse_head(b"GARBAGE\r\n\r\n") is None
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n") is None
     assert parse_head(b"POST / HTTP/1.1\r\nno colon\r\n\r\n") is None
+    assert parse_head(b"POST / HTTP/1.1\r\nContent-Length : 5\r\n\r\n") is None   # aiohttp's to refuse

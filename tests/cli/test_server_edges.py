@@ -178,3 +178,11 @@ def test_a_blocking_control_socket_that_never_answers_is_unavailable_not_an_erro
             BlockingShmControl.connect(path, ADMIN, timeout_s=0.3)
     finally:
         listener.close()
+
+
+def test_a_boolean_frame_ttl_is_refused():
+    from kvcache.kvstore.errors import BlockFormatError
+    meta = b'{"ttl_s": true}'
+    frame = bytes([16]) + KEYS[0] + NS.id + len(meta).to_bytes(4, "little") + meta + (0).to_bytes(8, "little")
+    with pytest.raises(BlockFormatError, match="boolean"):
+        wire.parse_put_head(frame, 1 << 20)
