@@ -116,10 +116,7 @@ class Scheduler:
         holders = sorted((r for r in self.waiting if r.block_ids and r.status is Status.WAITING   # not mid-load
                           and r.sort_key() > req.sort_key()), key=Request.sort_key)
         while need > self.pool.num_free() and holders:
-            victim = holders.pop()
-            self.pool.release(victim.block_ids)
-            victim.block_ids, victim.block_keys, victim.num_computed, victim.state = [], [], 0, None
-            self._reset_state(victim)
+            self._give_back(holders.pop())
         if need > self.pool.num_free():
             return False
         req.block_ids += self.pool.allocate(need)
@@ -153,13 +150,18 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.pool.release(req.block_ids)
-        req.block_ids, req.block_keys, req.num_computed, req.state = [], [], 0, None
-        self._reset_state(req)
+        self._give_back(req)
         req.status = Status.WAITING
         req.metrics.preemptions += 1
         self.waiting.append(req)
         out.preempted.append(req)
+
+    def _give_back(self, req: Request) -> None:
+        """Release everything `req` holds (blocks, state, its slot via reset_state): it recomputes
+        from the start (a cache re-plan may find its blocks in the pool again)."""
+        self.pool.release(req.block_ids)
+        req.block_ids, req.block_keys, req.num_computed, req.state = [], [], 0, None
+        self._reset_state(req)
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, sampled: dict[str, int], stop_check=None) -> list[Request]:
