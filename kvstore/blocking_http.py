@@ -91,6 +91,7 @@ class BlockingHTTP:
         self._headers, self._backoff, self._pool_size = dict(headers), backoff, pool_size
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        self._closed = False          # connections in use when close() ran are closed on return
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
@@ -103,7 +104,7 @@ class BlockingHTTP:
 
     def _give_back(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            if len(self._idle) < self._pool_size:
+            if not self._closed and len(self._idle) < self._pool_size:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -162,6 +163,6 @@ class BlockingHTTP:
 
     def close(self) -> None:
         with self._lock:
-            idle, self._idle = self._idle, []
+            idle, self._idle, self._closed = self._idle, [], True
         for conn in idle:
             conn.close()

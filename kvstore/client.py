@@ -249,12 +249,15 @@ class AsyncKVClient:
             return n
         return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True, stream=True)
 
-    async def _batch_get(self, keys: Sequence[bytes], take) -> None:
+    async def _batch_get(self, keys: Sequence[bytes], take) -> list:
         """POST batch_get in chunks and walk the streamed frames in order, checking each
         frame's key. `take(i, n, content)` is awaited for every hit: it must consume exactly
-        the n payload bytes from `content` (the response stream)."""
+        the n payload bytes from `content` (the response stream); what it returns is hit i's
+        result. Every frame of a retried chunk's last attempt is written, misses included, so
+        no result of a failed attempt survives (a block half-read then may have gone since)."""
+        keys, result = list(keys), [None] * len(keys)
         base = 0
-        for chunk in _chunks(list(keys), self.max_batch_blocks):
+        for chunk in _chunks(keys, self.max_batch_blocks):
             async def handle(resp, chunk=chunk, base=base):
                 read = resp.content.readexactly
                 count = await wire.read_stream_header(read, len(chunk))
@@ -264,11 +267,13 @@ class AsyncKVClient:
                     fkey, hit, _tier_bits, n = await wire.read_get_frame_header(read)
                     if fkey != key:
                         raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
+                    result[base + i] = None
                     if hit:
-                        await take(base + i, n, resp.content)
+                        result[base + i] = await take(base + i, n, resp.content)
             await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
                              json_body={"keys": [k.hex() for k in chunk]})
             base += len(chunk)
+        return result
 
     async def _shared_arena(self) -> LocalArena | None:
         """The daemon's DRAM arena mapped here, or None (not on this host, not allowed, off)."""
@@ -277,14 +282,17 @@ class AsyncKVClient:
             try:
                 info = await self._json("GET", "/v1/shm")
                 arena = LocalArena.attach(info)
+                control = None
                 try:
-                    self._control = await ShmControl.connect(info["control_socket"], self._token,
-                                                             self._timeout.total)
-                    self._directory = attach_directory(info.get("directory"))
+                    control = await ShmControl.connect(info["control_socket"], self._token, self._timeout.total)
+                    directory = attach_directory(info.get("directory"))
                 except BaseException:
                     arena.close()
+                    if control is not None:
+                        await control.close()
                     raise
-                self._arena, self._lease_s = arena, float(info["lease_s"])
+                self._arena, self._control, self._directory = arena, control, directory
+                self._lease_s = float(info["lease_s"])
                 self.control_path = info["control_socket"]
             except (ArenaUnavailable, StoreError) as e:
                 if self.shared_memory == "on":
@@ -303,7 +311,7 @@ class AsyncKVClient:
                                               from_arena, self._lease_s)
             except (OSError, asyncio.IncompleteReadError, ShmProtocolError) as e:   # degrade, never fail
                 log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
-                await self._drop_arena()
+                await self._drop_arena(arena)
                 got = {}
             for i, v in got.items():
                 result[i] = v
@@ -312,15 +320,18 @@ class AsyncKVClient:
                 result[i] = v
         return result
 
-    async def _drop_arena(self) -> None:
-        """Unmap and disconnect; the next read tries to attach again."""
-        if self._control is not None:
-            await self._control.close()
-        if self._arena is not None:
-            self._arena.close()
-        if self._directory is not None:
-            self._directory[0].close()
+    async def _drop_arena(self, stale: LocalArena | None = None) -> None:
+        """Disconnect and forget the mappings; the next read tries to attach again. With `stale`,
+        only if that is still the attachment (a read that failed on an old one must not drop the
+        one another read made since). The mappings are not unmapped here: a read running
+        concurrently (another task, or the blocking client's thread) may still be copying out of
+        them; each is unmapped when its last reference goes."""
+        if stale is not None and self._arena is not stale:
+            return
+        control = self._control
         self._arena, self._control, self._directory, self._arena_tried = None, None, None, False
+        if control is not None:
+            await control.close()
 
     @property
     def directory(self):
@@ -329,12 +340,9 @@ class AsyncKVClient:
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         async def over_socket(sub, idx):
-            out: list[bytes | None] = [None] * len(sub)
-
             async def take(i, n, content):
-                out[i] = await content.readexactly(n)
-            await self._batch_get(sub, take)
-            return out
+                return await content.readexactly(n)
+            return await self._batch_get(sub, take)
         return await self._read_many(keys, lambda i, view: bytes(view), over_socket)
 
     async def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
@@ -349,13 +357,10 @@ class AsyncKVClient:
             return view.nbytes
 
         async def over_socket(sub, idx):
-            result: list[int | None] = [None] * len(sub)
-
             async def take(i, n, content):
                 await _read_into(content, fit_buffer(outs[idx[i]], n), n)
-                result[i] = n
-            await self._batch_get(sub, take)
-            return result
+                return n
+            return await self._batch_get(sub, take)
         return await self._read_many(keys, copy, over_socket)
 
     async def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",

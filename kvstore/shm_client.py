@@ -35,6 +35,19 @@ class ArenaUnavailable(OSError):
     """The daemon's arena cannot be mapped from here (says why)."""
 
 
+class LeaseRefused(ArenaUnavailable):
+    """The daemon has too many leases outstanding (503): this read's remaining blocks go over
+    HTTP, and the attachment stays (the next read leases again)."""
+
+
+BUSY = 503
+
+
+def _refused(status: int, body: bytes) -> ArenaUnavailable:
+    cls = LeaseRefused if status == BUSY else ArenaUnavailable
+    return cls(f"shared-memory lease refused ({status}): {body.decode(errors='replace')}")
+
+
 @dataclass
 class LocalArena:
     """A read-only mapping of the daemon's DRAM arena."""
@@ -59,7 +72,10 @@ class LocalArena:
             # MAP_POPULATE: map every page now. Otherwise each first read of a 4 KiB page faults,
             # and a 256 KiB block read from a fresh part of the arena cost twice its memcpy.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, info["size"], flags, mmap.PROT_READ)
+            try:
+                mapping = mmap.mmap(fd, info["size"], flags, mmap.PROT_READ)
+            except (OSError, ValueError) as e:   # ENOMEM, a map-count limit, a zero-length file
+                raise ArenaUnavailable(f"cannot map the daemon's arena {path} ({info['size']} bytes): {e}") from e
         finally:
             os.close(fd)
         return cls(path, info["size"], mapping, memoryview(mapping))
@@ -123,7 +139,7 @@ class ShmControl:
     async def lease(self, keys: list[bytes]) -> tuple[int, list]:
         status, body = await self.call(w.LEASE, w.encode_keys(keys))
         if status:
-            raise ArenaUnavailable(f"shared-memory lease refused ({status}): {body.decode()}")
+            raise _refused(status, body)
         return w.decode_slots(body)
 
     async def release(self, lease_id: int) -> bool:
@@ -198,7 +214,7 @@ class BlockingShmControl:
     def recv_lease(self) -> tuple[int, list]:
         status, body = self._reply()
         if status:
-            raise ArenaUnavailable(f"shared-memory lease refused ({status}): {body.decode()}")
+            raise _refused(status, body)
         return w.decode_slots(body)
 
     def _recv(self, n: int) -> bytes:
@@ -239,7 +255,15 @@ class BlockingShmControl:
             self._sock.sendall(w.touch_frames(keys, max_keys))
 
     def close(self) -> None:
-        self._sock.close()
+        """Safe while another thread is mid-call: shutdown wakes its recv/send (it then fails
+        over to HTTP), and the fd is closed only once it let go of the lock, so it never reads
+        a reused fd number."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass                     # never connected, or already shut
+        with self.lock:
+            self._sock.close()
 
 
 def attach_directory(info: dict | None) -> tuple[LocalArena, DirectoryReader] | None:
@@ -249,7 +273,7 @@ def attach_directory(info: dict | None) -> tuple[LocalArena, DirectoryReader] | 
         return None
     try:
         table = LocalArena.attach(info)
-    except ArenaUnavailable:
+    except (OSError, KeyError, TypeError, ValueError):   # ArenaUnavailable, or a malformed description
         return None
     try:
         return table, DirectoryReader(table.view)
@@ -333,7 +357,11 @@ async def read_leased(ctl: ShmControl, arena: LocalArena, keys: list[bytes], max
     for base in range(0, len(keys), max_keys):
         chunk = keys[base: base + max_keys]
         sent = time.monotonic()
-        lease_id, slots = await ctl.lease(chunk)
+        try:
+            lease_id, slots = await ctl.lease(chunk)
+        except LeaseRefused:
+            c.rest += range(base, len(keys))
+            break
         try:
             done = c.copy(base, chunk, slots)
         except BaseException:
@@ -371,7 +399,11 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
             ask(0)
         ahead = None                  # a reply already read off the socket (after a RELEASE)
         for i, base in enumerate(bases):
-            lease_id, slots = ahead if ahead is not None else ctl.recv_lease()
+            try:     # nothing else is in flight here (lease i+1 is asked for below): the channel stays in step
+                lease_id, slots = ahead if ahead is not None else ctl.recv_lease()
+            except LeaseRefused:
+                c.rest += range(base, len(keys))
+                break
             ahead = None
             in_flight = i + 1 < len(bases)
             if in_flight:
@@ -386,10 +418,17 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
             if c.fresh(sent[i]):
                 ctl.forget(lease_id)
                 continue
+            refused = False
             if in_flight:             # its reply comes before the RELEASE answer
-                ahead = ctl.recv_lease()
+                try:
+                    ahead = ctl.recv_lease()
+                except LeaseRefused:
+                    refused = True
             if not ctl.release(lease_id):
                 c.expired(done)
+            if refused:
+                c.rest += range(bases[i + 1], len(keys))
+                break
     return c.result()
 
 

@@ -14,22 +14,45 @@ on each side; at hundreds of 256 KiB blocks per call that is most of the time a 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.blocking_http import BlockingHTTP, read_exact, read_exact_into
 from kvcache.kvstore.client import AsyncKVClient
 from kvcache.kvstore.client_common import DaemonError, _check_item, _chunks, _split_puts, fit_buffer, put_pieces, put_total
-from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, read_shared_blocking
+from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
+from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import PutResult
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class _Attachment:
+    """One attachment to the daemon's shared memory, taken whole by each read: a read that
+    fails drops only the attachment it used (another thread may have made a new one since),
+    and the mappings stay valid for reads still copying out of a dropped one."""
+    ctl: BlockingShmControl
+    arena: LocalArena
+    directory: DirectoryReader | None
+    lease_s: float
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task on the loop: calls other threads wait for end, not hang."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class KVClient:
@@ -43,28 +66,42 @@ class KVClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvcache-client", daemon=True)
         self._thread.start()
-        self._closed = False
+        self._closed = self._closing = False
+        self._state_lock = threading.Lock()    # submissions to the loop against close()
         self._http = BlockingHTTP(c.base_url, c.unix_socket, c._headers, timeout_s=c._stream_timeout.sock_read,
                                   pool_size=c.pool_size, retries=c.retries, backoff=c._backoff)
-        self._shm: BlockingShmControl | None = None
+        self._att: _Attachment | None = None
         self._shm_tried = False
         self._shm_lock = threading.Lock()
 
     def _run(self, coro):
-        if self._closed:
-            coro.close()
-            raise DaemonError("this KVClient is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        with self._state_lock:
+            if self._closed:
+                coro.close()
+                raise DaemonError("this KVClient is closed")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise DaemonError("this KVClient was closed during the call") from None
+            raise
 
     def close(self) -> None:
-        if self._closed:
-            return
+        """Idempotent, and safe while other threads are mid-call: their loop calls end with
+        DaemonError, their shared-memory reads fail over to HTTP (and then find it closed)."""
+        with self._state_lock:
+            if self._closed or self._closing:
+                return
+            self._closing = True
         try:
             self._drop_shm()
             self._http.close()
-            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
+            self._run(self._client.close())
         finally:
-            self._closed = True
+            with self._state_lock:
+                self._closed = True
+            asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
@@ -103,24 +140,15 @@ class KVClient:
             return view.nbytes
 
         def over_socket(idx):
-            result: list[int | None] = [None] * len(idx)
-
             def take(i, n, resp):
                 read_exact_into(resp, fit_buffer(outs[idx[i]], n)[:n])
-                result[i] = n
-            self._batch_get([keys[i] for i in idx], take)
-            return result
+                return n
+            return self._batch_get([keys[i] for i in idx], take)
         return self._read_many(keys, copy, over_socket)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        def over_socket(idx):
-            out: list[bytes | None] = [None] * len(idx)
-
-            def take(i, n, resp):
-                out[i] = read_exact(resp, n)
-            self._batch_get([keys[i] for i in idx], take)
-            return out
-        return self._read_many(keys, lambda i, view: bytes(view), over_socket)
+        return self._read_many(keys, lambda i, view: bytes(view),
+                               lambda idx: self._batch_get([keys[i] for i in idx], lambda i, n, resp: read_exact(resp, n)))
 
     def get(self, key: bytes) -> bytes | None:
         if self._shared() is not None:
@@ -138,15 +166,14 @@ class KVClient:
         self._check_open()
         keys, result = list(keys), [None] * len(keys)
         rest = list(range(len(keys)))
-        shm = self._shared() if keys else None
-        if shm is not None:
-            c = self._client
+        att = self._shared() if keys else None
+        if att is not None:
             try:
-                got, rest = read_shared_blocking(shm, c._arena, c.directory, keys, c.max_batch_blocks, from_arena,
-                                                 c._lease_s)
+                got, rest = read_shared_blocking(att.ctl, att.arena, att.directory, keys, self._client.max_batch_blocks,
+                                                 from_arena, att.lease_s)
             except (OSError, ShmProtocolError) as e:   # degrade, never fail
                 log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
-                self._drop_shm()
+                self._drop_shm(att)
                 got = {}
             for i, v in got.items():
                 result[i] = v
@@ -155,8 +182,11 @@ class KVClient:
                 result[i] = v
         return result
 
-    def _batch_get(self, keys: list[bytes], take) -> None:
-        """POST batch_get in chunks; `take(i, n, resp)` reads hit i's n payload bytes from resp."""
+    def _batch_get(self, keys: list[bytes], take) -> list:
+        """POST batch_get in chunks; `take(i, n, resp)` reads hit i's n payload bytes from resp
+        and returns its result. A retried chunk's last attempt writes every frame's result,
+        misses included: nothing from a failed attempt survives (see AsyncKVClient._batch_get)."""
+        result: list = [None] * len(keys)
         base, limit = 0, self._client.max_batch_blocks
         for chunk in _chunks(keys, limit):
             body = json.dumps({"keys": [k.hex() for k in chunk]}).encode()
@@ -169,37 +199,45 @@ class KVClient:
                     fkey, hit, _tier, n = wire.parse_get_head(read_exact(resp, read_exact(resp, 1)[0] + 10))
                     if fkey != key:
                         raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
-                    if hit:
-                        take(base + i, n, resp)
+                    result[base + i] = take(base + i, n, resp) if hit else None
             self._http.request("POST", "/v1/blocks/batch_get", [body],
                                {"Content-Type": "application/json", "Content-Length": str(len(body))}, handle)
             base += len(chunk)
+        return result
 
-    def _shared(self) -> BlockingShmControl | None:
-        """The blocking control connection, attached on first use (None: not on this host, or off)."""
-        if self._shm is not None or self._shm_tried:
-            return self._shm
+    def _shared(self) -> _Attachment | None:
+        """The shared-memory attachment, made on first use (None: not on this host, or off)."""
+        if self._att is not None or self._shm_tried:
+            return self._att
         with self._shm_lock:
             if not self._shm_tried:
                 self._shm_tried = True
                 c = self._client
-                if self._run(c._shared_arena()) is not None:
+                arena = self._run(c._shared_arena())
+                if arena is not None:
+                    directory, lease_s = c.directory, c._lease_s
                     try:
-                        self._shm = BlockingShmControl.connect(c.control_path, c._token, c._stream_timeout.sock_read)
+                        ctl = BlockingShmControl.connect(c.control_path, c._token, c._stream_timeout.sock_read)
                     except ArenaUnavailable as e:
                         if c.shared_memory == "on":
                             raise DaemonError(f"shared_memory='on' but the daemon's arena cannot be used: {e}") from e
                         log.info("kvcache client: reading over the socket, not shared memory: %s", e)
-        return self._shm
+                    else:
+                        self._att = _Attachment(ctl, arena, directory, lease_s)
+        return self._att
 
-    def _drop_shm(self) -> None:
-        """Disconnect and unmap; the next read tries to attach again."""
+    def _drop_shm(self, stale: _Attachment | None = None) -> None:
+        """Disconnect; the next read tries to attach again. With `stale`, only if that is still
+        the attachment: a read that failed on an old one leaves a newer one alone."""
         with self._shm_lock:
-            if self._shm is not None:
-                self._shm.close()
-            self._shm, self._shm_tried = None, False
-        if not self._closed:
-            self._run(self._client._drop_arena())
+            att = self._att
+            if stale is not None and att is not stale:
+                return
+            self._att, self._shm_tried = None, False
+        if att is not None:
+            att.ctl.close()
+            if not self._closed:
+                self._run(self._client._drop_arena(att.arena))
 
     def _check_open(self) -> None:
         if self._closed:

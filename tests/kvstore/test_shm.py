@@ -191,7 +191,8 @@ def test_blocking_reads_pipeline_leases_and_stay_in_step(served, monkeypatch):
         keys = make_keys(10)
         c.put_many([_item(k) for k in keys[:9]])
         assert c.get_many(keys) == [payload_for(k) for k in keys[:9]] + [None]
-        shm, arena = c._shared(), c._client._arena
+        att = c._shared()
+        shm, arena = att.ctl, att.arena
 
         def slow_take(i, view):
             if i in (4, 7):
@@ -208,7 +209,7 @@ def test_blocking_reads_pipeline_leases_and_stay_in_step(served, monkeypatch):
         with pytest.raises(ValueError):
             shm_client.read_leased_blocking(shm, arena, keys, 100, failing_take, 0.2)
         assert c.get_many(keys[:9]) == [payload_for(k) for k in keys[:9]]   # still in step
-        assert c._shm is shm                                                   # and still shared memory
+        assert c._att is att                                                   # and still shared memory
     wait_released(store)
 
 
