@@ -113,7 +113,7 @@ async def reconfigure_handler(request: web.Request) -> web.Response:
     srv._require_admin(request)
     partial = request.can_read_body          # (False once the body has been read)
     if partial:
-        raw = await request.json()
+        raw = await srv.json_body(request)
         if not isinstance(raw, dict):
             raise srv.BlockFormatError("expected a JSON object shaped like the TOML config")
     else:

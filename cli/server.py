@@ -156,10 +156,7 @@ def _key(request: web.Request, text: str) -> bytes:
 
 
 async def _keys(request: web.Request) -> tuple[list[bytes], dict]:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise BlockFormatError(f"request body is not JSON: {e}") from None
+    body = await json_body(request)
     keys = body.get("keys") if isinstance(body, dict) else None
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise BlockFormatError('expected {"keys": ["<hex>", ...]}')
@@ -175,7 +172,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    body = await request.json()
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise BlockFormatError("expected a namespace object")
     ns_id = await _call(request, request.app[STORE].register_namespace, Namespace.from_dict(body))
@@ -196,6 +193,22 @@ async def put_block(request: web.Request) -> web.Response:
                    float(ttl) if ttl else None)
     r = await _call(request, put_within_quota, request.app[STORE], request.app[QUOTAS], principal(request), [item])
     return web.json_response(_put_json(r))
+
+
+def json_limit(config) -> int:
+    """The largest JSON body taken: a full key list (max_keys keys of up to 64 bytes, in hex and
+    quoted) and room for the rest. From the live config, so a reconfigure that raises max_keys
+    raises it too (aiohttp's client_max_size is fixed when the app is built)."""
+    return config.max_keys * 136 + (1 << 20)
+
+
+async def json_body(request: web.Request):
+    """The request's JSON body, within json_limit (413 past it); malformed JSON is a 400."""
+    raw = await _read_at_most(request, json_limit(request.app[CONFIG]))
+    try:
+        return json.loads(raw)
+    except ValueError as e:                  # JSONDecodeError, or bytes that are no Unicode text
+        raise BlockFormatError(f"request body is not JSON: {e}") from None
 
 
 async def _read_at_most(request: web.Request, limit: int) -> bytes:
@@ -336,7 +349,7 @@ async def run_gc(request: web.Request) -> web.Response:
     import dataclasses
     from kvcache.gc.collector import Collector
     _require_admin(request)
-    body = await request.json() if request.can_read_body else {}
+    body = await json_body(request) if request.can_read_body else {}
     if not isinstance(body, dict) or not isinstance(body.get("max_steps", 100), int) or body.get("max_steps", 100) < 1:
         raise BlockFormatError('expected {"max_steps": a positive integer} or no body')
     steps = body.get("max_steps", 100)

@@ -186,3 +186,22 @@ def test_a_boolean_frame_ttl_is_refused():
     frame = bytes([16]) + KEYS[0] + NS.id + len(meta).to_bytes(4, "little") + meta + (0).to_bytes(8, "little")
     with pytest.raises(BlockFormatError, match="boolean"):
         wire.parse_put_head(frame, 1 << 20)
+
+
+async def test_json_bodies_are_bounded_by_the_live_key_limit(client):
+    """A JSON key list is bounded by max_keys (live, reconfigurable), not by the block limit the
+    app was built with: 30,000 keys of 64 bytes (3.9 MB of JSON) pass a 1 MiB block limit once
+    max_keys allows them, and a body past the JSON bound is a 413 before it is parsed."""
+    keys = [bytes([i % 251]) * 32 + i.to_bytes(32, "big") for i in range(30_000)]
+    body = {"keys": [k.hex() for k in keys]}
+    r = await client.post("/v1/exists", json=body, headers=auth(ALICE))
+    assert r.status == 413                                      # max_keys is 100
+    r = await client.post("/v1/admin/reconfigure", json={"server": {"max_keys": 30_000}}, headers=auth(ADMIN))
+    assert r.status == 200, await r.text()
+    r = await client.post("/v1/exists", json=body, headers=auth(ALICE))
+    assert r.status == 200, await r.text()
+    assert (await r.json())["exists"] == [False] * 30_000
+    r = await client.post("/v1/exists", data=b"[" * (30_000 * 136 + (1 << 20) + 1), headers=auth(ALICE))
+    assert r.status == 413
+    r = await client.post("/v1/exists", data=b"\xff{", headers=auth(ALICE))
+    assert r.status == 400 and "not JSON" in await r.text()
