@@ -231,6 +231,7 @@ class Collector:
             if not todo:
                 return
             placements = nvme.put([w for _, w, _ in todo])
+            nvme.sync({p.segment_id for p in placements})   # the copies on disk before the index names them
             puts = {}
             for (key, _, m), p in zip(todo, placements):
                 m.segment_id, m.offset, m.record_len = p.segment_id, p.offset, p.record_len

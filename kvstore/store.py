@@ -18,6 +18,7 @@ the store to demote. DRAM reads take only the DRAM lock, briefly.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -42,6 +43,20 @@ from kvcache.tiering.nvme import NvmeTier
 
 __all__ = ["BlockStore", "PutItem"]
 log = logging.getLogger(__name__)
+
+
+def _recorded_if_possible(callback):
+    """For the callbacks a read makes when a copy fails verification or has vanished: the read
+    answers a miss whatever they meet (a full disk for quarantine.jsonl, a full index map). The
+    copy is still never served: the next read verifies it again."""
+    @functools.wraps(callback)
+    def wrapped(self, key: bytes, placement: Placement, reason: str) -> None:
+        try:
+            callback(self, key, placement, reason)
+        except Exception as e:                  # noqa: BLE001 (see above)
+            self.stats_counters["quarantine_errors"] += 1
+            log.error("could not record the bad copy of %s (%s): %s: %s", key.hex(), reason, type(e).__name__, e)
+    return wrapped
 MAX_PENDING_TOUCHES = 100_000
 
 
@@ -291,6 +306,7 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         self.stats_counters["object_dropped"] += len(keys)
         log.warning("%d blocks not written to the object tier: %s", len(keys), reason)
 
+    @_recorded_if_possible
     def _object_vanished(self, key: bytes, placement: Placement, reason: str) -> None:
         """The pack holding a copy was deleted outside kvcache (a bucket lifecycle rule): forget
         the copy; GC forgets the rest of that pack's copies in one go."""
@@ -298,12 +314,14 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         self.index.commit(object_drops={key: placement})
         self.stats_counters["object_vanished"] += 1
 
+    @_recorded_if_possible
     def _quarantine_object(self, key: bytes, placement: Placement, reason: str) -> None:
         """A pack record failed verification: forget that copy (other tiers' copies stay)."""
         log.error("quarantined object copy of %s: %s", key.hex(), reason)
         self.index.commit(object_drops={key: placement}, counters={"quarantined": 1})
         self.stats_counters["quarantined"] += 1
 
+    @_recorded_if_possible
     def _quarantine(self, key: bytes, placement: Placement, reason: str) -> None:
         """An NVMe copy failed verification: forget it (and the block, unless an object copy
         remains), count it, log it. Never served.

@@ -178,14 +178,20 @@ class StoreWrites:
         if dirty:
             self._demote([e.write for e in dirty])
 
-    def _demote(self, writes: list[BlockWrite]) -> None:
+    def _demote(self, writes: list[BlockWrite], flushing: bool = False) -> None:
+        """Write dirty DRAM blocks back to NVMe. Evicting (their chunks are about to be reused), a
+        failure loses them from the cache: counted, never served wrong. Flushing, it raises and
+        keeps them in DRAM, dirty and readable, for the next flush to retry: a flush that returns
+        means durable."""
         metas = [self._dram_meta[w.key] for w in writes]
         try:
             placements = self.nvme.put(writes)
             self._commit_nvme(writes, metas, placements)
             self.stats_counters["demotions"] += len(writes)
-        except Exception:  # the blocks are lost from the cache, never served wrong: count and go on
+        except Exception:
             self.stats_counters["demotions_failed"] += len(writes)
+            if flushing:
+                raise
             log.exception("write-back of %d blocks to NVMe failed; they are lost from the cache", len(writes))
         for w in writes:
             self._dram_meta.pop(w.key, None)
@@ -196,7 +202,7 @@ class StoreWrites:
             if self.dram is not None and self.nvme is not None:
                 with self.dram.leased_dirty() as writes:
                     if writes:
-                        self._demote(writes)
+                        self._demote(writes, flushing=True)
                         self.dram.mark_clean([w.key for w in writes])
             if self.nvme is not None:
                 self.nvme.sync()

@@ -165,13 +165,15 @@ class NvmeTier(BlockTier):
         """Unlink a segment the index no longer references (compaction's last step)."""
         if segment_id == self._active_id:
             raise StoreError("cannot remove the active segment")
-        self.readers.drop(segment_id)
         size = _file_size(self.path(segment_id))
         try:
             os.unlink(self.path(segment_id))
             self._sealed_bytes -= size
         except FileNotFoundError:
             pass
+        # after the unlink: a reader that opened it in between is detached here (its fd closes when
+        # it is done), and one that comes later finds no file; dropped first, such an fd stayed cached
+        self.readers.drop(segment_id)
 
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite]) -> list[Placement]:
@@ -289,20 +291,38 @@ class NvmeTier(BlockTier):
         else:
             self._unsynced = True
 
-    def sync(self) -> None:
+    def sync(self, segments=()) -> None:
+        """Make what was written durable. `segments`: also these segments' files and their
+        directory entries, whatever the fsync policy (compaction's copies must be on disk before
+        the index names them, even when one filled a segment that was sealed without an fsync)."""
         with self._write_lock:
-            if self._active_fd >= 0 and self._unsynced:
+            for sid in set(segments) - {self._active_id}:
+                try:
+                    fd = os.open(self.path(sid), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if self._active_fd >= 0 and (self._unsynced or segments):
                 os.fdatasync(self._active_fd)
                 self._unsynced = False
+            if segments:
+                self._fsync_dir()
 
     # ---------------------------------------------------------------- reads
     def read_record(self, key: bytes, placement: Placement, out=None) -> tuple[RecordHeader, memoryview] | None:
         """Header and payload view (into `out` when given and the codec is raw), or None."""
-        with self.readers.open(placement.segment_id) as fd:
-            if fd is None:
-                self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
-                return None
-            return self._read_at(fd, key, placement, out)
+        try:
+            with self.readers.open(placement.segment_id) as fd:
+                if fd is None:
+                    self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
+                    return None
+                return self._read_at(fd, key, placement, out)
+        except OSError as e:     # EMFILE, EIO opening it: the machine, not the record: a miss, no quarantine
+            log.warning("cannot read segment %d: %s (a miss)", placement.segment_id, e.strerror or e)
+            return None
 
     def _read_at(self, fd: int, key: bytes, placement: Placement, out) -> tuple[RecordHeader, memoryview] | None:
         hlen = placement.record_len - placement.payload_len
