@@ -106,15 +106,16 @@ def _rank(rank: int, world: int, args, params, workdir: str) -> None:
 
 
 def _generate(rank: int, world: int, args, params) -> int:
-    from kvcache.engine.llm import LLM
+    from kvcache.engine.llm import LLM, load_checkpoint
     t0 = time.perf_counter()
     if args.compile and rank == 0:
         print("[compiling the model's blocks before the first step: ~5-8 minutes for v4-small on 2 CPU cores "
               "the first time, under a minute once inductor's cache holds the graphs]", file=sys.stderr)
-    llm = LLM(args.model, device=args.device, progress=rank == 0 and sys.stderr.isatty(), config=_config(args))
-    if world > 1:
+    model, tokenizer = load_checkpoint(args.model, args.device, progress=rank == 0 and sys.stderr.isatty())
+    if world > 1:             # before the engine: it stacks the experts and compiles for the shapes it sees
         from kvcache.engine.parallel import shard
-        shard(llm.engine.model, rank, world, tp=True, ep=args.ep)
+        shard(model, rank, world, tp=True, ep=args.ep)
+    llm = LLM(model=model, tokenizer=tokenizer, config=_config(args))
     load_s = time.perf_counter() - t0
     if rank > 0:                                  # the other ranks compute in step, silently
         sys.stdout = open("/dev/null", "w")

@@ -36,17 +36,24 @@ def completion(req: Request) -> Completion:
                       req.finish_reason.value if req.finish_reason else None, req.error, req.metrics, req.usage)
 
 
+def load_checkpoint(model_dir: str, device: str = "cpu", progress: bool = False):
+    """(model, tokenizer or None) from a checkpoint directory: the model to shard (parallel.shard)
+    before an engine is built on it; no tokenizer.json: token-id prompts only (text is refused)."""
+    from kvcache.engine.checkpoint.loader import load_model
+    from kvcache.engine.tokenizer import load_tokenizer
+    model, _ = load_model(model_dir, device=device, progress=progress)
+    has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
+    return model, load_tokenizer(model_dir) if has_tokenizer else None
+
+
 class LLM:
     def __init__(self, model_dir: str | None = None, *, model=None, tokenizer=None, device: str = "cpu",
                  config: EngineConfig = EngineConfig(), progress: bool = False, store=None):
         if model is None:
-            from kvcache.engine.checkpoint.loader import load_model
-            from kvcache.engine.tokenizer import load_tokenizer
             if model_dir is None:
                 raise ValueError("give a checkpoint directory or a model")
-            model, _ = load_model(model_dir, device=device, progress=progress)
-            if tokenizer is None and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-                tokenizer = load_tokenizer(model_dir)   # none: token-id prompts only (text is refused)
+            model, found = load_checkpoint(model_dir, device, progress)
+            tokenizer = tokenizer if tokenizer is not None else found
         self.engine = LLMEngine(model, tokenizer, config, store=store)
 
     def close(self) -> None:

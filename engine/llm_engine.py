@@ -258,7 +258,7 @@ class LLMEngine:
 
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
-        sampled, forked, now = {}, [], time.perf_counter()
+        sampled, forked, failed, now = {}, [], [], time.perf_counter()
         for i, ch in enumerate(out.chunks):
             req = ch.request
             if not ch.samples or req.finished:
@@ -266,7 +266,13 @@ class LLMEngine:
             pos = ch.start + len(ch.tokens)
             if self.logits_hook is not None:
                 self.logits_hook(req, pos, logits[i])
-            sampled[req.request_id] = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
+            try:
+                sampled[req.request_id] = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
+            except FloatingPointError as e:          # this request's logits (NaN): it fails alone
+                log.error("request %s failed: %s", req.request_id, e)
+                self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+                failed.append(StepOutput(req, [], True))
+                continue
             if req.metrics.first_token is None:
                 req.metrics.first_token = now
                 if req.params.n > 1 and req.parent is None:
@@ -285,7 +291,7 @@ class LLMEngine:
         for child in forked:                         # their first token, sampled at the fork
             self._detokenize(child)
             results.append(StepOutput(child, list(child.output), child.finished))
-        return results
+        return results + failed
 
     def _key_blocks(self, req: Request, computed: int) -> None:
         """Content keys (kvstore.hashing chain) for every block whose tokens are all computed: they
@@ -348,14 +354,12 @@ class LLMEngine:
                 self.pool.release(req.block_ids)
                 req.block_ids, req.block_keys = own, []
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
-            try:
-                logits = self._run([chunk])
+            try:                         # its forward pass or its sampling (NaN logits)
+                results += self._finish_step(SchedulerOutput([chunk]), self._run([chunk]))
             except Exception as e:
                 log.error("request %s failed: %s", req.request_id, e)
                 self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
                 results.append(StepOutput(req, [], True))
-                continue
-            results += self._finish_step(SchedulerOutput([chunk]), logits)
         return results
 
     def _stop_string(self, req: Request) -> bool:

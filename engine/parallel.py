@@ -70,9 +70,16 @@ class _Absent(nn.Module):
 
 
 def shard(model: nn.Module, rank: int, world: int, tp: bool = True, ep: bool = False, group=None) -> nn.Module:
-    """Cut a fully loaded model down to this rank's part, in place; layers then all_reduce."""
+    """Cut a fully loaded model down to this rank's part, in place; layers then all_reduce.
+    Before an engine is built on it: an engine stacks the routed experts (full-width copies of
+    their weights as views) and compiles for the shapes it sees; sharded after, every rank
+    would sum every expert at full width and the all-reduce would multiply the MoE's output."""
     if world == 1 or not (tp or ep):
         return model
+    from kvcache.engine.layers.moe import MoE
+    if any(isinstance(m, MoE) and m.stacked is not None for m in model.modules()) \
+            or any(blk.__dict__.get("compiled") for blk in model.layers):
+        raise ValueError("shard the model before building an engine on it (LLM(model=shard(model, ...)))")
     reduce = all_reduce_sum(group)
     for blk in model.layers:
         if tp:

@@ -88,6 +88,7 @@ class PrefixCache:
         self.inflight: set[bytes] = set()
         self.snapshots: OrderedDict[bytes, bytes] = OrderedDict()
         self._snap_bytes = 0
+        self._template: dict | None = None       # capture() of a fresh state: what a snapshot must fit
         self.prefill_s_per_token: float | None = None
 
     # ------------------------------------------------------------ before scheduling
@@ -207,8 +208,8 @@ class PrefixCache:
         snap = plan.snap_mem or snap
         if self.config.mode == "exact" and (held < plan.use or snap is None):
             use, resume = 0, None                        # exact or nothing: recompute from the start
-        elif self.config.mode == "exact" and (state := _decoded(snap)) is None:   # not a snapshot: a miss
-            use, resume = 0, None
+        elif self.config.mode == "exact" and (state := self._fitting(snap, plan.end or held * self.bs)) is None:
+            use, resume = 0, None                        # not a snapshot of this model here: a miss
         elif self.config.mode == "exact":
             use, resume = held, Resume(held * self.bs, held * self.bs, state)
             if plan.end:
@@ -240,13 +241,34 @@ class PrefixCache:
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + plan.end - len(req.block_keys) * self.bs
         req.status = Status.WAITING
 
+    def _fitting(self, snap, length: int) -> dict | None:
+        """The tail snapshot decoded, if it can resume this model at `length` tokens (else None, logged)."""
+        state = _decoded(snap)
+        if state is None:
+            return None
+        if self._template is None:
+            self._template = snapshot.capture(self.engine.model.new_state())
+        why = snapshot.misfit(self._template, state, length)
+        if why is not None:
+            log.warning("a tail snapshot from the store does not fit (%s): recomputing instead", why)
+            return None
+        return state
+
     def _partial_block(self, snap: dict) -> int | None:
-        """A pool block holding the end snapshot's partial block rows (None: no block free)."""
+        """A pool block holding the end snapshot's partial block rows (None: no block free, or
+        rows that do not fit this pool's blocks: a store's bytes are input, a miss, never a
+        failed step)."""
         pool = self.engine.pool
-        if "partial" not in snap or not pool.num_free():
+        partial = snap.get("partial")
+        if not isinstance(partial, torch.Tensor) or not pool.num_free():
             return None
         [bid] = pool.allocate(1)
-        decode_blocks(self.engine.kv, [bid], [snap["partial"].numpy().tobytes()])
+        try:
+            decode_blocks(self.engine.kv, [bid], [partial.contiguous().numpy().tobytes()])
+        except (ValueError, TypeError, RuntimeError) as e:
+            log.warning("end snapshot's partial block does not fit the pool (%s): a miss", e)
+            pool.release([bid])
+            return None
         return bid
 
     def state_for(self, req: Request, view):

@@ -128,6 +128,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, 
            generated: list[int]) -> int:
     """The next token for one sequence: logits [V] for the token that will sit at `position`."""
     logits = apply_penalties(logits, p, seen, generated)
+    if bool(torch.isnan(logits).any()):            # argmax takes NaN for the largest: never a token
+        raise FloatingPointError(f"the model produced {int(torch.isnan(logits).sum())} NaN logits at position "
+                                 f"{position}: its weights or activations are broken (this request fails)")
     if p.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / p.temperature, dim=-1)

@@ -93,6 +93,29 @@ def at_boundary(model, view, start: int, loaded: int, block_size: int, tokens: l
     return state
 
 
+def misfit(template: dict, snap: dict, length: int) -> str | None:
+    """Why `snap` (decoded from the store) cannot be restored into a state shaped like
+    `template` (capture of a fresh state) at `length` tokens, or None. restore() zips layers and
+    sets what it finds: a snapshot of fewer layers, or of another kind of layer, would resume with
+    empty windows and give wrong tokens instead of failing."""
+    if not isinstance(snap, dict) or not isinstance(snap.get("layers"), list) \
+            or not isinstance(snap.get("extra"), dict):
+        return "not a snapshot's structure"
+    if snap.get("length") != length:
+        return f"snapshot of {snap.get('length')!r} tokens where {length} were expected"
+    if len(snap["layers"]) != len(template["layers"]):
+        return f"{len(snap['layers'])} layers, the model has {len(template['layers'])}"
+    for i, (want, got) in enumerate(zip(template["layers"], snap["layers"])):
+        if not isinstance(got, dict) or any((want[k] is None) != (got.get(k) is None) for k in ("compressor", "index")):
+            return f"layer {i} is not shaped like the model's"
+        if got["window"] is not None and not isinstance(got["window"], torch.Tensor):
+            return f"layer {i}'s window is not a tensor"
+        for k in ("compressor", "index"):
+            if want[k] is not None and not isinstance(got[k], dict):
+                return f"layer {i}'s {k} is not shaped like the model's"
+    return None
+
+
 # ---------------------------------------------------------------- bytes for the block store
 def encode(snap: dict) -> bytes:
     """A snapshot as safetensors bytes (tensors) with its structure as JSON metadata: no pickle,

@@ -27,3 +27,16 @@ def test_sharding_refuses_uneven_splits():
     model = build("v4")
     with pytest.raises(ValueError, match="do not split over 3 ranks"):
         _shard_attention(model.layers[0].attn, 0, 3)
+
+
+def test_sharding_refuses_a_model_an_engine_was_built_on():
+    """The engine stacks the experts (full-width views) and compiles for the shapes it sees:
+    sharded afterwards, each rank would sum every expert at full width and the all-reduce would
+    multiply the MoE's output by the number of ranks."""
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.parallel import shard
+    from tests.engine.tp_worker import build
+    model = build("v4")
+    LLM(model=model)
+    with pytest.raises(ValueError, match="shard the model before building an engine"):
+        shard(model, 0, 2)

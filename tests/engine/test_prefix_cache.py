@@ -354,3 +354,38 @@ def test_a_fetch_leaves_anothers_hard_pin_alone(model, tmp_path):
         assert run(warm, [P + Qs[1]])[1][0].total_cached > 0   # the fetch pinned and read them
     assert all(m.hard_pins == 1 for m in store.index.get_many(keys))
     store.close()
+
+
+@pytest.mark.parametrize("bad", ["partial of the wrong size", "no layers"])
+@torch.no_grad()
+def test_a_malformed_end_snapshot_in_the_store_is_a_miss(tmp_path, bad):
+    """A store's bytes are input. An end snapshot whose partial block does not fit the pool used
+    to fail the step and strand the request (and a block); one of no layers would have resumed
+    with empty windows: wrong tokens. Both are misses: the same tokens as a cold run."""
+    from kvcache.engine import snapshot
+    from kvcache.engine.kv_connector import end_snapshot_key
+    from kvcache.engine.llm_engine import LLMEngine
+    from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from kvcache.kvstore.store import PutItem
+    from tests.engine.tiny import randomize, v4_config
+    model = randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=1).eval()
+    prompt = list(range(3, 13))                     # no full block: an end snapshot at 9 tokens is looked up
+    cold = LLM(model=model, config=CFG).generate([prompt], GREEDY)[0][0].token_ids
+    store = open_store(tmp_path)
+    eng = LLMEngine(model, None, cached("exact", snapshot_interval=16), store=store)
+    if bad == "no layers":
+        rows = torch.zeros(eng.cache.connector.block_bytes, dtype=torch.uint8)   # a partial block that fits
+        snap = {"length": 9, "extra": {}, "layers": [], "partial": rows}
+    else:
+        snap = {"length": 9, "extra": {}, "layers": [], "partial": torch.zeros(7, dtype=torch.uint8)}
+    key = end_snapshot_key(eng.namespace.id, prompt[:9], eng.namespace.algo.digest_size)
+    store.put_many([PutItem(key, snapshot.encode(snap), eng.cache.connector.namespace_id)])
+    req = eng.add_request(prompt, GREEDY)
+    for _ in range(40):
+        if not eng.has_work():
+            break
+        eng.step()
+    assert req.finished and req.output == cold and not eng.has_work()
+    eng.check_idle()
+    eng.close()
+    store.close()

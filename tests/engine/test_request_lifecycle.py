@@ -195,3 +195,29 @@ def test_samples_never_run_more_requests_than_max_running(model):
         most = max(most, len(engine.scheduler.running))
     assert most == 2 and all(len(r.output) == 6 for r in engine.family(parent.request_id))
     engine.check_idle()
+
+
+def test_nan_logits_fail_their_request_alone(model, monkeypatch):
+    """argmax takes NaN for the largest logit: a NaN would have been chosen as the token. It is
+    an error of that request (the model is broken for it); the other requests run on."""
+    from kvcache.engine import llm_engine, sampling
+    logits = torch.tensor([5.0, 4.0, float("nan"), -3.0])
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)):
+        with pytest.raises(FloatingPointError, match="NaN logits"):
+            sampling.sample(logits, params, 0, 0, [], [])
+    engine = LLMEngine(model, None, CFG)
+    bad, good = (engine.add_request(p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                 for p in prompts(2))
+    real = llm_engine.sample
+
+    def poisoned(logits, params, pos, stream, seen, generated):
+        if seen[: len(bad.prompt)] == bad.prompt:
+            logits = logits.clone()
+            logits[7] = float("nan")
+        return real(logits, params, pos, stream, seen, generated)
+    monkeypatch.setattr(llm_engine, "sample", poisoned)
+    while engine.has_work():
+        engine.step()
+    assert bad.finish_reason.value == "error" and "NaN logits" in bad.error
+    assert good.finish_reason.value == "length" and len(good.output) == 4
+    engine.check_idle()
