@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 def compact_one_pack(store, report, compact_below: float = 0.5, keep_newest: int = 4) -> None:
     obj = store.object
+    if store.index.objects_pending:
+        log.info("pack GC skipped: the object tier's copies are not indexed yet (a rebuild met an outage; "
+                 "the next open indexes them)")
+        return
     usage = store.index.pack_usage()    # before listing: every pack in it was uploaded before the listing
     try:
         packs = obj.list_packs()

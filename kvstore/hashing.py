@@ -84,9 +84,12 @@ class Namespace:
     name: str = ""
 
     def __post_init__(self) -> None:
+        for field in ("model_fingerprint", "kv_layout", "tenant_salt", "name"):
+            if not isinstance(getattr(self, field), str):    # persisted and used as dict keys: never a list
+                raise ValueError(f"namespace {field} must be a string, got {getattr(self, field)!r}")
         if not self.model_fingerprint or not self.kv_layout:
             raise ValueError("a namespace needs a model_fingerprint and a kv_layout")
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         object.__setattr__(self, "algo", HashAlgo(self.algo))
         if self.scheme_version != SCHEME_VERSION:
@@ -114,6 +117,13 @@ class Namespace:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Namespace":
+        """From to_dict's fields; others (a newer build's, a typo) are a ValueError that names them."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a namespace is a JSON object, got {type(d).__name__}")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown namespace fields {sorted(unknown)} (known: {sorted(cls.__dataclass_fields__)}); "
+                             "written by a newer kvcache?")
         return cls(**d)
 
 
@@ -125,7 +135,7 @@ def _as_tokens(tokens) -> np.ndarray:
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() > 0x7FFFFFFF):
         raise ValueError("token ids must lie in [0, 2**31 - 1]")
-    return arr.astype("<i4", copy=False)
+    return np.ascontiguousarray(arr, dtype="<i4")    # a strided view would have no .data to hash
 
 
 def hash_block(ns: Namespace, parent: bytes | None, tokens, extra: Sequence[ExtraKey] = ()) -> bytes:

@@ -49,11 +49,15 @@ class Index:
     def __init__(self, path: str, *, map_size: int = 64 << 30, sync: bool = True, readonly: bool = False):
         self.path = path
         self.readonly = readonly
+        self.objects_pending = False   # set by open_index: packs not indexed yet (a rebuild met an outage)
         try:
             if not readonly:
                 os.makedirs(path, exist_ok=True)
+            # read-only still takes LMDB's reader lock where it can (lock.mdb is shared): without it
+            # a daemon writing meanwhile reuses pages this reader is walking (MDB_PAGE_NOTFOUND, an abort)
+            lock = not readonly or os.access(os.path.join(path, "lock.mdb"), os.W_OK)
             self.env = lmdb.open(path, map_size=map_size, max_dbs=8, subdir=True, sync=sync,
-                                 metasync=sync, readonly=readonly, lock=not readonly,
+                                 metasync=sync, readonly=readonly, lock=lock,
                                  max_readers=512, create=not readonly)
         except lmdb.Error as e:
             raise StoreError(f"cannot open the index at {path}: {e}") from e
@@ -153,7 +157,13 @@ class Index:
 
     def namespaces(self) -> dict[bytes, Namespace]:
         with self.env.begin(db=self._namespaces) as txn:
-            return {k: Namespace.from_dict(json.loads(v)) for k, v in txn.cursor()}
+            rows = list(txn.cursor())
+        try:
+            return {k: Namespace.from_dict(json.loads(v)) for k, v in rows}
+        except (ValueError, TypeError) as e:     # a newer build's fields, or a damaged descriptor
+            raise StoreError(f"the index at {self.path} holds a namespace this kvcache cannot read ({e}); "
+                             "open it with the kvcache that wrote it, or move it aside and run "
+                             "`kvcache check DIR --rebuild`") from e
 
     def segments(self) -> dict[int, SegmentUsage]:
         with self.env.begin(db=self._segments) as txn:

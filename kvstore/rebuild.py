@@ -53,6 +53,8 @@ def rebuild_index(index: Index, nvme: NvmeTier | None, now: float, progress: boo
     live = {k: m for k, m in records.items()
             if tombstones.get(k, (-1.0, 0, 0)) < (m.created, m.segment_id, m.offset)}
     objects, descriptors = _object_records(obj, tombstones, live, now, report), {}
+    report["objects_pending"] = int(objects is None)
+    objects = objects or {}
     for tier in (obj, nvme):
         if tier is not None:
             descriptors.update(_namespaces_of(tier))
@@ -74,20 +76,16 @@ def rebuild_index(index: Index, nvme: NvmeTier | None, now: float, progress: boo
 def _object_records(obj, tombstones, live: dict[bytes, BlockMeta], now: float, report) -> dict:
     """Object-tier copies from the pack indexes: added to `live` (object-only blocks get a
     metadata entry without NVMe residency); returns key -> placement. Pack tombstones count
-    like segment tombstones; an unreachable store leaves the object copies out (logged)."""
+    like segment tombstones. None: the store is unreachable (open_index retries at the next open)."""
     from kvcache.kvstore.errors import StoreError
     if obj is None:
         return {}
-    found: dict[bytes, tuple] = {}
     try:
-        for key, placement, h in obj.rebuild():
-            if h.is_tombstone:
-                tombstones[key] = max(tombstones.get(key, (0.0, 0, 0)), (h.created, 0, 0))
-            else:
-                found[key] = (placement, h)
+        found = _pack_records(obj, tombstones)
     except StoreError as e:
-        log.error("object tier unreachable during the index rebuild (%s): its copies are not indexed", e)
-        return {}
+        log.error("object tier unreachable during the index rebuild (%s): its copies are indexed at a later "
+                  "open; until then pack GC removes no pack", e)
+        return None
     out = {}
     for key, (placement, h) in found.items():
         if key not in live:
@@ -100,6 +98,45 @@ def _object_records(obj, tombstones, live: dict[bytes, BlockMeta], now: float, r
         out[key] = placement
     report["object_records"] = len(out)
     return out
+
+
+def _pack_records(obj, tombstones) -> dict[bytes, tuple]:
+    """key -> (placement, header) of every pack record; pack tombstones go into `tombstones`."""
+    found: dict[bytes, tuple] = {}
+    for key, placement, h in obj.rebuild():
+        if h.is_tombstone:
+            tombstones[key] = max(tombstones.get(key, (0.0, 0, 0)), (h.created, 0, 0))
+        else:
+            found[key] = (placement, h)
+    return found
+
+
+def index_pending_objects(index: Index, obj, now: float) -> bool:
+    """The object part of a rebuild that met an unreachable store: index the packs' copies now
+    (blocks only there come back as object-only blocks; keys the index holds gain their object
+    copy). False: still unreachable. Tombstones seen here are the packs'; a delete whose pack
+    tombstone failed to upload is the one case this can bring back (its NVMe tombstone was read
+    by the rebuild, not kept)."""
+    from kvcache.kvstore.errors import StoreError
+    tombstones: dict[bytes, tuple[float, int, int]] = {}
+    try:
+        found = _pack_records(obj, tombstones)
+    except StoreError as e:
+        log.warning("object tier still unreachable (%s): its copies stay unindexed", e)
+        return False
+    keys = list(found)
+    puts, object_puts = {}, {}
+    for key, meta in zip(keys, index.get_many(keys)):
+        placement, h = found[key]
+        if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
+            continue
+        if meta is None:
+            puts[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now)
+        object_puts[key] = placement
+    index.commit(puts, object_puts=object_puts)
+    log.warning("object tier indexed after an earlier rebuild: %d copies, %d object-only blocks",
+                len(object_puts), len(puts))
+    return True
 
 
 def _namespaces_of(tier) -> dict:
@@ -118,7 +155,7 @@ def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool,
     open discards the partial index and starts over, instead of trusting it (and letting
     GC delete every segment it does not reference).
     """
-    marker = index_dir + ".rebuilding"
+    marker, pending = index_dir + ".rebuilding", index_dir + ".objects-pending"
     if os.path.exists(marker):
         log.warning("an index rebuild in %s was interrupted; starting it over", index_dir)
         shutil.rmtree(index_dir, ignore_errors=True)
@@ -127,15 +164,24 @@ def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool,
     if must_rebuild:
         _durable(lambda: open(marker, "w").close(), marker)
     index = Index(index_dir, map_size=map_size, sync=sync)
-    if must_rebuild:
-        try:
+    try:
+        if must_rebuild:
             log.warning("index missing at %s: rebuilding it from the NVMe segments and object packs", index_dir)
-            rebuild_index(index, nvme, now, obj=obj)
+            if rebuild_index(index, nvme, now, obj=obj)["objects_pending"]:
+                _durable(lambda: open(pending, "w").close(), pending)
+            elif os.path.exists(pending):     # an earlier rebuild's: this one indexed the packs
+                _durable(lambda: os.unlink(pending), pending)
             index.sync()
-        except BaseException:
-            index.close()
-            raise
+        elif os.path.exists(pending) and obj is not None and index_pending_objects(index, obj, now):
+            index.sync()
+            _durable(lambda: os.unlink(pending), pending)
+    except BaseException:
+        index.close()
+        raise
+    if must_rebuild:
         _durable(lambda: os.unlink(marker), marker)
+    # pack GC must not take a pack with no usage row for an empty one while its copies are unindexed
+    index.objects_pending = obj is not None and os.path.exists(pending)
     return index
 
 

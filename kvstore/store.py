@@ -84,13 +84,13 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
             self.index = open_index(config.index_dir, self.nvme, config.index_map_bytes, sync, clock(),
                                     obj=self.object)
             self.dram = DramTier(config.dram, self._on_dram_evict, clock) if config.dram else None
+            self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
         except BaseException:
-            for part in (self.object, self.nvme, self.index):
+            for part in (self.dram, self.object, self.nvme, self.index):
                 if part is not None:
                     part.close()
             self._lockfile.close()
             raise
-        self.namespaces: dict[bytes, Namespace] = self.index.namespaces()
         _warn_if_lifecycle_shorter(config)
         self._collector = None
         self._prefetcher = None
@@ -237,7 +237,7 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove blocks from every tier (pins do not protect against an explicit delete)."""
-        keys = list(keys)
+        keys = _storable(keys)
         with self._lock:
             stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
             if stored and self.nvme is not None:
@@ -261,7 +261,7 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         stay). For making room in a fast tier by hand, and for benchmarks that read from a chosen
         tier. An NVMe copy that an object copy backs is forgotten; compaction reclaims its bytes.
         Returns how many blocks lost a copy."""
-        keys, changed, commits = list(keys), 0, {}
+        keys, changed, commits = _storable(keys), 0, {}
         with self._lock:
             for key, meta in zip(keys, self.index.get_many(keys)):
                 if meta is None:
@@ -396,3 +396,10 @@ def _check_keys(keys: Sequence[bytes]) -> None:
     for k in keys:
         if not isinstance(k, bytes):
             raise TypeError(f"block keys are bytes, got {type(k).__name__}")
+
+
+def _storable(keys: Iterable[bytes]) -> list[bytes]:
+    """The keys a block can have (1-64 bytes; others are in no tier), after _check_keys."""
+    keys = list(keys)
+    _check_keys(keys)
+    return [k for k in keys if 1 <= len(k) <= 64]

@@ -1,0 +1,113 @@
+"""The index at its edges (found by review): namespaces that are not what they say, an index
+written by a newer build, keys no block can have, strided token arrays, read-only opens beside
+a writing daemon, and a rebuild that meets an object-store outage."""
+
+import json
+import shutil
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvcache.gc.pack_collector import compact_one_pack
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import StoreError
+from kvcache.kvstore.hashing import Namespace, hash_blocks
+from kvcache.kvstore.index import Index
+from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.types import Tier
+from kvcache.tiering import object_store
+from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.object_config import ObjectConfig
+from kvcache.tiering.object_io import ObjectStoreUnavailable
+from tests.tiering.faults_common import NS, key_for, make_config, payload_for
+
+
+@pytest.mark.parametrize("bad", [{"name": ["x"]}, {"tenant_salt": 7}, {"kv_layout": {"a": 1}}, {"block_size": True}])
+def test_namespace_fields_have_their_types(bad):
+    """A list as a name was stored, then broke every read and GC of that namespace (unhashable)."""
+    with pytest.raises(ValueError):
+        Namespace.from_dict({**NS.to_dict(), **bad})
+
+
+def test_an_index_from_a_newer_build_is_a_clear_error_and_frees_the_directory(tmp_path):
+    with BlockStore(make_config(tmp_path / "d")) as s:
+        s.register_namespace(NS)
+    env = lmdb.open(str(tmp_path / "d" / "index"), max_dbs=8)
+    db = env.open_db(b"namespaces")              # (outside the write transaction: it takes one itself)
+    with env.begin(write=True) as txn:           # a field this build does not know
+        txn.put(NS.id, json.dumps({**NS.to_dict(), "rope_scaling": "yarn"}).encode(), db=db)
+    env.close()
+    with pytest.raises(StoreError, match="newer kvcache"):
+        BlockStore(make_config(tmp_path / "d"))
+    with pytest.raises(StoreError, match="newer kvcache"):   # not "locked by this very process"
+        BlockStore(make_config(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("key", [b"", b"k" * 600])
+def test_keys_no_block_can_have_are_nothing_to_delete(tmp_path, key):
+    with BlockStore(make_config(tmp_path / "d")) as s:
+        s.register_namespace(NS)
+        s.put_many([PutItem(key_for(0), payload_for(0), NS.id)])
+        assert s.delete([key, key_for(0)]) == 1
+        assert s.drop_copies([key], Tier.DRAM) == 0
+
+
+def test_strided_token_arrays_hash_like_lists():
+    ns = Namespace("m", "l", 4)
+    tokens = np.arange(32, dtype=np.int32)[::2]              # a column of a 2-D batch, say
+    assert hash_blocks(ns, tokens) == hash_blocks(ns, tokens.tolist())
+
+
+def test_a_read_only_index_takes_the_reader_lock(tmp_path, monkeypatch):
+    """Without LMDB's reader table a writer reuses pages a read-only reader walks (kvcache stats
+    beside a daemon: MDB_PAGE_NOTFOUND, or an abort in mdb.c)."""
+    Index(str(tmp_path / "i")).close()
+    seen = {}
+    real = lmdb.open
+    monkeypatch.setattr(lmdb, "open", lambda path, **kw: (seen.update(kw), real(path, **kw))[1])
+    Index(str(tmp_path / "i"), readonly=True).close()
+    assert seen["readonly"] and seen["lock"]
+
+
+def _object_config(d, bucket) -> StoreConfig:
+    return StoreConfig(str(d), dram=None, nvme=NvmeConfig(segment_bytes=1 << 20),
+                       object_store=ObjectConfig(url=f"file://{bucket}", pack_linger_s=0.05))
+
+
+class _Report:
+    def __getattr__(self, name):
+        return 0
+
+    def __setattr__(self, name, value):
+        pass
+
+
+def test_a_rebuild_during_an_object_outage_indexes_the_packs_at_a_later_open(tmp_path, monkeypatch):
+    """Object-only blocks (acknowledged) used to be lost for good: the rebuild finished without
+    them, and pack GC then took their packs for empty ones."""
+    from kvcache.gc.collector import Collector
+    d, bucket, keys = tmp_path / "data", tmp_path / "bucket", [key_for(i) for i in range(8)]
+    with BlockStore(_object_config(d, bucket)) as s:
+        s.register_namespace(NS)
+        s.put_many([PutItem(k, payload_for(i, 20_000), NS.id) for i, k in enumerate(keys)])
+        s.flush()
+        assert s.drop_copies(keys, Tier.NVME) == len(keys)      # in the object tier only
+    with BlockStore(_object_config(d, bucket)) as s:
+        Collector(s).run(max_steps=10)                           # the emptied segment compacted away
+    shutil.rmtree(d / "index")
+    real = object_store.ObjectTier.list_packs
+
+    def down(self):
+        raise ObjectStoreUnavailable("outage (injected)")
+    monkeypatch.setattr(object_store.ObjectTier, "list_packs", down)
+    with BlockStore(_object_config(d, bucket)) as s:             # rebuilt during the outage
+        assert s.index.objects_pending
+        compact_one_pack(s, _Report(), keep_newest=0)            # pack GC waits
+    monkeypatch.setattr(object_store.ObjectTier, "list_packs", real)
+    with BlockStore(_object_config(d, bucket)) as s:             # the store is back: indexed now
+        assert not s.index.objects_pending
+        assert [s.get(k) for k in keys] == [payload_for(i, 20_000) for i in range(8)]
+        for _ in range(3):
+            compact_one_pack(s, _Report(), keep_newest=0)
+        assert [s.get(k) for k in keys] == [payload_for(i, 20_000) for i in range(8)]
