@@ -110,7 +110,8 @@ def scan(path: str, verify_payloads: bool = True, start: int = HEAD_BYTES) -> It
 
     A bad payload is reported on its record and skipped (its length is known); a bad
     header makes the scan look for the next aligned header, so one flipped bit never hides
-    the records after it. Bytes after the last good record are a torn tail.
+    the records after it. A good header whose record runs past the end is a torn tail: the
+    scan ends there. Bytes after the last good record are a torn tail.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -124,8 +125,6 @@ def scan(path: str, verify_payloads: bool = True, start: int = HEAD_BYTES) -> It
         while pos < size:
             try:
                 header = decode_header(os.pread(fd, peek_header_len(os.pread(fd, 8, pos)), pos))
-                if pos + header.record_len > size:
-                    raise CorruptBlockError("record runs past the end of the segment")
             except CorruptBlockError as e:
                 first_error = first_error or f"offset {pos}: {e}"
                 nxt = _resync(fd, pos, size, align)
@@ -134,6 +133,13 @@ def scan(path: str, verify_payloads: bool = True, start: int = HEAD_BYTES) -> It
                     break
                 pos = nxt
                 continue
+            if pos + header.record_len > size:
+                # a good header whose record the file does not hold: a torn tail. Never look for
+                # headers inside its extent: its payload is a client's bytes, and may hold a
+                # well-formed record for another key (a rebuild would index it)
+                first_error = first_error or f"offset {pos}: record runs past the end of the segment"
+                skipped += size - pos
+                break
             error = None
             if verify_payloads:
                 try:

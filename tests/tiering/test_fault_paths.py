@@ -126,3 +126,31 @@ def test_compaction_syncs_its_copies_before_the_index_names_them(tmp_path, monke
     assert any(t in ("fsync", "fdatasync") for t in trace[:moved]), trace
     assert s.get(key_for(0)) == payload_for(0, 200 << 10)
     s.close()
+
+
+def test_a_torn_record_hiding_a_well_formed_one_is_never_indexed(tmp_path):
+    """A put torn by a crash whose payload holds a complete record for another block: the
+    rebuild's scan used to look for headers inside the torn record and index the one it held
+    (a far-future creation time even beat the victim's own record)."""
+    import shutil
+    from kvcache.kvstore.block_format import encode_header
+    from kvcache.kvstore.types import raw_layout
+    d, victim, good = tmp_path / "d", key_for(1), b"G" * 4096
+    with open_store(d, dram=False) as s:
+        assert s.put(victim, good, NS.id).durable
+    evil = b"EVIL" * 256
+    forged = encode_header(victim, NS.id, raw_layout(len(evil)), evil, len(evil), 2e9) + evil
+    n = 64 << 10
+    start = 4096 + len(encode_header(key_for(2), NS.id, raw_layout(n), bytes(n), n, 0.0))
+    pad = (-start) % 8 + 64                                    # the embedded record on an aligned offset
+    with open_store(d, dram=False) as s:
+        s.put(key_for(2), bytes(pad) + forged + bytes(n - pad - len(forged)), NS.id)
+        meta = s.index.get(key_for(2))
+        assert meta.offset == 4096                             # the first record of a fresh segment
+        path = s.nvme.path(meta.segment_id)
+    with open(path, "r+b") as f:                               # the crash: the file ends past the forgery
+        f.truncate(start + pad + len(forged) + 100)
+    shutil.rmtree(d / "index")                                 # and the index is lost: a rebuild
+    with open_store(d, dram=False) as s:
+        assert s.get(victim) == good
+        assert s.get(key_for(2)) is None
