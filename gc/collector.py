@@ -220,7 +220,7 @@ class Collector:
                 continue
             payload = nvme.get(h.key, _placement(meta))
             if payload is not None:
-                moved[h.key] = (item.offset, BlockWrite(h.key, h.namespace_id, payload, h.layout, h.created))
+                moved[h.key] = (item.offset, BlockWrite(h.key, h.namespace_id, payload, h.layout, h.created, h.tenant))
         with store._lock:
             for key, created in tombstones:
                 store.index.commit(new_segments=nvme.put_tombstones([key], created))

@@ -14,6 +14,8 @@
     36      16    namespace id
     52      K     block key
     ..      ..    T x tensor spec: u8 name len, name, u8 dtype len, dtype, u8 ndim, ndim x u64
+    ..      ..    version 2 only: u16 tenant length, tenant (UTF-8): whose block, for a rebuilt
+                  index's quotas and retention (a block of no tenant is written as version 1)
     H-24    16    xxh3-128 of the stored payload
     H-8     8     xxh3-64 of header bytes [0, H-8)
     H       ...   payload
@@ -37,6 +39,7 @@ from kvcache.kvstore.types import TensorSpec, raw_layout
 
 MAGIC = b"KVCB"
 FORMAT_VERSION = 1
+TENANT_VERSION = 2          # version 1 and the tenant's name after the tensor specs
 FLAG_TOMBSTONE = 1
 _FIXED = struct.Struct("<4sHHBBBBQQd16s")
 _TRAILER = 24
@@ -61,6 +64,7 @@ class RecordHeader:
     flags: int = 0
     header_len: int = 0
     payload_digest: bytes = b""
+    tenant: str = ""
 
     @property
     def is_tombstone(self) -> bool:
@@ -98,19 +102,23 @@ def _pack_layout(layout: tuple[TensorSpec, ...]) -> bytes:
 
 
 def encode_header(key: bytes, namespace_id: bytes, layout: tuple[TensorSpec, ...], payload,
-                  raw_len: int, created: float, codec: Codec = Codec.RAW, flags: int = 0) -> bytes:
+                  raw_len: int, created: float, codec: Codec = Codec.RAW, flags: int = 0,
+                  tenant: str = "") -> bytes:
     """Header bytes for `payload` (already encoded by `codec`). The payload is not copied."""
     if not 1 <= len(key) <= 64:
         raise BlockFormatError(f"block key must be 1-64 bytes, got {len(key)}")
     if len(namespace_id) != 16:
         raise BlockFormatError("namespace id must be 16 bytes")
     body = _pack_layout(layout)
+    if tenant:
+        name = tenant.encode()
+        body += struct.pack("<H", len(name)) + name
     header_len = _FIXED.size + len(key) + len(body) + _TRAILER
     if header_len > MAX_HEADER:
         raise BlockFormatError("block layout too large to describe in a header")
     plen = memoryview(payload).nbytes
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, header_len, int(codec), flags, len(key), len(layout),
-                       plen, raw_len, created, namespace_id) + key + body
+    head = _FIXED.pack(MAGIC, TENANT_VERSION if tenant else FORMAT_VERSION, header_len, int(codec), flags,
+                       len(key), len(layout), plen, raw_len, created, namespace_id) + key + body
     head += xxhash.xxh3_128_digest(payload)
     return head + xxhash.xxh3_64_digest(head)
 
@@ -135,7 +143,7 @@ def decode_header(buf) -> RecordHeader:
     if xxhash.xxh3_64_digest(mv[: hlen - 8]) != bytes(mv[hlen - 8: hlen]):
         raise CorruptBlockError("header checksum mismatch")
     (_, version, _, codec, flags, klen, ntensors, plen, raw_len, created, ns) = _FIXED.unpack_from(mv)
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, TENANT_VERSION):
         raise CorruptBlockError(f"unsupported block format version {version}")
     pos = _FIXED.size
     key = bytes(mv[pos: pos + klen])
@@ -147,13 +155,18 @@ def decode_header(buf) -> RecordHeader:
             n = mv[pos]; dtype = bytes(mv[pos + 1: pos + 1 + n]).decode(); pos += 1 + n
             nd = mv[pos]; shape = struct.unpack_from(f"<{nd}Q", mv, pos + 1); pos += 1 + 8 * nd
             layout.append(TensorSpec(name, dtype, tuple(shape)))
+        tenant = ""
+        if version == TENANT_VERSION:
+            (n,) = struct.unpack_from("<H", mv, pos)
+            tenant = bytes(mv[pos + 2: pos + 2 + n]).decode()
+            pos += 2 + n
         codec = Codec(codec)
     except (ValueError, IndexError, struct.error, UnicodeDecodeError) as e:
         raise CorruptBlockError(f"malformed header: {e}") from e
     if pos != hlen - _TRAILER:
         raise CorruptBlockError("header length disagrees with its contents")
     digest = bytes(mv[hlen - _TRAILER: hlen - 8])
-    return RecordHeader(key, ns, tuple(layout), plen, raw_len, created, codec, flags, hlen, digest)
+    return RecordHeader(key, ns, tuple(layout), plen, raw_len, created, codec, flags, hlen, digest, tenant)
 
 
 def verify_payload(header: RecordHeader, payload) -> None:

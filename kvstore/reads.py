@@ -186,7 +186,7 @@ class StoreReads:
             if self.index.get(key) is None:  # deleted while we read it: do not resurrect it in DRAM
                 return
             try:
-                self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created)])
+                self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created, meta.tenant)])
             except (TierFullError, ValueError) as e:
                 log.debug("block %s not promoted to DRAM: %s", key.hex(), e)
                 return

@@ -5,7 +5,8 @@ the key's records created before its deletion time, or at the same time but earl
 the log (so a block put again after a delete survives). Recovered blocks count as accessed at rebuild time: access times are
 not stored in segments, and expiring hot blocks early would cost more than keeping cold
 ones one more TTL. Their age (max_age) still counts from creation. Pins and explicit
-per-block TTLs live only in the index and are not recovered. Object-tier packs are read
+per-block TTLs live only in the index and are not recovered; tenants are (records name theirs,
+for quotas and per-tenant retention). Object-tier packs are read
 too (their indexes only): blocks found only there come back as object-only blocks.
 """
 
@@ -46,7 +47,7 @@ def rebuild_index(index: Index, nvme: NvmeTier | None, now: float, progress: boo
                 tombstones[h.key] = max(tombstones.get(h.key, (0.0, 0, 0)), (h.created, sid, item.offset))
                 report["tombstones"] += 1
             else:
-                records[h.key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NVME, h.created, now,
+                records[h.key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NVME, h.created, now, tenant=h.tenant,
                                            segment_id=sid, offset=item.offset, record_len=h.record_len)
                 report["records"] += 1
     # a record outlives a tombstone that is older, or as old but earlier in the log
@@ -94,7 +95,7 @@ def _object_records(obj, tombstones, live: dict[bytes, BlockMeta], now: float, r
             # delete comes back only from NVMe)
             if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
                 continue
-            live[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now)
+            live[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now, tenant=h.tenant)
         out[key] = placement
     report["object_records"] = len(out)
     return out
@@ -131,7 +132,7 @@ def index_pending_objects(index: Index, obj, now: float) -> bool:
         if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
             continue
         if meta is None:
-            puts[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now)
+            puts[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now, tenant=h.tenant)
         object_puts[key] = placement
     index.commit(puts, object_puts=object_puts)
     log.warning("object tier indexed after an earlier rebuild: %d copies, %d object-only blocks",

@@ -89,7 +89,7 @@ class StoreWrites:
             if existing is not None or item.key in seen:
                 continue
             seen.add(item.key)
-            writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now))
+            writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now, item.tenant))
             metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant,
                                    expires_at=now + item.ttl_s if item.ttl_s else 0.0))
         return writes, metas

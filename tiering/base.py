@@ -33,6 +33,7 @@ class BlockWrite:
     payload: bytes | bytearray | memoryview
     layout: tuple[TensorSpec, ...]
     created: float
+    tenant: str = ""            # whose block: persisted in its record (a rebuild restores it)
 
 
 @dataclass(frozen=True, slots=True)

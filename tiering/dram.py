@@ -80,6 +80,7 @@ class _Entry:
     layout: tuple[TensorSpec, ...]
     created: float
     dirty: bool = False
+    tenant: str = ""
     leases: int = 0
     pins: int = 0
     pin_until: float = 0.0
@@ -138,7 +139,7 @@ class DramTier(DramLandings, BlockTier):
                 if off is None:
                     off = self._alloc(n, evicted)
                     self._mv[off: off + n] = memoryview(w.payload).cast("B")
-                self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty)
+                self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty, w.tenant)
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
@@ -186,7 +187,8 @@ class DramTier(DramLandings, BlockTier):
             return 0
         del self._entries[key]
         self._unpublish(key)
-        write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created)
+        write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created,
+                               e.tenant)
         evicted.append(EvictedBlock(key, e.dirty, write))
         self._doomed_offsets.append(e.offset)
         self.evictions += 1
@@ -361,7 +363,7 @@ class DramTier(DramLandings, BlockTier):
             for _, e in held:
                 e.leases += 1
         try:
-            yield [BlockWrite(k, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created)
+            yield [BlockWrite(k, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created, e.tenant)
                    for k, e in held]
         finally:
             with self._lock:

@@ -183,7 +183,8 @@ class NvmeTier(BlockTier):
             batch_start = self._active_end
             for w in writes:
                 payload = memoryview(w.payload).cast("B")
-                header = encode_header(w.key, w.namespace_id, w.layout, payload, payload.nbytes, w.created, Codec.RAW)
+                header = encode_header(w.key, w.namespace_id, w.layout, payload, payload.nbytes, w.created, Codec.RAW,
+                                       tenant=w.tenant)
                 rec_len = len(header) + payload.nbytes
                 if self._active_fd < 0 or (self._active_end + rec_len > self.config.segment_bytes
                                            and self._active_end > HEAD_BYTES):

@@ -91,7 +91,7 @@ class WriteBackQueue:
             if why:
                 self._drop([w.key], n, why)
                 continue
-            item = _Item(BlockWrite(w.key, w.namespace_id, bytes(w.payload), w.layout, w.created), w.key, n)
+            item = _Item(BlockWrite(w.key, w.namespace_id, bytes(w.payload), w.layout, w.created, w.tenant), w.key, n)
             with self._cond:
                 self._pending.append(item)
                 self._cond.notify_all()

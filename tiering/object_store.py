@@ -108,7 +108,8 @@ class ObjectTier(BlockTier):
     def _encode(self, w: BlockWrite) -> tuple[bytes, object]:
         payload = memoryview(w.payload).cast("B")
         stored, used = self.codec.encode(payload, self._codec_for(w.layout))
-        header = encode_header(w.key, w.namespace_id, w.layout, stored, payload.nbytes, w.created, used)
+        header = encode_header(w.key, w.namespace_id, w.layout, stored, payload.nbytes, w.created, used,
+                               tenant=w.tenant)
         self._count(records_encoded=1, put_bytes_raw=payload.nbytes, put_bytes_stored=memoryview(stored).nbytes)
         if self._auto["state"] == "sampling":
             self._maybe_decide()

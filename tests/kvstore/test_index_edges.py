@@ -111,3 +111,40 @@ def test_a_rebuild_during_an_object_outage_indexes_the_packs_at_a_later_open(tmp
         for _ in range(3):
             compact_one_pack(s, _Report(), keep_newest=0)
         assert [s.get(k) for k in keys] == [payload_for(i, 20_000) for i in range(8)]
+
+
+@pytest.mark.parametrize("path", ["write-through", "write-back", "compacted", "object only"])
+def test_a_rebuilt_index_knows_whose_blocks_they_are(tmp_path, path):
+    """Records name their tenant (format version 2; a block of no tenant stays version 1), so a
+    rebuilt index keeps each tenant's usage (quotas) and retention, whichever way the record was
+    written: a put, a write-back flush, a compaction's copy, an object pack."""
+    import dataclasses
+    from kvcache.gc.collector import Collector, GcReport
+    from kvcache.kvstore.block_format import FORMAT_VERSION, decode_header, encode_header
+    d, bucket = tmp_path / "data", tmp_path / "bucket"
+    cfg = _object_config(d, bucket) if path == "object only" else make_config(d)
+    if path == "write-back":
+        cfg = dataclasses.replace(cfg, write_policy="write-back")
+    keys = [key_for(i) for i in range(6)]
+    with BlockStore(cfg) as s:
+        s.register_namespace(NS)
+        s.put_many([PutItem(k, payload_for(i, 50_000), NS.id, tenant="alice" if i < 4 else "")
+                    for i, k in enumerate(keys)])
+        if path == "compacted":
+            s.delete(keys[4:])
+            s.flush()
+            Collector(s)._compact_one(GcReport(), force=True)
+        if path == "write-back":
+            s.flush()                                            # the write-back: records written now
+        if path == "object only":
+            s.flush()
+            assert s.drop_copies(keys, Tier.NVME) == len(keys)
+        before = s.tenant_usage("alice")
+    assert before == (200_000, 4)
+    shutil.rmtree(d / "index")
+    with BlockStore(cfg) as s:
+        assert s.tenant_usage("alice") == before
+        assert {s.index.get(k).tenant for k in keys[:4]} == {"alice"}
+        assert [s.get(k) for k in keys[:4]] == [payload_for(i, 50_000) for i in range(4)]
+    untouched = encode_header(keys[0], NS.id, (), b"x", 1, 0.0)             # no tenant: the old format
+    assert untouched[4:6] == FORMAT_VERSION.to_bytes(2, "little") and decode_header(untouched).tenant == ""
