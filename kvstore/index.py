@@ -73,6 +73,7 @@ class Index:
             raise StoreError(f"the index at {path} is not a kvcache index or is damaged ({e}); "
                              "move it aside and run `kvcache check DIR --rebuild`") from e
         self._touch_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._touches: dict[bytes, tuple[float, int]] = {}
         self._flushing: dict[bytes, tuple[float, int]] = {}     # touches being written (flush_touches)
 
@@ -332,26 +333,29 @@ class Index:
         return len(self._touches)
 
     def flush_touches(self) -> int:
-        with self._touch_lock:
-            # readers keep seeing these times until the write commits (else a block read just now
-            # looks idle for that moment, and GC's re-check may expire it)
-            touches, self._touches = self._touches, {}
-            self._flushing = touches
-        try:
-            if not touches or self.readonly:
-                return 0
-            with self._write() as txn:
-                for key, (ts, n) in touches.items():
-                    raw = txn.get(key, db=self._blocks)
-                    if raw is None:
-                        continue
-                    meta = BlockMeta.unpack(raw)
-                    meta.last_access = max(meta.last_access, ts)
-                    meta.access_count += n
-                    txn.put(key, meta.pack(), db=self._blocks)
-            return len(touches)
-        finally:
-            self._flushing = {}
+        # one flush at a time (the periodic thread, a store flush, close): a second would replace
+        # `_flushing` while the first's batch is not yet committed, and end it under the first
+        with self._flush_lock:
+            with self._touch_lock:
+                # readers keep seeing these times until the write commits (else a block read just now
+                # looks idle for that moment, and GC's re-check may expire it)
+                touches, self._touches = self._touches, {}
+                self._flushing = touches
+            try:
+                if not touches or self.readonly:
+                    return 0
+                with self._write() as txn:
+                    for key, (ts, n) in touches.items():
+                        raw = txn.get(key, db=self._blocks)
+                        if raw is None:
+                            continue
+                        meta = BlockMeta.unpack(raw)
+                        meta.last_access = max(meta.last_access, ts)
+                        meta.access_count += n
+                        txn.put(key, meta.pack(), db=self._blocks)
+                return len(touches)
+            finally:
+                self._flushing = {}
 
     def sync(self) -> None:
         if not self.readonly:

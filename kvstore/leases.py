@@ -46,12 +46,24 @@ class StoreLeases:
         metas = self._metas(list(keys))
         live = [i for i, m in enumerate(metas) if m is not None]
         held = self.dram.acquire([keys[i] for i in live])
-        cold = [i for i, e in zip(live, held) if e is None]
-        for i in cold:   # read through the tiers below: that promotes the block into DRAM
+        try:
+            cold = [i for i, e in zip(live, held) if e is None]
+            held = self._acquire_cold(keys, metas, live, held, cold)
+            return self._granted(keys, metas, live, held, cold)
+        except BaseException:    # acquired chunks stay unevictable until released: never leak them
+            self.dram.release(held)
+            raise
+
+    def _acquire_cold(self, keys, metas, live: list[int], held: list, cold: list[int]) -> list:
+        """Blocks below DRAM: read through the tiers (that promotes them into DRAM), then acquire."""
+        for i in cold:
             self._read(keys[i], metas[i], bytearray(metas[i].payload_len))
         if cold:
             by_index = dict(zip(cold, self.dram.acquire([keys[i] for i in cold])))
             held = [by_index[i] if e is None else e for i, e in zip(live, held)]
+        return held
+
+    def _granted(self, keys, metas, live: list[int], held: list, cold: list[int]) -> tuple[list, DramLease]:
         slots: list = [None] * len(keys)
         for i, e in zip(live, held):
             slots[i] = SOCKET if e is None else (e.offset, e.nbytes)

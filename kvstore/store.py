@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.events import Event, EventSink, NullSink
-from kvcache.kvstore.errors import UnknownNamespaceError
+from kvcache.kvstore.errors import StoreError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
@@ -152,8 +152,7 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
             meta.last_access, meta.access_count = now, meta.access_count + 1
         else:
             self.index.touch(key, now)
-            if self.index.pending_touches() > MAX_PENDING_TOUCHES:  # bound memory if the flusher lags
-                self.index.flush_touches()
+            self._bound_touches()
 
     def _touch_many(self, keys: Sequence[bytes], now: float) -> None:
         dram_meta, in_index = self._dram_meta, []
@@ -164,8 +163,16 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
             else:
                 in_index.append(key)
         self.index.touch_many(in_index, now)
+        self._bound_touches()
+
+    def _bound_touches(self) -> None:
+        """Bound memory if the flusher lags: flush from the reader's thread. Best effort: a full
+        index map costs access times (blocks look older), never the read that got here."""
         if self.index.pending_touches() > MAX_PENDING_TOUCHES:
-            self.index.flush_touches()
+            try:
+                self.index.flush_touches()
+            except StoreError as e:
+                log.error("access times not written (%s); blocks read meanwhile may look idle", e)
 
     # ---------------------------------------------------------------- lookup / get
     def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:

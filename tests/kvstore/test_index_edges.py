@@ -148,3 +148,37 @@ def test_a_rebuilt_index_knows_whose_blocks_they_are(tmp_path, path):
         assert [s.get(k) for k in keys[:4]] == [payload_for(i, 50_000) for i in range(4)]
     untouched = encode_header(keys[0], NS.id, (), b"x", 1, 0.0)             # no tenant: the old format
     assert untouched[4:6] == FORMAT_VERSION.to_bytes(2, "little") and decode_header(untouched).tenant == ""
+
+
+def test_a_lease_that_fails_half_way_gives_its_chunks_back(tmp_path, monkeypatch):
+    from tests.kvstore.test_shm import shm_store
+    store = shm_store(tmp_path / "d")
+    store.register_namespace(NS)
+    keys = [key_for(i) for i in range(3)]
+    store.put_many([PutItem(k, payload_for(i), NS.id) for i, k in enumerate(keys)])
+
+    def broken(*args):
+        raise RuntimeError("accounting failed (injected)")
+    monkeypatch.setattr(store, "_publish", broken)
+    with pytest.raises(RuntimeError):
+        store.lease_dram(keys)
+    entries = [store.dram._entries[k] for k in keys if k in store.dram._entries]
+    assert entries and all(e.leases == 0 for e in entries)           # evictable again
+    store.close()
+
+
+def test_a_full_index_map_costs_access_times_not_reads(tmp_path, monkeypatch):
+    from kvcache.kvstore import store as store_mod
+    from kvcache.kvstore.errors import TierFullError
+    s = BlockStore(make_config(tmp_path / "d", dram=False))
+    s.register_namespace(NS)
+    s.put_many([PutItem(key_for(0), payload_for(0), NS.id)])
+    monkeypatch.setattr(store_mod, "MAX_PENDING_TOUCHES", 0)
+
+    def full():
+        raise TierFullError("index map full (injected)")
+    monkeypatch.setattr(s.index, "flush_touches", full)
+    assert s.get(key_for(0)) == payload_for(0)
+    assert s.get_many([key_for(0)]) == [payload_for(0)]
+    monkeypatch.undo()
+    s.close()
