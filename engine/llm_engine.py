@@ -86,7 +86,11 @@ class LLMEngine:
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
-        self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv), weights_id(model, config.cache))
+        # exact mode keys its blocks apart: a replay-mode engine's blocks after a bounded replay are
+        # approximate, and an exact engine sharing the store would resume from them, not bit for bit
+        exact = config.cache is not None and config.cache.mode == "exact"
+        self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv) + ("/exact" if exact else ""),
+                                          weights_id(model, config.cache))
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state)
         self.requests: dict[str, Request] = {}

@@ -389,3 +389,19 @@ def test_a_malformed_end_snapshot_in_the_store_is_a_miss(tmp_path, bad):
     eng.check_idle()
     eng.close()
     store.close()
+
+
+def test_exact_and_replay_engines_key_their_blocks_apart(tmp_path):
+    """Blocks a replay engine computes after a bounded replay are approximate: an exact engine
+    sharing the store must not resume from them."""
+    from kvcache.engine.llm_engine import LLMEngine
+    from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from tests.engine.tiny import randomize, v4_config
+    model = randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=1).eval()
+    store = open_store(tmp_path)
+    replay, exact = (LLMEngine(model, None, cached(mode), store=store) for mode in ("replay", "exact"))
+    assert replay.namespace.id != exact.namespace.id
+    assert replay.namespace.model_fingerprint == exact.namespace.model_fingerprint
+    for e in (replay, exact):
+        e.close()
+    store.close()
