@@ -358,7 +358,7 @@ class LLMEngine:
                 self.pool.release(req.block_ids)
                 req.block_ids, req.block_keys = own, []
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
-            try:                         # its forward pass or its sampling (NaN logits)
+            try:                         # its forward pass and what follows it, for this request alone
                 results += self._finish_step(SchedulerOutput([chunk]), self._run([chunk]))
             except Exception as e:
                 log.error("request %s failed: %s", req.request_id, e)

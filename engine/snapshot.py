@@ -106,12 +106,12 @@ def misfit(template: dict, snap: dict, length: int) -> str | None:
     if len(snap["layers"]) != len(template["layers"]):
         return f"{len(snap['layers'])} layers, the model has {len(template['layers'])}"
     for i, (want, got) in enumerate(zip(template["layers"], snap["layers"])):
-        if not isinstance(got, dict) or any((want[k] is None) != (got.get(k) is None) for k in ("compressor", "index")):
+        if not isinstance(got, dict) or "window" not in got:
             return f"layer {i} is not shaped like the model's"
         if got["window"] is not None and not isinstance(got["window"], torch.Tensor):
             return f"layer {i}'s window is not a tensor"
-        for k in ("compressor", "index"):
-            if want[k] is not None and not isinstance(got[k], dict):
+        for k in ("compressor", "index"):    # present exactly where the model's layer has one
+            if (want[k] is None) != (got.get(k) is None) or not isinstance(got.get(k), (dict, type(None))):
                 return f"layer {i}'s {k} is not shaped like the model's"
     return None
 

@@ -267,9 +267,7 @@ class AsyncKVClient:
                     fkey, hit, _tier_bits, n = await wire.read_get_frame_header(read)
                     if fkey != key:
                         raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
-                    result[base + i] = None
-                    if hit:
-                        result[base + i] = await take(base + i, n, resp.content)
+                    result[base + i] = await take(base + i, n, resp.content) if hit else None
             await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
                              json_body={"keys": [k.hex() for k in chunk]})
             base += len(chunk)

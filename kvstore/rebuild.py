@@ -95,10 +95,15 @@ def _object_records(obj, tombstones, live: dict[bytes, BlockMeta], now: float, r
             # delete comes back only from NVMe)
             if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
                 continue
-            live[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now, tenant=h.tenant)
+            live[key] = _object_only(h, now)
         out[key] = placement
     report["object_records"] = len(out)
     return out
+
+
+def _object_only(h, now: float) -> BlockMeta:
+    """Metadata of a block whose only copy is a pack record with header `h`."""
+    return BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now, tenant=h.tenant)
 
 
 def _pack_records(obj, tombstones) -> dict[bytes, tuple]:
@@ -132,7 +137,7 @@ def index_pending_objects(index: Index, obj, now: float) -> bool:
         if tombstones.get(key, (-1.0, 0, 0))[0] >= h.created:
             continue
         if meta is None:
-            puts[key] = BlockMeta(h.namespace_id, h.raw_len, Tier.NONE, h.created, now, tenant=h.tenant)
+            puts[key] = _object_only(h, now)
         object_puts[key] = placement
     index.commit(puts, object_puts=object_puts)
     log.warning("object tier indexed after an earlier rebuild: %d copies, %d object-only blocks",

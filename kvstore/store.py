@@ -43,6 +43,7 @@ from kvcache.tiering.nvme import NvmeTier
 
 __all__ = ["BlockStore", "PutItem"]
 log = logging.getLogger(__name__)
+MAX_PENDING_TOUCHES = 100_000
 
 
 def _recorded_if_possible(callback):
@@ -57,7 +58,6 @@ def _recorded_if_possible(callback):
             self.stats_counters["quarantine_errors"] += 1
             log.error("could not record the bad copy of %s (%s): %s: %s", key.hex(), reason, type(e).__name__, e)
     return wrapped
-MAX_PENDING_TOUCHES = 100_000
 
 
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call

@@ -48,6 +48,15 @@ def run(llm, ps):
     return outs, [o.usage for o in outs]
 
 
+def filled_store(model, tmp_path, seed: int, n_questions: int = 3):
+    """(document, questions, store): the store holds an exact-mode run of the first question."""
+    P, Qs = prompts(seed, n_questions)
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("exact"), store=store) as first:
+        run(first, [P + Qs[0]])
+    return P, Qs, store
+
+
 def _tapped(llm, into: dict, key) -> None:
     llm.engine.logits_hook = lambda req, pos, logits: into.setdefault((key, pos), logits.clone())
 
@@ -158,11 +167,8 @@ def test_a_block_failing_to_load_is_recomputed(model, tmp_path, mode):
 
 @torch.no_grad()
 def test_concurrent_requests_sharing_a_prefix_load_it_once(model, tmp_path):
-    P, Qs = prompts(13, n_questions=4)
+    P, Qs, store = filled_store(model, tmp_path, 13, n_questions=4)
     want = cold(model, [P + q for q in Qs])
-    store = open_store(tmp_path)
-    with LLM(model=model, config=cached("exact"), store=store) as first:
-        run(first, [P + Qs[0]])
     with LLM(model=model, config=cached("exact"), store=store) as warm:
         outs = warm.generate([P + q for q in Qs[1:]], GREEDY)
         stats = warm.engine.cache.connector.stats
@@ -294,10 +300,7 @@ def test_a_waiting_hit_gives_its_blocks_to_a_better_request(model, tmp_path):
     that needs them gets them, and the holder finds them in the pool again later (found by
     review: the engine spun forever, nothing running). In a pool this small its blocks are
     reallocated meanwhile, so it loads or recomputes them again: the same tokens either way."""
-    P, Qs = prompts(29)
-    store = open_store(tmp_path)
-    with LLM(model=model, config=cached("exact"), store=store) as first:
-        run(first, [P + Qs[0]])
+    P, Qs, store = filled_store(model, tmp_path, 29)
     tight = dataclasses.replace(CFG, num_blocks=8, max_running=1,
                                 cache=CacheConfig(mode="exact", snapshot_interval=48))
     with LLM(model=model, config=tight, store=store) as warm:
@@ -321,10 +324,7 @@ def test_a_waiting_hit_gives_its_blocks_to_a_better_request(model, tmp_path):
 
 @torch.no_grad()
 def test_usage_reports_the_last_plan_and_samples_get_it_too(model, tmp_path):
-    P, Qs = prompts(31)
-    store = open_store(tmp_path)
-    with LLM(model=model, config=cached("exact"), store=store) as first:
-        run(first, [P + Qs[0]])
+    P, Qs, store = filled_store(model, tmp_path, 31)
     with LLM(model=model, config=cached("exact"), store=store) as warm:
         e = warm.engine
         r = e.add_request(P + Qs[1], SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=3, ignore_eos=True))
@@ -343,10 +343,7 @@ def test_usage_reports_the_last_plan_and_samples_get_it_too(model, tmp_path):
 
 @torch.no_grad()
 def test_a_fetch_leaves_anothers_hard_pin_alone(model, tmp_path):
-    P, Qs = prompts(37)
-    store = open_store(tmp_path)
-    with LLM(model=model, config=cached("exact"), store=store) as first:
-        run(first, [P + Qs[0]])
+    P, Qs, store = filled_store(model, tmp_path, 37)
     from kvcache.kvstore.hashing import hash_blocks
     with LLM(model=model, config=cached("exact"), store=store) as warm:
         keys = hash_blocks(warm.engine.namespace, P)
