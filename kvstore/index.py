@@ -7,6 +7,9 @@ Four named databases in one environment, all changed together in one transaction
     segments    segment id (u32 BE)-> live bytes, live blocks   (NVMe space accounting)
     counters    name               -> i64                       (quarantined, expired, ...)
 
+A value that does not unpack (bit flips in the index) reads as absent, never as an error;
+LMDB failures surface as StoreError (TierFullError when the disk is full), never as lmdb.Error.
+
 Access times are not written on every read: `touch()` buffers them and `flush_touches()`
 writes a batch. A crash loses at most one flush interval of access times, which only
 makes blocks look slightly older; it never loses a block.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
 import threading
@@ -29,11 +33,24 @@ from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import Placement
 
+log = logging.getLogger(__name__)
 _SEG_KEY = struct.Struct(">I")
 _SEG_VAL = struct.Struct("<QQ")
 _I64 = struct.Struct("<q")
 _OBJ_VAL = struct.Struct("<IQQQ")   # pack id, offset, record length, stored payload length
 TENANT_BYTES, TENANT_BLOCKS = "tenant_bytes/", "tenant_blocks/"
+_FULL_BELOW = 1 << 20   # free bytes under which a failed LMDB write is taken for a full disk
+
+
+def unpack_meta(key: bytes, raw) -> BlockMeta | None:
+    """BlockMeta of an index value, or None when the value is damaged (too short, an unknown
+    residency, a tenant that is not UTF-8): such a block reads as absent."""
+    try:
+        return BlockMeta.unpack(raw)
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        log.warning("index entry of %s is damaged (%s); it reads as absent until `kvcache check --fix`",
+                    bytes(key).hex(), e)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +109,11 @@ class Index:
     def get_many(self, keys: Iterable[bytes]) -> list[BlockMeta | None]:
         """Metadata per key (None if absent), with access times not yet flushed folded in."""
         touches, flushing, objects = self._touches, self._flushing, self._objects
-        with self.env.begin(db=self._blocks, buffers=True) as txn:
+        with self._read(db=self._blocks, buffers=True) as txn:
             out = []
             for k in keys:
                 raw = txn.get(k)
-                meta = None if raw is None else BlockMeta.unpack(raw)
+                meta = None if raw is None else unpack_meta(k, raw)
                 if meta is not None:
                     if touches and k in touches:
                         ts, n = touches[k]
@@ -112,23 +129,24 @@ class Index:
         """Where the object tier holds `key` (pack id, offset, lengths), if it does."""
         if self._objects is None:
             return None
-        with self.env.begin(db=self._objects) as txn:
+        with self._read(db=self._objects) as txn:
             raw = txn.get(key)
-            return None if raw is None else Placement(*_OBJ_VAL.unpack(raw))
+            return None if raw is None or len(raw) != _OBJ_VAL.size else Placement(*_OBJ_VAL.unpack(raw))
 
     def scan(self, after: bytes | None = None, limit: int = 1000) -> list[tuple[bytes, BlockMeta]]:
         """Up to `limit` entries in key order, strictly after `after` (None: from the start)."""
         out: list[tuple[bytes, BlockMeta]] = []
-        with self.env.begin(db=self._blocks) as txn:
+        with self._read(db=self._blocks) as txn:
             cur = txn.cursor()
             ok = cur.set_range(after) if after is not None else cur.first()
             if ok and after is not None and cur.key() == after:
                 ok = cur.next()
             while ok and len(out) < limit:
-                key, meta = cur.key(), BlockMeta.unpack(cur.value())
-                if self._objects is not None and txn.get(key, db=self._objects) is not None:
-                    meta.residency |= Tier.OBJECT
-                out.append((key, meta))
+                key, meta = cur.key(), unpack_meta(cur.key(), cur.value())
+                if meta is not None:
+                    if self._objects is not None and txn.get(key, db=self._objects) is not None:
+                        meta.residency |= Tier.OBJECT
+                    out.append((key, meta))
                 ok = cur.next()
         return out
 
@@ -145,19 +163,21 @@ class Index:
         """About `n` entries at uniformly random places: keys are hashes, so a random
         16-byte probe lands uniformly in the key space (approximate-LRU eviction input)."""
         out = {}
-        with self.env.begin(db=self._blocks) as txn:
+        with self._read(db=self._blocks) as txn:
             cur = txn.cursor()
             for _ in range(n):
                 if cur.set_range(rng.randbytes(16)) or cur.first():
-                    out[cur.key()] = BlockMeta.unpack(cur.value())
+                    meta = unpack_meta(cur.key(), cur.value())
+                    if meta is not None:
+                        out[cur.key()] = meta
         return list(out.items())
 
     def count(self) -> int:
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return txn.stat(self._blocks)["entries"]
 
     def namespaces(self) -> dict[bytes, Namespace]:
-        with self.env.begin(db=self._namespaces) as txn:
+        with self._read(db=self._namespaces) as txn:
             rows = list(txn.cursor())
         try:
             return {k: Namespace.from_dict(json.loads(v)) for k, v in rows}
@@ -167,7 +187,7 @@ class Index:
                              "`kvcache check DIR --rebuild`") from e
 
     def segments(self) -> dict[int, SegmentUsage]:
-        with self.env.begin(db=self._segments) as txn:
+        with self._read(db=self._segments) as txn:
             out = {}
             for k, v in txn.cursor():
                 sid = _SEG_KEY.unpack(k)[0]
@@ -180,7 +200,7 @@ class Index:
         wanted, out = set(pack_ids), {}
         if self._objects is None or not wanted:
             return out
-        with self.env.begin(db=self._objects) as txn:
+        with self._read(db=self._objects) as txn:
             for key, raw in txn.cursor():
                 p = Placement(*_OBJ_VAL.unpack(raw))
                 if p.segment_id in wanted:
@@ -191,12 +211,12 @@ class Index:
         """Live bytes and blocks per object-tier pack (the object tier's segment table)."""
         if self._packs is None:
             return {}
-        with self.env.begin(db=self._packs) as txn:
+        with self._read(db=self._packs) as txn:
             return {_SEG_KEY.unpack(k)[0]: SegmentUsage(_SEG_KEY.unpack(k)[0], *_SEG_VAL.unpack(v))
                     for k, v in txn.cursor()}
 
     def counters(self) -> dict[str, int]:
-        with self.env.begin(db=self._counters) as txn:
+        with self._read(db=self._counters) as txn:
             return {k.decode(): _I64.unpack(v)[0] for k, v in txn.cursor()}
 
     # ---------------------------------------------------------------- writes
@@ -228,11 +248,11 @@ class Index:
                     self._set_object(txn, key, None, pack_delta)
                 old = txn.pop(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
+                    self._account(seg_delta, counters, unpack_meta(key, old), -1)
             for key, meta in (puts or {}).items():
                 old = txn.get(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, counters, BlockMeta.unpack(old), -1)
+                    self._account(seg_delta, counters, unpack_meta(key, old), -1)
                 self._account(seg_delta, counters, meta, +1)
                 txn.put(key, meta.pack(), db=self._blocks)
             _apply_usage(txn, self._segments, seg_delta)
@@ -283,8 +303,12 @@ class Index:
                 txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(b, n), db=self._segments)
 
     @staticmethod
-    def _account(seg_delta: dict[int, list[int]], counters: dict[str, int], meta: BlockMeta, sign: int) -> None:
-        """Segment usage (NVMe bytes) and the owning tenant's usage (payload bytes, blocks)."""
+    def _account(seg_delta: dict[int, list[int]], counters: dict[str, int], meta: BlockMeta | None,
+                 sign: int) -> None:
+        """Segment usage (NVMe bytes) and the owning tenant's usage (payload bytes, blocks).
+        A damaged entry (None) counts for nothing: `kvcache check --fix` recounts."""
+        if meta is None:
+            return
         if Tier.NVME in meta.residency:
             d = seg_delta.setdefault(meta.segment_id, [0, 0])
             d[0] += sign * meta.record_len
@@ -307,6 +331,15 @@ class Index:
                 txn.put(name.encode(), _I64.pack(v), db=self._counters)
 
     @contextlib.contextmanager
+    def _read(self, **kw):
+        try:
+            with self.env.begin(**kw) as txn:
+                yield txn
+        except lmdb.Error as e:      # a damaged page, a reader table that is full: the store, not the caller
+            raise StoreError(f"the index at {self.path} cannot be read ({e}); if this persists, stop the "
+                             "daemon and run `kvcache check DIR --rebuild`") from e
+
+    @contextlib.contextmanager
     def _write(self):
         if self.readonly:
             raise StoreError(f"the index at {self.path} is open read-only")
@@ -315,6 +348,22 @@ class Index:
                 yield txn
         except lmdb.MapFullError as e:
             raise TierFullError(f"the index map is full; raise index_map_bytes in the store config ({e})") from e
+        except lmdb.Error as e:
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: lmdb.Error) -> StoreError:
+        """LMDB reports a write the disk could not take as EIO (a short pwrite), so a full disk
+        is told apart by the free space left."""
+        try:
+            st = os.statvfs(self.path)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = _FULL_BELOW
+        if free < _FULL_BELOW:
+            return TierFullError(f"the disk holding the index at {self.path} is full; delete blocks or free "
+                                 f"space on it ({e})")
+        return StoreError(f"the index at {self.path} could not be written ({e}); check the disk "
+                          "(read-only, failing?)")
 
     # ---------------------------------------------------------------- access times
     def touch(self, key: bytes, now: float) -> None:
@@ -346,10 +395,9 @@ class Index:
                     return 0
                 with self._write() as txn:
                     for key, (ts, n) in touches.items():
-                        raw = txn.get(key, db=self._blocks)
-                        if raw is None:
+                        meta = _unpack_quiet(txn.get(key, db=self._blocks))
+                        if meta is None:
                             continue
-                        meta = BlockMeta.unpack(raw)
                         meta.last_access = max(meta.last_access, ts)
                         meta.access_count += n
                         txn.put(key, meta.pack(), db=self._blocks)
@@ -365,6 +413,13 @@ class Index:
         if not self.readonly:
             self.flush_touches()
         self.env.close()
+
+
+def _unpack_quiet(raw) -> BlockMeta | None:
+    try:
+        return None if raw is None else BlockMeta.unpack(raw)
+    except (struct.error, IndexError, UnicodeDecodeError):    # damaged: reads log it, touches skip it
+        return None
 
 
 def _pack_object(p: Placement) -> bytes:

@@ -7,6 +7,10 @@
         object─ ranged GET of one pack record, verify ──> promote into DRAM
         corrupt ─ quarantine, miss (the caller recomputes)
 
+Sizes from the index are checked before a buffer is sized from them (`_sized`): a payload
+length beyond MAX_BLOCK_BYTES, or an NVMe record that its segment cannot hold, is a damaged
+entry (bit flips at rest): the copy is quarantined and the read is a miss, no allocation made.
+
 Lookups that find blocks only in object storage prefetch them into DRAM in the background
 (`_prefetch`); a get of such a block waits for its prefetch rather than fetching it twice.
 A mixin only to keep store.py readable: it uses BlockStore's state and is not meant to be
@@ -25,6 +29,7 @@ from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 
 log = logging.getLogger(__name__)
+MAX_BLOCK_BYTES = 1 << 30   # no block is larger: a bigger payload length in the index is damage
 
 
 def _placement(meta: BlockMeta) -> Placement:
@@ -55,14 +60,14 @@ class StoreReads:
         """Batched get that also says which tier served each block (Tier.NONE on a miss)."""
         self._await_prefetch(keys)
         t0, out, first = time.perf_counter(), [], None
-        for key, meta in zip(keys, self._metas(list(keys))):
+        for key, meta in zip(keys, self._sized(keys, self._metas(list(keys)))):
             if meta is None:
                 out.append((self._miss(), Tier.NONE))
                 continue
             first = first or meta
             tier, buf = meta.residency.fastest(), bytearray(meta.payload_len)
-            ok = self._read(key, meta, buf) is not None
-            out.append((bytes(buf), tier) if ok else (None, Tier.NONE))
+            n = self._read(key, meta, buf)
+            out.append((bytes(buf[:n]) if n != len(buf) else bytes(buf), tier) if n is not None else (None, Tier.NONE))
         hits = [t for p, t in out if p is not None]
         self._event("get", first, "", len(keys), hits, time.perf_counter() - t0,
                     sum(len(p) for p, _ in out if p is not None))
@@ -71,7 +76,26 @@ class StoreReads:
     def sizes_tiered(self, keys: Sequence[bytes]) -> list[tuple[int, Tier] | None]:
         """(payload length, fastest tier) of each live block, None where absent: one index read,
         so that a reader can size its buffers before get_many_into."""
-        return [None if m is None else (m.payload_len, m.residency.fastest()) for m in self._metas(list(keys))]
+        metas = self._sized(keys, self._metas(list(keys)))
+        return [None if m is None else (m.payload_len, m.residency.fastest()) for m in metas]
+
+    def _sized(self, keys: Sequence[bytes], metas: list[BlockMeta | None]) -> list[BlockMeta | None]:
+        """`metas` with each entry whose sizes cannot be true replaced by None, its copy quarantined
+        (a buffer is sized from them next). Blocks held in DRAM are checked by the DRAM tier."""
+        for i, (key, meta) in enumerate(zip(keys, metas)):
+            if meta is None or int(meta.residency) & 1:      # Tier.DRAM
+                continue
+            on_nvme = Tier.NVME in meta.residency and self.nvme is not None
+            if meta.payload_len > MAX_BLOCK_BYTES:
+                why = f"the index gives a payload of {meta.payload_len} bytes (at most {MAX_BLOCK_BYTES})"
+            elif on_nvme and not self.nvme.holds_extent(_placement(meta)):
+                why = (f"the index places a {meta.record_len}-byte record at offset {meta.offset} of segment "
+                       f"{meta.segment_id}, which does not hold it")
+            else:
+                continue
+            metas[i] = None
+            self._quarantine(key, _placement(meta), why)
+        return metas
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [m is not None for m in self._metas(list(keys))]
@@ -143,6 +167,8 @@ class StoreReads:
 
         def fetch(key: bytes, meta: BlockMeta) -> None:
             placement = self.index.object_location(key)
+            if meta.payload_len > MAX_BLOCK_BYTES:       # a damaged entry: the get that follows misses
+                return
             buf = bytearray(meta.payload_len)
             n = None if placement is None else self.object.get_into(key, placement, buf)
             if n is not None:

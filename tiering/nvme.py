@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcache.kvstore.block_format import (
-    FLAG_TOMBSTONE, Codec, RecordHeader, decode_header, decode_payload, encode_header, verify_payload,
+    FLAG_TOMBSTONE, MAX_HEADER, Codec, RecordHeader, decode_header, decode_payload, encode_header, verify_payload,
 )
 from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
 from kvcache.kvstore.types import Tier
@@ -104,6 +104,7 @@ class NvmeTier(BlockTier):
         self._active_fd = -1
         self._active_end = 0
         self._sealed_bytes = sum(_file_size(self.path(i)) for i in ids)
+        self._sealed_sizes: dict[int, int] = {}     # segment id -> size, for holds_extent
         self._last_sync = clock()
         self._unsynced = False
 
@@ -169,6 +170,7 @@ class NvmeTier(BlockTier):
         try:
             os.unlink(self.path(segment_id))
             self._sealed_bytes -= size
+            self._sealed_sizes.pop(segment_id, None)
         except FileNotFoundError:
             pass
         # after the unlink: a reader that opened it in between is detached here (its fd closes when
@@ -326,13 +328,16 @@ class NvmeTier(BlockTier):
             return None
 
     def _read_at(self, fd: int, key: bytes, placement: Placement, out) -> tuple[RecordHeader, memoryview] | None:
-        hlen = placement.record_len - placement.payload_len
-        hbuf = bytearray(hlen)
-        if out is not None and memoryview(out).nbytes >= placement.payload_len:
-            body = memoryview(out).cast("B")[: placement.payload_len]
-        else:
-            body = memoryview(bytearray(placement.payload_len))
         try:
+            # sizes come from the index: check them against the file before sizing a buffer
+            hlen = placement.record_len - placement.payload_len
+            if not 0 < hlen <= MAX_HEADER or placement.offset + placement.record_len > os.fstat(fd).st_size:
+                raise CorruptBlockError(f"a {placement.record_len}-byte record does not fit in the segment")
+            hbuf = bytearray(hlen)
+            if out is not None and memoryview(out).nbytes >= placement.payload_len:
+                body = memoryview(out).cast("B")[: placement.payload_len]
+            else:
+                body = memoryview(bytearray(placement.payload_len))
             got = os.preadv(fd, [hbuf, body], placement.offset)
             if got != placement.record_len:
                 raise CorruptBlockError(f"short read: {got} of {placement.record_len} bytes")
@@ -348,6 +353,22 @@ class NvmeTier(BlockTier):
                         e.strerror)
             return None
         return header, body
+
+    def holds_extent(self, p: Placement) -> bool:
+        """Whether segment `p.segment_id` can hold a record at `p` (sizes from the index are checked
+        before a reader allocates for them). A missing segment passes: the read reports it."""
+        hlen = p.record_len - p.payload_len
+        if not 0 < hlen <= MAX_HEADER:
+            return False
+        active = self._active_id            # read first: a segment below it is sealed and never grows
+        size = self._sealed_sizes.get(p.segment_id) if p.segment_id < active else None
+        if size is None:
+            size = _file_size(self.path(p.segment_id), missing=-1)
+            if size < 0:
+                return True
+            if p.segment_id < active:
+                self._sealed_sizes[p.segment_id] = size
+        return p.offset + p.record_len <= size
 
     def get(self, key: bytes, placement: Placement | None = None) -> bytes | None:
         got = self.read_record(key, placement)
@@ -432,11 +453,11 @@ class NvmeTier(BlockTier):
             self._staging.close()
 
 
-def _file_size(path: str) -> int:
+def _file_size(path: str, missing: int = 0) -> int:
     try:
         return os.stat(path).st_size
     except FileNotFoundError:
-        return 0
+        return missing
 
 
 def _tier_error(e: OSError, root: str) -> StoreError:
