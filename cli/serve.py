@@ -76,7 +76,22 @@ def describe(store_cfg, server_cfg) -> str:
     return "\n".join(lines)
 
 
+def undumpable() -> bool:
+    """prctl(PR_SET_DUMPABLE, 0): processes of the daemon's own user can no longer open
+    /proc/<pid>/fd/*, /proc/<pid>/mem or /proc/<pid>/environ (tokens from KVCACHE_TOKENS), nor
+    ptrace it, and a crash leaves no core with tokens and blocks in it. Local clients get the
+    arena over the control socket instead (cli/shm_control.py). Root (CAP_SYS_PTRACE) still can.
+    False where the platform has no prctl (not Linux)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0     # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        return False
+
+
 def cmd_serve(args) -> int:
+    undumpable()   # first: before tokens and blocks are loaded
     from kvcache.cli.server import build_app
     from kvcache.kvstore.store import BlockStore
     store_cfg, server_cfg = load_configs(args)

@@ -3,7 +3,8 @@
     GET /v1/shm (HTTP, authenticated)  -> {pid, fd, size, inode, lease_s, control_socket,
                                            directory: {pid, fd, size, inode} | null}
     control socket (cli/shm_control.py, framing in kvstore/shm_wire.py):
-        HELLO token, then LEASE keys -> slots, RELEASE / FORGET lease, TOUCH keys
+        HELLO token -> the arena's and the directory's fds (SCM_RIGHTS, read-only, sealed)
+        then LEASE keys -> slots, RELEASE / FORGET lease, TOUCH keys
     read directory (kvstore/shm_directory.py): leased blocks' places, read again without asking
 
 The control channel is a bare unix socket served by threads of its own, not HTTP on the event
@@ -16,6 +17,10 @@ HTTP instead. Clients also know the lease length, so copies that end well inside
 
 Who may use it: the arena holds every tenant's blocks, so a token needs `admin` or
 `shared_memory = true` (or auth is off, which means loopback only and one trust domain).
+Clients get the memory only from an accepted HELLO: the daemon is not dumpable, so its
+/proc/<pid>/fd is closed to processes of its user; pid and fd in the JSON are for people (and
+ps/lsof as root), inode and size let a client check what it received. Nobody but the daemon can
+write the memory (tiering/arena.py seals it), so what a client copies is what the daemon wrote.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The shared-memory control socket of `kvcache serve`: one thread per connection, blocking I/O.
 
-    accept thread ── conn ──> session thread:  HELLO token ─> tenant, permission
+    accept thread ── conn ──> session thread:  HELLO token ─> tenant, permission,
+                                                            the arena's fds (SCM_RIGHTS)
                                                LEASE keys  ─> BlockStore.lease_dram ─> slots
                                                RELEASE / FORGET lease_id
                                                TOUCH keys  ─> BlockStore.touch_dram (no answer)
@@ -10,6 +11,17 @@ Threads, not the aiohttp event loop: a lease is a few microseconds of dict work 
 one round trip, and a blocking recv in its own thread wakes faster than a loop shared with HTTP
 traffic; blocks that must first come from NVMe or object storage are read right here, so one
 slow client never stalls the loop. The socket is created with mode 0600.
+
+What a connection without a token costs, bounded (any process of the daemon's user can connect):
+
+    pending (no HELLO yet)   at most MAX_PENDING; a new one drops the oldest, so a flood of idle
+                             connections cannot lock out a client that says HELLO at once
+                             HELLO_S for the whole HELLO, a body of at most MAX_HELLO_BODY bytes
+    accepted                 at most MAX_CONNECTIONS; may idle between frames for as long as it
+                             likes, but a frame's body and our answer move within FRAME_S
+
+The arena's file descriptors go only to an accepted HELLO: the daemon is not dumpable (cli/serve.py),
+so a process without a token cannot take them from /proc/<pid>/fd either.
 """
 
 from __future__ import annotations
@@ -29,6 +41,10 @@ from kvcache.kvstore.types import Tier
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
+MAX_PENDING = 32
+HELLO_S = 5.0
+FRAME_S = 10.0
+MAX_HELLO_BODY = 4096       # a token; anything longer is not one
 NO_ANSWER = (w.FORGET, w.TOUCH)
 
 
@@ -40,6 +56,12 @@ class ControlSession:
         self.leases = app[LEASES]
         self.tenant: str | None = None
         self.owned: set[int] = set()
+        self.fds: list[int] = []      # sent with an accepted HELLO's answer
+
+    def shared_fds(self) -> list[int]:
+        """Read-only descriptions of the arena and the read directory (tiering/arena.py)."""
+        dram = self.store.dram
+        return [a.read_fd for a in (dram.arena, dram.directory_arena) if a is not None and a.read_fd is not None]
 
     def hello(self, body: bytes) -> tuple[int, bytes]:
         token = body.decode("utf-8", "replace")
@@ -81,7 +103,9 @@ class ControlSession:
 
     def handle(self, op: int, body: bytes) -> tuple[int, bytes] | None:
         if op == w.HELLO:
-            return self.hello(body)
+            reply = self.hello(body)
+            self.fds = self.shared_fds() if reply[0] == 0 else []
+            return reply
         if self.tenant is None:
             return 401, b"send HELLO with a token first"
         if op == w.LEASE:
@@ -116,13 +140,14 @@ class ControlServer:
         if os.path.exists(path):
             os.unlink(path)            # a stale socket from a killed daemon
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)          # 0600: only this user connects (the arena is readable by it anyway)
+        old = os.umask(0o177)          # 0600: only this user connects
         try:
             self._sock.bind(path)
         finally:
             os.umask(old)
         self._sock.listen(64)
-        self._conns: set[socket.socket] = set()
+        self._pending: dict[socket.socket, None] = {}   # insertion order: the oldest first
+        self._conns: set[socket.socket] = set()         # accepted (said HELLO)
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kvcache-shm-accept", daemon=True)
@@ -135,51 +160,82 @@ class ControlServer:
             except OSError:
                 return                 # closed
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("refusing a shared-memory control connection: %d open", MAX_CONNECTIONS)
-                    conn.close()
-                    continue
-                self._conns.add(conn)
+                self._pending[conn] = None
+                oldest = next(iter(self._pending)) if len(self._pending) > MAX_PENDING else None
+                if oldest is not None:
+                    del self._pending[oldest]
+            if oldest is not None:     # its thread wakes, fails its recv and lets the slot go
+                log.debug("dropping the oldest of %d shared-memory connections without HELLO", MAX_PENDING)
+                _shutdown(oldest)
             threading.Thread(target=self._serve, args=(conn,), name="kvcache-shm-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         session = ControlSession(self.app)
         try:
-            while True:
-                n, op = w.split_head(_recv_exact(conn, w.HEAD_BYTES))
-                body = _recv_exact(conn, n)
-                try:
-                    reply = session.handle(op, body)
-                except (w.ShmProtocolError, ValueError) as e:
-                    if op in NO_ANSWER:    # an answer would fall out of step: drop the connection
-                        raise w.ShmProtocolError(str(e)) from e
-                    reply = (400, str(e).encode())
-                if reply is not None:
-                    conn.sendall(w.frame(*reply))
+            self._converse(conn, session)
         except (ConnectionError, OSError, w.ShmProtocolError):
-            pass   # the client went away, or spoke garbage: drop the connection
+            pass   # the client went away, timed out, or spoke garbage: drop the connection
         except Exception:
             log.exception("shared-memory control connection failed")
         finally:
             session.close()
             with self._lock:
+                self._pending.pop(conn, None)
                 self._conns.discard(conn)
             conn.close()
 
+    def _converse(self, conn: socket.socket, session: ControlSession) -> None:
+        hello_by = time.monotonic() + HELLO_S
+        while True:
+            accepted = session.tenant is not None
+            conn.settimeout(None if accepted else max(1e-3, hello_by - time.monotonic()))
+            n, op = w.split_head(_recv_exact(conn, w.HEAD_BYTES))
+            if not accepted and n > MAX_HELLO_BODY:
+                raise w.ShmProtocolError(f"a {n}-byte frame before HELLO")
+            if accepted:
+                conn.settimeout(FRAME_S)   # the body and our answer: a stalled peer is dropped
+            body = _recv_exact(conn, n)
+            try:
+                reply = session.handle(op, body)
+            except (w.ShmProtocolError, ValueError) as e:
+                if op in NO_ANSWER:    # an answer would fall out of step: drop the connection
+                    raise w.ShmProtocolError(str(e)) from e
+                reply = (400, str(e).encode())
+            full = session.tenant is not None and not accepted and not self._admit(conn)
+            if full:
+                reply, session.fds = (503, f"{MAX_CONNECTIONS} shared-memory connections are open; "
+                                           "close some or read over HTTP".encode()), []
+            if reply is not None:
+                w.send_with_fds(conn, w.frame(*reply), session.fds)
+                session.fds = []
+            if full:
+                return
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Move a connection that said HELLO out of the pending set, if there is room."""
+        with self._lock:
+            self._pending.pop(conn, None)
+            if len(self._conns) >= MAX_CONNECTIONS:
+                log.warning("refusing a shared-memory control connection: %d open", MAX_CONNECTIONS)
+                return False
+            self._conns.add(conn)
+            return True
+
     def close(self) -> None:
         self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shutdown(self._sock)
         self._sock.close()
         with self._lock:
-            conns = list(self._conns)
+            conns = list(self._conns) + list(self._pending)
         for c in conns:                # wakes their threads, which release their leases
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(c)
         self._thread.join(timeout=5)
         if os.path.exists(self.path):
             os.unlink(self.path)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -45,7 +45,7 @@ from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.client_common import (  # noqa: F401  (the errors are re-exported: public API)
     RETRY_STATUS, AuthError, DaemonError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
     fit_buffer, put_pieces, put_total)
-from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_directory, read_shared
+from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.stats import StoreStats, TierStats
 from kvcache.kvstore.store import PutItem
@@ -278,17 +278,8 @@ class AsyncKVClient:
         if self._arena is None and not self._arena_tried and self.shared_memory != "off":
             self._arena_tried = True
             try:
-                info = await self._json("GET", "/v1/shm")
-                arena = LocalArena.attach(info)
-                control = None
-                try:
-                    control = await ShmControl.connect(info["control_socket"], self._token, self._timeout.total)
-                    directory = attach_directory(info.get("directory"))
-                except BaseException:
-                    arena.close()
-                    if control is not None:
-                        await control.close()
-                    raise
+                info = await self._json("GET", "/v1/shm")   # then HELLO hands over the arena's fds
+                control, arena, directory = await attach_shared(info, self._token, self._timeout.total)
                 self._arena, self._control, self._directory = arena, control, directory
                 self._lease_s = float(info["lease_s"])
                 self.control_path = info["control_socket"]

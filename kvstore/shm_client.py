@@ -3,16 +3,18 @@ and copy leased blocks out of it (server half and protocol: cli/server_shm.py, d
 
     client                                   daemon
     GET /v1/shm (HTTP) ──────────────────>  {pid, fd, size, inode, lease_s, control_socket}
-    open /proc/<pid>/fd/<fd>, check inode and size, mmap read-only      (once per client)
-    connect control_socket, HELLO token ─>  ok                          (once per client)
+    connect control_socket, HELLO token ─>  ok + the arena's fds (SCM_RIGHTS)  (once per client)
+    check each fd's inode and size, mmap it read-only                          (once per client)
     LEASE keys ──────────────────────────>  (offset, nbytes) | miss | socket, per key
     memcpy arena[offset:offset+nbytes] -> caller's buffer               (payload never on a socket)
     FORGET lease (no answer awaited)     or RELEASE lease -> valid? (copies that took long)
     later reads of the same blocks: the read directory (kvstore/shm_directory.py) says where they
     are, copy, check the entry did not change; TOUCH keys (no answer) keeps the daemon's books
 
-Mapping fails on another host, in another container or across users: the client then reads over
-the socket (shared_memory="auto") or raises (shared_memory="on").
+Mapping fails on another host, in another container or across users (the control socket is not
+there or not ours to connect to): the client then reads over the socket (shared_memory="auto")
+or raises (shared_memory="on"). The fds are read-only descriptions of sealed memfds: nothing
+here could write the daemon's memory even by mistake.
 """
 
 from __future__ import annotations
@@ -50,35 +52,32 @@ def _refused(status: int, body: bytes) -> ArenaUnavailable:
 
 @dataclass
 class LocalArena:
-    """A read-only mapping of the daemon's DRAM arena."""
-    path: str
+    """A read-only mapping of the daemon's DRAM arena (or of its read directory)."""
+    source: str      # for messages: where in the daemon the memory lives
     size: int
     _map: mmap.mmap
     view: memoryview
 
     @classmethod
-    def attach(cls, info: dict) -> "LocalArena":
-        path = f"/proc/{int(info['pid'])}/fd/{int(info['fd'])}"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise ArenaUnavailable(f"cannot open the daemon's arena at {path}: {e.strerror} (another host, "
-                                   "container or user?)") from e
+    def attach(cls, info: dict, fd: int) -> "LocalArena":
+        """Map `fd` (received from the daemon; closed here whatever happens) once its inode and
+        size are the ones GET /v1/shm described."""
+        source = f"the daemon's memfd (pid {info.get('pid')}, fd {info.get('fd')})"
         try:
             st = os.fstat(fd)
             if st.st_ino != info["inode"] or st.st_size != info["size"]:
-                raise ArenaUnavailable(f"{path} is not the daemon's arena (inode {st.st_ino}, {st.st_size} bytes; "
-                                       f"expected {info['inode']}, {info['size']}): a pid from another namespace?")
+                raise ArenaUnavailable(f"the fd received is not {source} (inode {st.st_ino}, {st.st_size} bytes; "
+                                       f"expected {info['inode']}, {info['size']}): another daemon's answer?")
             # MAP_POPULATE: map every page now. Otherwise each first read of a 4 KiB page faults,
             # and a 256 KiB block read from a fresh part of the arena cost twice its memcpy.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             try:
                 mapping = mmap.mmap(fd, info["size"], flags, mmap.PROT_READ)
             except (OSError, ValueError) as e:   # ENOMEM, a map-count limit, a zero-length file
-                raise ArenaUnavailable(f"cannot map the daemon's arena {path} ({info['size']} bytes): {e}") from e
+                raise ArenaUnavailable(f"cannot map {source} ({info['size']} bytes): {e}") from e
         finally:
             os.close(fd)
-        return cls(path, info["size"], mapping, memoryview(mapping))
+        return cls(source, info["size"], mapping, memoryview(mapping))
 
     def slice(self, offset: int, nbytes: int) -> memoryview:
         if not (0 <= offset and nbytes >= 0 and offset + nbytes <= self.size):
@@ -93,6 +92,44 @@ class LocalArena:
             pass
 
 
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = sock.recv_into(view[pos:])
+        if not got:
+            raise ConnectionError("the daemon closed the shared-memory control socket")
+        pos += got
+    return bytes(buf)
+
+
+def _hello(path: str, token: str, timeout_s: float) -> tuple[socket.socket, str, list[int]]:
+    """Connect and say HELLO (blocking): the socket, the tenant's name and the fds that came with
+    the answer (the caller owns them). ArenaUnavailable when refused or unanswered."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e!r}") from e
+    fds: list[int] = []
+    try:
+        sock.sendall(w.frame(w.HELLO, token.encode()))
+        head, fds = w.recv_head_with_fds(sock)
+        n, status = w.split_head(head)
+        body = _recv_exact(sock, n)
+    except (OSError, w.ShmProtocolError) as e:      # a timeout, a reset, a malformed answer
+        w.close_fds(fds)
+        sock.close()
+        raise ArenaUnavailable(f"the daemon's control socket {path} did not answer: {e!r}") from e
+    if status:
+        w.close_fds(fds)
+        sock.close()
+        raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode(errors='replace')}")
+    return sock, body.decode(errors="replace"), fds
+
+
 class ShmControl:
     """The client end of the control socket (kvstore/shm_wire.py): one connection, calls in turn."""
 
@@ -101,23 +138,23 @@ class ShmControl:
         self._lock = asyncio.Lock()
         self.timeout_s = timeout_s   # a call's bound: a stopped daemon must not hang its readers
         self.tenant = ""     # from HELLO's answer: directory entries are under the tenant's keys
+        self.fds: list[int] = []     # HELLO's: the arena, then the read directory (attach_shared takes them)
 
     @classmethod
     async def connect(cls, path: str, token: str, timeout_s: float = 30.0) -> "ShmControl":
+        """HELLO on a blocking socket in a thread (asyncio streams cannot receive fds), then
+        the same socket as a stream."""
+        sock, tenant, fds = await asyncio.to_thread(_hello, path, token, timeout_s)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout_s)
-        except OSError as e:         # TimeoutError included
-            raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e!r}") from e
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException as e:
+            w.close_fds(fds)
+            sock.close()
+            if isinstance(e, OSError):
+                raise ArenaUnavailable(f"cannot use the daemon's control socket {path}: {e!r}") from e
+            raise
         ctl = cls(reader, writer, timeout_s)
-        try:
-            status, body = await ctl.call(w.HELLO, token.encode())
-        except (OSError, asyncio.IncompleteReadError) as e:
-            await ctl.close()
-            raise ArenaUnavailable(f"the daemon's control socket {path} did not answer: {e!r}") from e
-        if status:
-            await ctl.close()
-            raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")
-        ctl.tenant = body.decode()
+        ctl.tenant, ctl.fds = tenant, fds
         return ctl
 
     async def call(self, op: int, body: bytes) -> tuple[int, bytes]:
@@ -179,23 +216,12 @@ class BlockingShmControl:
 
     @classmethod
     def connect(cls, path: str, token: str, timeout_s: float) -> "BlockingShmControl":
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(path)
-        except OSError as e:
-            sock.close()
-            raise ArenaUnavailable(f"cannot connect to the daemon's control socket {path}: {e}") from e
+        """A second control connection beside the async client's: that one mapped the arena,
+        so the fds this HELLO brings are closed at once."""
+        sock, tenant, fds = _hello(path, token, timeout_s)
+        w.close_fds(fds)
         ctl = cls(sock)
-        try:
-            status, body = ctl.call(w.HELLO, token.encode())
-        except (OSError, w.ShmProtocolError) as e:      # a timeout, a reset, a malformed answer
-            ctl.close()
-            raise ArenaUnavailable(f"the daemon's control socket {path} did not answer: {e!r}") from e
-        if status:
-            ctl.close()
-            raise ArenaUnavailable(f"the daemon refused the shared-memory path ({status}): {body.decode()}")
-        ctl.tenant = body.decode()
+        ctl.tenant = tenant
         return ctl
 
     def call(self, op: int, body: bytes) -> tuple[int, bytes]:
@@ -218,14 +244,7 @@ class BlockingShmControl:
         return w.decode_slots(body)
 
     def _recv(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view, pos = memoryview(buf), 0
-        while pos < n:
-            got = self._sock.recv_into(view[pos:])
-            if not got:
-                raise ConnectionError("the daemon closed the shared-memory control socket")
-            pos += got
-        return bytes(buf)
+        return _recv_exact(self._sock, n)
 
     def release(self, lease_id: int) -> bool:
         """Under the caller's lock (see read_leased_blocking)."""
@@ -266,13 +285,31 @@ class BlockingShmControl:
             self._sock.close()
 
 
-def attach_directory(info: dict | None) -> tuple[LocalArena, DirectoryReader] | None:
-    """Map the daemon's read directory, or None (no table, not x86, or a layout we do not know:
-    every read then leases, which is correct, only slower)."""
-    if not info or not DIRECT_READS:
+async def attach_shared(info: dict, token: str, timeout_s: float):
+    """HELLO, then map what it brought: (ShmControl, the arena, attach_directory's result).
+    ArenaUnavailable, with nothing left open, when any of it fails."""
+    ctl = await ShmControl.connect(info["control_socket"], token, timeout_s)
+    fds, ctl.fds = ctl.fds, []
+    try:
+        if not fds:
+            raise ArenaUnavailable("the daemon accepted HELLO but sent no arena fd (a daemon of another version?)")
+        arena = LocalArena.attach(info, fds.pop(0))
+    except BaseException:
+        w.close_fds(fds)
+        await ctl.close()
+        raise
+    return ctl, arena, attach_directory(info.get("directory"), fds[0] if fds else None)
+
+
+def attach_directory(info: dict | None, fd: int | None) -> tuple[LocalArena, DirectoryReader] | None:
+    """Map the daemon's read directory from `fd` (closed here), or None (no table, not x86, or a
+    layout we do not know: every read then leases, which is correct, only slower)."""
+    if not info or not DIRECT_READS or fd is None:
+        if fd is not None:
+            os.close(fd)
         return None
     try:
-        table = LocalArena.attach(info)
+        table = LocalArena.attach(info, fd)
     except (OSError, KeyError, TypeError, ValueError):   # ArenaUnavailable, or a malformed description
         return None
     try:

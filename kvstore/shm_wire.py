@@ -8,13 +8,19 @@ and leases (the payloads are in the shared arena). Little-endian; one request, o
       FORGET   (4)  u64 lease_id                       -> no reply (release, answer not wanted)
       TOUCH    (5)  like LEASE's body                  -> no reply (blocks read through the read directory)
     reply:    u32 body_len | u16 status (0 ok, else an HTTP status) | body (error: utf-8 message)
-      HELLO    the tenant's name (utf-8): directory keys are the tenant's stored keys
+      HELLO    the tenant's name (utf-8): directory keys are the tenant's stored keys.
+               An accepted HELLO's reply carries file descriptors (SCM_RIGHTS, on its first
+               bytes): the DRAM arena, then the read directory when the daemon keeps one. Both
+               are read-only descriptions of sealed memfds (tiering/arena.py); a refused HELLO
+               carries none. The daemon is not dumpable, so /proc/<pid>/fd is no way in.
       LEASE    u64 lease_id | u32 n | n x u64 offset | n x u64 nbytes | n x u8 kind   kind: 0 miss, 1 leased, 2 socket
                (columns, not records: each column is one array copy to encode and decode)
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import struct
 import sys
 from array import array
@@ -22,6 +28,7 @@ from array import array
 HELLO, LEASE, RELEASE, FORGET, TOUCH = 1, 2, 3, 4, 5
 MISS, LEASED, SOCKET = 0, 1, 2
 MAX_BODY = 16 << 20
+MAX_FDS = 2                 # the arena and the read directory
 _HEAD = struct.Struct("<IH")
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
@@ -43,6 +50,41 @@ def split_head(head: bytes) -> tuple[int, int]:
 
 
 HEAD_BYTES = _HEAD.size
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send `data` with `fds` attached to its first bytes (the rest, if the kernel took only
+    part of it, follows without them)."""
+    sent = socket.send_fds(sock, [data], fds) if fds else 0
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_head_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """A reply's head and the file descriptors that came with it (close-on-exec). Raises
+    ShmProtocolError, after closing what arrived, when the kernel had to drop some of them."""
+    head, fds = b"", []
+    while len(head) < HEAD_BYTES:
+        data, got, flags, _ = socket.recv_fds(sock, HEAD_BYTES - len(head), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        fds += got
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+            close_fds(fds)
+            raise ShmProtocolError(f"the daemon sent more than {MAX_FDS} file descriptors, or the kernel "
+                                   "dropped some (RLIMIT_NOFILE?)")
+        if not data:
+            close_fds(fds)
+            raise ConnectionError("the daemon closed the shared-memory control socket")
+        head += data
+    return head, fds
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def encode_keys(keys) -> bytes:

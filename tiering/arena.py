@@ -1,28 +1,48 @@
 """The DRAM tier's memory: one preallocated arena, private or shared with local clients.
 
-    private:  mmap(-1)                       only this process sees it
-    shared:   memfd_create -> mmap(fd)       local clients open /proc/<pid>/fd/<fd> read-only
-                                             and copy payloads out themselves (docs/api.md, /v1/shm)
+    private:  mmap(-1)                            only this process sees it
+    shared:   memfd_create(ALLOW_SEALING)
+              -> mmap(fd, PROT_WRITE, MAP_SHARED)   the daemon's one writable view
+              -> F_ADD_SEALS FUTURE_WRITE | SHRINK | GROW | SEAL
+              -> open(/proc/self/fd/<fd>, O_RDONLY) the read-only description that local
+                                                    clients receive over the control socket
+                                                    (SCM_RIGHTS, after an accepted HELLO)
 
-A shared arena is a memfd, not a file in /dev/shm: it has no name to clean up, so a daemon
-killed with SIGKILL leaves nothing behind, and only processes allowed to read the daemon's
-/proc entries (same user, not hardened away) can map it. Clients check the inode and size they
-were told, so a recycled pid can never hand them some other process's memory.
+Why sealed: without it, any process that gets hold of the memfd (a client that was handed it, or
+a process of the daemon's OS user reopening /proc/<pid>/fd/<fd> O_RDWR) could write into blocks
+that the daemon serves from DRAM without checking them again. F_SEAL_FUTURE_WRITE makes every
+write() and every new writable shared mapping of the inode fail with EPERM, whichever file
+description it comes through, while the mapping made before the seal keeps writing; SEAL forbids
+lifting it, SHRINK and GROW keep the size clients were told. So the bytes in a shared arena are
+only ever the bytes the daemon itself copied in: a put's payload as its tenant sent it, or a
+block promoted from NVMe or object storage after its checksums were verified there. That is why
+DRAM reads need no re-verification. Needs Linux >= 5.1; an older kernel cannot share the arena
+(dram.shared_memory = false), because an unsealed arena would let a reader forge blocks.
+
+A memfd, not a file in /dev/shm: it has no name to clean up, so a daemon killed with SIGKILL
+leaves nothing behind. Clients check the inode and size they were told, so an fd can never hand
+them some other memory.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 from dataclasses import dataclass
 
 from kvcache.kvstore.errors import StoreError
 
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)   # Python's fcntl lacks it before 3.13
+SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
 
 @dataclass(frozen=True)
 class ArenaInfo:
-    """What a local client needs to map a shared arena (the JSON of GET /v1/shm)."""
+    """How a local client recognises a shared arena it received (the JSON of GET /v1/shm). pid
+    and fd say where it lives in the daemon, for people; clients map the fd they are sent."""
     pid: int
     fd: int
     size: int
@@ -37,12 +57,10 @@ class Arena:
     def __init__(self, size: int, *, shared: bool = False, prefault: bool = True, pin_memory: str = "off"):
         self.size = size
         self.fd: int | None = None
+        self.read_fd: int | None = None     # a read-only description of the memfd, for clients
         if shared:
-            if not hasattr(os, "memfd_create"):
-                raise StoreError("dram.shared_memory needs Linux (memfd_create); set it to false")
-            self.fd = os.memfd_create("kvcache-dram", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, size)
-            self.buf = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.fd, self.buf = _sealed_memfd(size)
+            self.read_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         else:
             self.buf = mmap.mmap(-1, size)
         if prefault:
@@ -77,10 +95,34 @@ class Arena:
         except BufferError:
             return False
         finally:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
+            for fd in (self.fd, self.read_fd):
+                if fd is not None:
+                    os.close(fd)
+            self.fd = self.read_fd = None
         return True
+
+
+def _sealed_memfd(size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of `size` bytes, its writable mapping, and seals that leave it the only one."""
+    if not hasattr(os, "memfd_create"):
+        raise StoreError("dram.shared_memory needs Linux (memfd_create); set it to false")
+    fd = os.memfd_create("kvcache-dram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)   # before the seal
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except OSError as e:
+            buf.close()
+            if e.errno != errno.EINVAL:
+                raise
+            raise StoreError(f"this kernel ({os.uname().release}) cannot seal the shared DRAM arena against "
+                             "writes (F_SEAL_FUTURE_WRITE needs Linux >= 5.1), and an unsealed arena would let "
+                             "local readers forge blocks; set dram.shared_memory = false") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, buf
 
 
 def _pin(buf: mmap.mmap, mode: str) -> bool:

@@ -150,9 +150,11 @@ def test_tenants_see_only_their_blocks_and_need_permission(served):
         keys = make_keys(3)
         put_blocks(a, keys)
         assert s.get_many(keys) == [None] * 3          # another tenant's exact keys: misses
+        s.register_namespace(NS)                       # namespaces are per tenant too
         put_blocks(s, keys)
         assert s.get_many(keys) == [payload_for(k) for k in keys]
     with KVClient(url, PLAIN, shared_memory="auto") as p:   # not allowed: falls back to the socket
+        p.register_namespace(NS)
         put_blocks(p, keys)
         assert p.get_many(keys) == [payload_for(k) for k in keys] and p._client._arena is None
     with KVClient(url, PLAIN, shared_memory="on") as p, pytest.raises(DaemonError, match="shared_memory"):
@@ -231,12 +233,17 @@ def _item(k):
 def test_attach_refuses_a_mapping_that_is_not_the_arena(tmp_path):
     store = shm_store(tmp_path / "s")
     info = store.dram.arena.info()
-    arena = LocalArena.attach(vars(info) | {})
+
+    def received():                 # what HELLO would hand over: a read-only description
+        return os.dup(store.dram.arena.read_fd)
+    arena = LocalArena.attach(vars(info), received())
     assert arena.size == info.size
-    with pytest.raises(ArenaUnavailable, match="not the daemon's arena"):
-        LocalArena.attach({**vars(info), "inode": info.inode + 1})
-    with pytest.raises(ArenaUnavailable, match="cannot open"):
-        LocalArena.attach({**vars(info), "fd": 10_000})
+    with pytest.raises(ArenaUnavailable, match="not the daemon's memfd"):
+        LocalArena.attach({**vars(info), "inode": info.inode + 1}, received())
+    with pytest.raises(ArenaUnavailable, match="not the daemon's memfd"):
+        LocalArena.attach({**vars(info), "size": info.size * 2}, received())
+    with pytest.raises(OSError):
+        LocalArena.attach(vars(info), 10_000)   # not an fd at all
     with pytest.raises(ArenaUnavailable, match="outside"):
         arena.slice(info.size - 10, 20)
     arena.close()
@@ -277,7 +284,7 @@ def test_real_daemon_serves_local_reads_from_shared_memory(tmp_path):
             outs = [bytearray(256 * KB) for _ in keys]
             assert c.get_many_into(keys, outs) == [256 * KB] * 8
             assert [bytes(o) for o in outs] == [payload_for(k, 256 * KB) for k in keys]
-            assert c._client._arena.path.startswith(f"/proc/{d.proc.pid}/fd/")
+            assert f"pid {d.proc.pid}," in c._client._arena.source
     finally:
         out = d.stop()
     assert "shared memory for local clients (with a read directory)" in out and "stopped cleanly" in out
