@@ -22,7 +22,7 @@ from aiohttp import web
 from kvcache.cli.quota import put_within_quota
 from kvcache.cli.server import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
 from kvcache.kvstore import wire
-from kvcache.kvstore.hashing import tenant_key
+from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import PutResult
 
@@ -41,7 +41,8 @@ class PutBatch:
 
     def add(self, f: wire.PutFrame) -> bool:
         """Queue one frame; True when the chunk is full (flush it)."""
-        self.items.append(PutItem(tenant_key(self.who.tenant, f.key), f.payload, f.namespace_id, f.layout,
+        self.items.append(PutItem(tenant_key(self.who.tenant, f.key), f.payload,
+                                  tenant_namespace_id(self.who.tenant, f.namespace_id), f.layout,
                                   self.who.tenant, f.ttl_s))
         self.nbytes += len(f.payload)
         return self.nbytes >= self.chunk_limit

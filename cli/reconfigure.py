@@ -6,6 +6,9 @@
       v
     hot settings ──> swapped in at once: tokens (add, revoke, quotas, flags), request limits,
                      shared-memory lease settings, retention policies
+    tokens       ──> a JSON body's server.tokens is the whole new list (KVCACHE_TOKENS ones too:
+                     left out, they are revoked); the config file's list keeps the environment's
+                     tokens still in force; no tokens left where auth was on: 400
     the rest     ──> unchanged, named in "restart_required" (tiers, capacities, sockets, ports)
 
 A swap is one attribute write (LiveConfig.current, store.config), so a request sees either the
@@ -23,7 +26,7 @@ from typing import Any, Mapping
 
 from aiohttp import web
 
-from kvcache.cli.server_config import ServerConfig
+from kvcache.cli.server_config import ServerConfig, parse_env_tokens
 
 log = logging.getLogger(__name__)
 HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases")
@@ -58,7 +61,11 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     if partial:
         new_server = old_server.updated({k: v for k, v in raw.get("server", {}).items() if k not in FIXED_SERVER})
     else:
-        new_server = ServerConfig.from_dict(raw.get("server", {}), **{f: getattr(old_server, f) for f in FIXED_SERVER})
+        new_server = ServerConfig.from_dict(raw.get("server", {}), env={}, kept_tokens=env_tokens_in_force(old_server),
+                                            **{f: getattr(old_server, f) for f in FIXED_SERVER})
+    if old_server.auth_required and not new_server.auth_required:
+        raise ValueError("these settings leave no tokens, which would turn auth off on a running daemon: "
+                         "keep at least one token (restart without tokens to serve without auth)")
     new_store = StoreConfig.from_dict(raw, data_dir=old_store.data_dir)
     if partial:
         new_store = _keep_unsent(new_store, old_store, raw)
@@ -83,6 +90,13 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     log.warning("reconfigured: applied %s; needs a restart to change: %s", applied or "nothing",
                 restart or "nothing")
     return {"applied": applied, "restart_required": restart}
+
+
+def env_tokens_in_force(server: ServerConfig) -> tuple:
+    """The tokens from KVCACHE_TOKENS (read at start) that no reconfigure has revoked since:
+    a reload of the config file keeps them, and never brings back one that was revoked."""
+    from_env = {t.token for t in parse_env_tokens(os.environ.get("KVCACHE_TOKENS", ""))}
+    return tuple(t for t in server.tokens if t.token in from_env)
 
 
 def _keep_unsent(new, old, raw: Mapping[str, Any]):

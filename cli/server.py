@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvcache.cli import tenancy
 from kvcache.cli.metrics import Metrics
 from kvcache.cli.quota import Quotas, QuotaExceeded, put_within_quota
 from kvcache.cli.server_config import ServerConfig
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
-from kvcache.kvstore.hashing import Namespace, tenant_key
+from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import TensorSpec
 
@@ -42,6 +43,8 @@ TENANT = web.RequestKey("tenant", str)
 ADMIN = web.RequestKey("admin", bool)
 QUOTA = web.RequestKey("quota", object)
 SHM = web.RequestKey("shm", bool)
+METRICS_ONLY = web.RequestKey("metrics_only", bool)
+METRICS_PATHS = ("/metrics", "/healthz")   # all a metrics token may read
 GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
 
 
@@ -83,6 +86,7 @@ class Principal:
     admin: bool = True
     quota: int | None = None
     shm: bool = True       # may map the shared DRAM arena (it holds every tenant's bytes)
+    metrics_only: bool = False   # a metrics token: /metrics, nothing else
 
 
 OPEN = Principal()     # no tokens configured (loopback only): everything allowed, one tenant
@@ -99,7 +103,7 @@ def authenticate(cfg: ServerConfig, authorization: str, path: str) -> Principal 
             match = t
     if match is None:
         return None
-    return Principal(match.tenant, match.admin, match.quota_bytes, match.admin or match.shared_memory)
+    return Principal(match.tenant, match.admin, match.quota_bytes, match.admin or match.shared_memory, match.metrics)
 
 
 UNAUTHORIZED = (401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
@@ -110,7 +114,10 @@ async def auth_middleware(request: web.Request, handler):
     who = authenticate(request.app[CONFIG], request.headers.get("Authorization", ""), request.path)
     if who is None:
         return _error(*UNAUTHORIZED)
+    if who.metrics_only and request.path not in METRICS_PATHS:   # it has no tenant: never near the data
+        return _error(403, "forbidden", "this is a metrics token: it reads /metrics only")
     request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = who.tenant, who.admin, who.quota, who.shm
+    request[METRICS_ONLY] = who.metrics_only
     return await handler(request)
 
 
@@ -172,11 +179,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    body = await json_body(request)
-    if not isinstance(body, dict):
-        raise BlockFormatError("expected a namespace object")
-    ns_id = await _call(request, request.app[STORE].register_namespace, Namespace.from_dict(body))
-    return web.json_response({"id": ns_id.hex()})
+    """The tenant's own namespace (cli/tenancy.py); answers the id the client computes."""
+    store = request.app[STORE]
+    ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
+    await _call(request, store.register_namespace, ns)
+    tenancy.check_same_name(store.namespaces[ns.id], ns)
+    return web.json_response({"id": ns.client_id.hex()})
 
 
 async def put_block(request: web.Request) -> web.Response:
@@ -186,7 +194,7 @@ async def put_block(request: web.Request) -> web.Response:
     ns_hex = request.headers.get("X-KVCache-Namespace")
     if not ns_hex:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
-    ns = bytes.fromhex(ns_hex)
+    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex)
     layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
     body = await _read_at_most(request, limit)
     item = PutItem(_key(request, request.match_info["key"]), body, ns, layout, request[TENANT],
@@ -316,7 +324,8 @@ async def lookup(request: web.Request) -> web.Response:
     ns = body.get("namespace")
     if ns is not None and not (isinstance(ns, str) and len(ns) == 32):
         raise BlockFormatError('"namespace" is the 32-hex-digit namespace id (optional; labels hit-rate reports)')
-    r = await _call(request, request.app[STORE].lookup, keys, request[TENANT], bytes.fromhex(ns) if ns else None)
+    ns_id = tenancy.stored_namespace_id(request[TENANT], ns) if ns else None
+    r = await _call(request, request.app[STORE].lookup, keys, request[TENANT], ns_id)
     request.app[METRICS].count_lookup(len(keys), r.tiers)
     return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
 
@@ -340,8 +349,12 @@ async def unpin(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
+    """Keys of the admin's own tenant, or of the tenant the body names with "tenant"."""
     _require_admin(request)
-    keys, _ = await _keys(request)
+    keys, body = await _keys(request)
+    owner = tenancy.delete_tenant(body, request[TENANT], request[ADMIN])
+    if owner != request[TENANT]:
+        keys = [tenant_key(owner, bytes.fromhex(k)) for k in body["keys"]]
     return web.json_response({"deleted": await _call(request, request.app[STORE].delete, keys)})
 
 
@@ -364,7 +377,8 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    _require_admin(request)
+    if not request[METRICS_ONLY]:        # admins and metrics tokens
+        _require_admin(request)
     body, content_type = await _call(request, request.app[METRICS].render)
     return web.Response(body=body, headers={"Content-Type": content_type})
 

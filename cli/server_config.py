@@ -1,4 +1,10 @@
-"""ServerConfig: the `[server]` section of the TOML config, plus tokens from the environment."""
+"""ServerConfig: the `[server]` section of the TOML config, plus tokens from the environment.
+
+Every token names a tenant (its own key and namespace space), except a metrics token, which
+may read /metrics and nothing else. A tenant-less token would live in the raw key space, where
+it could compute and reach every tenant's stored keys, so one is refused at start and at
+reconfigure. Without tokens (loopback only) the daemon is one trust domain: tenant "".
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,11 @@ from typing import Any, Mapping
 @dataclass(frozen=True)
 class TokenInfo:
     token: str
-    tenant: str
+    tenant: str = ""
     admin: bool = False
     quota_bytes: int | None = None   # payload bytes the tenant may keep; puts beyond it get 507
     shared_memory: bool = False      # may map the DRAM arena (/v1/shm): it sees every tenant's bytes
+    metrics: bool = False            # reads /metrics only (Prometheus): no tenant, no data
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or len(self.token) < 16:
@@ -23,6 +30,14 @@ class TokenInfo:
             raise ValueError(f"a token's tenant must be a string, got {self.tenant!r}")
         if self.quota_bytes is not None and not (_is_int(self.quota_bytes) and self.quota_bytes >= 0):
             raise ValueError(f"quota_bytes must be a whole number of bytes >= 0, got {self.quota_bytes!r}")
+        if self.metrics:
+            if self.tenant or self.admin or self.shared_memory or self.quota_bytes is not None:
+                raise ValueError(f"token {self.token[:4]}... is a metrics token: it reads /metrics only, so it "
+                                 "takes no tenant, admin, shared_memory or quota_bytes")
+        elif not self.tenant.strip():
+            raise ValueError(f"token {self.token[:4]}... names no tenant: give every token a tenant "
+                             '(tenant = "acme", or KVCACHE_TOKENS="token:acme"); a token that only '
+                             'reads /metrics sets metrics = true (KVCACHE_TOKENS="token::metrics")')
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,9 @@ class ServerConfig:
             raise ValueError(f"server.port must be 1-65535, got {self.port}")
         if self.shm_lease_s <= 0 or self.max_shm_leases < 1:
             raise ValueError("server.shm_lease_s must be > 0 and server.max_shm_leases >= 1")
+        seen = [t.token for t in self.tokens]
+        if len(set(seen)) != len(seen):
+            raise ValueError("server.tokens lists a token twice: each token maps to one tenant")
         if not self.tokens and not is_loopback(self.host):
             raise ValueError(f"refusing to serve on {self.host} without auth: set [server] tokens or "
                              "KVCACHE_TOKENS, or bind to 127.0.0.1")
@@ -61,19 +79,25 @@ class ServerConfig:
         return bool(self.tokens)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ, **overrides) -> "ServerConfig":
+    def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ,
+                  kept_tokens: tuple[TokenInfo, ...] = (), **overrides) -> "ServerConfig":
+        """The [server] table `d`, tokens from KVCACHE_TOKENS in `env` added, then `kept_tokens`
+        (a reload's tokens still in force) unless `d` lists the same token string."""
         d = dict(d)
         tokens = parse_tokens(d.pop("tokens", []), env)
+        listed = {t.token for t in tokens}
+        tokens += tuple(t for t in kept_tokens if t.token not in listed)
         _check_known(cls, d)
         d.update({k: v for k, v in overrides.items() if v is not None})
         return cls(tokens=tokens, **d)
 
-    def updated(self, d: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> "ServerConfig":
-        """These settings with those in `d` changed; what `d` leaves out stays as it is (`tokens`
-        in `d` replace the whole list, KVCACHE_TOKENS from the environment added)."""
+    def updated(self, d: Mapping[str, Any]) -> "ServerConfig":
+        """These settings with those in `d` changed; what `d` leaves out stays as it is. `tokens`
+        in `d` replace the whole list, tokens from KVCACHE_TOKENS included: that is how one of
+        those is revoked without a restart."""
         d = dict(d)
         if "tokens" in d:
-            d["tokens"] = parse_tokens(d["tokens"], env)
+            d["tokens"] = parse_tokens(d["tokens"], {})
         _check_known(self, {k: v for k, v in d.items() if k != "tokens"})
         return replace(self, **d)
 
@@ -89,24 +113,31 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+TOKEN_FIELDS = ("token", "tenant", "admin", "quota_bytes", "shared_memory", "metrics")
+
+
 def parse_tokens(items, env: Mapping[str, str]) -> tuple[TokenInfo, ...]:
-    """[server] tokens (a list of tables) plus KVCACHE_TOKENS from the environment."""
+    """[server] tokens (a list of tables) plus KVCACHE_TOKENS from `env`."""
     if not isinstance(items, (list, tuple)) or not all(isinstance(t, Mapping) and "token" in t for t in items):
-        raise ValueError("server.tokens must be a list of tables, each with a token (and tenant, admin, "
-                         "quota_bytes, shared_memory)")
+        raise ValueError(f"server.tokens must be a list of tables, each with a token (fields: {list(TOKEN_FIELDS)})")
+    for t in items:
+        if set(t) - set(TOKEN_FIELDS):
+            raise ValueError(f"unknown token fields {sorted(set(t) - set(TOKEN_FIELDS))}; known: {list(TOKEN_FIELDS)}")
     tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)), t.get("quota_bytes"),
-                        bool(t.get("shared_memory", False))) for t in items]
+                        bool(t.get("shared_memory", False)), bool(t.get("metrics", False))) for t in items]
     return tuple(tokens + parse_env_tokens(env.get("KVCACHE_TOKENS", "")))
 
 
 def parse_env_tokens(text: str) -> list[TokenInfo]:
-    """KVCACHE_TOKENS="token:tenant[:admin],token2:tenant2" """
+    """KVCACHE_TOKENS="token:tenant[:admin],token2:tenant2,token3::metrics" """
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         parts = item.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin"):
-            raise ValueError(f"KVCACHE_TOKENS entry {item[:6]}... must be token:tenant or token:tenant:admin")
-        out.append(TokenInfo(parts[0], parts[1], len(parts) == 3))
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("admin", "metrics")):
+            raise ValueError(f"KVCACHE_TOKENS entry {item[:6]}... must be token:tenant, token:tenant:admin "
+                             "or token::metrics")
+        role = parts[2] if len(parts) == 3 else ""
+        out.append(TokenInfo(parts[0], parts[1], admin=role == "admin", metrics=role == "metrics"))
     return out
 
 

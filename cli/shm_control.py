@@ -74,7 +74,7 @@ class ControlSession:
                 match = t
         if match is None:
             return 401, b"missing or unknown token"
-        if not (match.admin or match.shared_memory):
+        if not (match.admin or match.shared_memory):    # a metrics token included: it has no tenant
             return 403, DENIED.encode()
         self.tenant = match.tenant
         return 0, match.tenant.encode()

@@ -386,9 +386,11 @@ class AsyncKVClient:
     async def unpin(self, keys: Sequence[bytes]) -> int:
         return await self._keys_op("/v1/unpin", keys, "changed")
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        """Admin only. Never retried: a lost reply surfaces as DaemonError."""
-        return await self._keys_op("/v1/delete", keys, "deleted", retry=False)
+    async def delete(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        """Admin only: the keys of the token's own tenant, or of `tenant` when named (an admin
+        purging another tenant's blocks). Never retried: a lost reply surfaces as DaemonError."""
+        extra = {} if tenant is None else {"tenant": tenant}
+        return await self._keys_op("/v1/delete", keys, "deleted", retry=False, **extra)
 
     async def gc(self, max_steps: int = 100) -> dict:
         """Admin only: run bounded GC steps in the daemon; its report. Never retried."""

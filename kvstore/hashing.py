@@ -67,12 +67,31 @@ def _extra_bytes(extra: Iterable[ExtraKey]) -> bytes:
     return bytes(out)
 
 
+MAX_BLOCK_SIZE = 0xFFFFFFFF
+
+
+def _encodes(text: str) -> bool:
+    """True when `text` has a UTF-8 form (a lone surrogate from JSON's \\ud800 has none)."""
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything a block key depends on besides the tokens.
 
     `name` is a human label for configs and reports (retention overrides are keyed by it);
     it is not hashed, so renaming a namespace keeps its blocks.
+
+    `owner` is the tenant that registered it through the daemon ("" for a store used directly
+    or a daemon without tokens). It is not part of the root either (block keys stay the
+    client's), but it is part of the id, so each tenant's namespaces live apart:
+
+        client id = root[:16]                      what the client computes and sends
+        id        = tenant_namespace_id(owner, client id)   what blocks and the index carry
     """
 
     model_fingerprint: str
@@ -82,15 +101,17 @@ class Namespace:
     algo: HashAlgo = HashAlgo.XXH3_128
     scheme_version: int = SCHEME_VERSION
     name: str = ""
+    owner: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("model_fingerprint", "kv_layout", "tenant_salt", "name"):
-            if not isinstance(getattr(self, field), str):    # persisted and used as dict keys: never a list
-                raise ValueError(f"namespace {field} must be a string, got {getattr(self, field)!r}")
+        for field in ("model_fingerprint", "kv_layout", "tenant_salt", "name", "owner"):
+            value = getattr(self, field)       # persisted and used as dict keys: never a list
+            if not isinstance(value, str) or not _encodes(value):
+                raise ValueError(f"namespace {field} must be a UTF-8 string, got {value!r}"[:200])
         if not self.model_fingerprint or not self.kv_layout:
             raise ValueError("a namespace needs a model_fingerprint and a kv_layout")
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if type(self.block_size) is not int or not 0 < self.block_size <= MAX_BLOCK_SIZE:   # hashed as a u32
+            raise ValueError(f"block_size must be an int in 1..{MAX_BLOCK_SIZE}, got {self.block_size!r}"[:200])
         object.__setattr__(self, "algo", HashAlgo(self.algo))
         if self.scheme_version != SCHEME_VERSION:
             raise ValueError(f"hash scheme {self.scheme_version} unsupported; this build speaks {SCHEME_VERSION}")
@@ -106,14 +127,22 @@ class Namespace:
         return h.digest()
 
     @functools.cached_property
-    def id(self) -> bytes:
-        """16-byte namespace id stored in every block header and index entry."""
+    def client_id(self) -> bytes:
+        """The id a client computes from the fields it hashes: the owner plays no part."""
         return self.root[:16]
 
+    @functools.cached_property
+    def id(self) -> bytes:
+        """16-byte namespace id stored in every block header and index entry."""
+        return tenant_namespace_id(self.owner, self.client_id)
+
     def to_dict(self) -> dict:
-        return {"model_fingerprint": self.model_fingerprint, "kv_layout": self.kv_layout,
-                "block_size": self.block_size, "tenant_salt": self.tenant_salt,
-                "algo": self.algo.value, "scheme_version": self.scheme_version, "name": self.name}
+        d = {"model_fingerprint": self.model_fingerprint, "kv_layout": self.kv_layout,
+             "block_size": self.block_size, "tenant_salt": self.tenant_salt,
+             "algo": self.algo.value, "scheme_version": self.scheme_version, "name": self.name}
+        if self.owner:    # left out when "": an index without tenants stays readable by older builds
+            d["owner"] = self.owner
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Namespace":
@@ -188,6 +217,8 @@ def tenant_key(tenant: str, key: bytes) -> bytes:
     Two tenants sending the same block key get different stored keys, so neither can read,
     pin, delete or detect the other's blocks. The anonymous tenant "" keeps keys as they are.
     The stored key has the length of the sent one (xxh3-128 for 16 bytes, sha256 for 32).
+    Only the daemon without tokens (one trust domain) and a store used directly have tenant "":
+    every token names a tenant (cli/server_config.py), so no token reaches the raw key space.
     """
     if not tenant:
         return key
@@ -197,3 +228,18 @@ def tenant_key(tenant: str, key: bytes) -> bytes:
     for part in (b"kvcache.tenant", tenant.encode(), key):
         _frame(h, part)
     return h.digest()[: len(key)]
+
+
+@functools.lru_cache(maxsize=4096)     # on every put; a daemon sees few (tenant, namespace) pairs
+def tenant_namespace_id(tenant: str, client_id: bytes) -> bytes:
+    """The id a tenant's namespace is stored under; the tenant "" keeps the client's id.
+
+    sha256, not xxh3: a tenant chooses the fields it registers, and a crafted collision with
+    another tenant's id would reach that tenant's namespace name (and so its retention).
+    """
+    if not tenant:
+        return client_id
+    h = hashlib.sha256()
+    for part in (b"kvcache.tenant-namespace", tenant.encode(), client_id):
+        _frame(h, part)
+    return h.digest()[:16]

@@ -110,6 +110,7 @@ async def test_tenants_cannot_see_each_other(client):
     assert (await client.head(f"/v1/blocks/{k}", headers=auth(BOB))).status == 404
     assert (await (await client.post("/v1/lookup", json={"keys": [k]}, headers=auth(BOB))).json())["num_hits"] == 0
     assert (await (await client.post("/v1/pin", json={"keys": [k]}, headers=auth(BOB))).json())["changed"] == 0
+    await register(client, BOB)    # namespaces are per tenant too
     r = await put(client, 0, BOB)  # same key: stored anew, nothing revealed
     assert (await r.json())["already_present"] == 0
     r = await client.post("/v1/delete", json={"keys": [k]}, headers=auth(ADMIN))

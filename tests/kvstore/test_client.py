@@ -286,6 +286,7 @@ def test_tenant_isolation(connect, daemon):
     assert b.get_many_into(keys[:1], [bytearray(4096)]) == [None]
     assert b.pin(keys) == 0 and b.unpin(keys) == 0
     assert b.delete(keys) == 0
+    b.register_namespace(NS)                         # namespaces are per tenant, like keys
     r = b.put(keys[0], b"tenant b's own bytes", NS.id)
     assert (r.stored, r.already_present) == (1, 0)
     assert b.get(keys[0]) == b"tenant b's own bytes" and a.get(keys[0]) == payload_for(keys[0])
@@ -294,6 +295,8 @@ def test_tenant_isolation(connect, daemon):
     with pytest.raises(ValueError, match="tenant"):
         a.put(keys[0], b"x", NS.id, tenant="b")
     assert daemon[1].stats().index_blocks == 6
+    assert b.delete(keys[:1], tenant="a") == 1      # an admin naming the tenant: a's block, not b's own
+    assert a.get(keys[0]) is None and b.get(keys[0]) == b"tenant b's own bytes"
 
 
 def test_unix_socket(tmp_path):

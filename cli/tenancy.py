@@ -1,0 +1,63 @@
+"""What a request's tenant changes on the wire: namespace ids, registrations and admin deletes.
+
+Block keys and namespace ids travel in the client's terms and are stored in the tenant's:
+
+    client key  k        ──tenant_key(tenant, k)──────────────> stored key
+    client id   ns.client_id ──tenant_namespace_id(tenant, id)──> stored id (= Namespace.id, owner = tenant)
+
+so a namespace registered by one tenant is invisible to another: bob registering the fields of
+alice's namespace creates bob's own namespace (its own name, so its own retention), and neither
+learns whether the other registered anything. The tenant "" (a daemon without tokens) keeps the
+client's keys and ids as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from aiohttp import web
+
+from kvcache.kvstore.errors import BlockFormatError
+from kvcache.kvstore.hashing import Namespace, tenant_namespace_id
+
+
+def stored_namespace_id(tenant: str, text: str) -> bytes:
+    """The stored id of the namespace a client names by its 32-hex-digit id."""
+    try:
+        client_id = bytes.fromhex(text)
+    except ValueError:
+        raise BlockFormatError(f"a namespace id is 32 hex digits, got {text[:40]!r}") from None
+    if len(client_id) != 16:
+        raise BlockFormatError(f"a namespace id is 32 hex digits (16 bytes), got {len(client_id)} bytes")
+    return tenant_namespace_id(tenant, client_id)
+
+
+def namespace_to_register(body: Any, tenant: str) -> Namespace:
+    """The namespace a registration asks for, owned by the token's tenant (never one it names)."""
+    if not isinstance(body, Mapping):
+        raise BlockFormatError("expected a namespace object")
+    if body.get("owner", tenant) != tenant:
+        raise BlockFormatError("a namespace's owner is the tenant of the token that registers it; "
+                               "leave \"owner\" out")
+    return Namespace.from_dict({**body, "owner": tenant})
+
+
+def check_same_name(registered: Namespace, asked: Namespace) -> None:
+    """409 when the tenant registered this namespace before under another name: a second name
+    would be ignored, and retention overrides follow the name. Sending no name is no conflict."""
+    if asked.name and registered.name != asked.name:
+        raise web.HTTPConflict(text=f"this namespace is registered as {registered.name!r}, not {asked.name!r}: "
+                                    f"register it as {registered.name!r} (a namespace keeps its first name)")
+
+
+def delete_tenant(body: Mapping, tenant: str, admin: bool) -> str:
+    """The tenant whose key space a delete's keys name: the token's own, or, for an admin that
+    asks with "tenant", that tenant's (so purging another tenant's blocks is never an accident)."""
+    if "tenant" not in body:
+        return tenant
+    named = body["tenant"]
+    if not admin:
+        raise web.HTTPForbidden(text='"tenant" in a delete needs an admin token')
+    if not isinstance(named, str) or not named:
+        raise BlockFormatError('"tenant" is the name of the tenant whose blocks to delete (a non-empty string)')
+    return named
