@@ -131,10 +131,11 @@ class Collector:
     def _evict_for_capacity(self, r: GcReport, max_victims: int = 10_000) -> None:
         """Free NVMe space: a victim with an object-tier copy only loses its NVMe copy."""
         store, cfg = self.store, self.store.nvme.config
+        capacity = store.nvme.capacity_bytes()      # the disk's real room when that is less than configured
         live = sum(s.live_bytes for s in store.index.segments().values())
-        if live <= cfg.high_watermark * cfg.capacity_bytes:
+        if live <= cfg.high_watermark * capacity:
             return
-        target, now, stale = cfg.low_watermark * cfg.capacity_bytes, store.clock(), 0
+        target, now, stale = cfg.low_watermark * capacity, store.clock(), 0
         while live > target and r.evicted < max_victims:
             victim = self._pick_victim(now)
             if victim is None:

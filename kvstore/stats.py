@@ -45,7 +45,8 @@ def collect_stats(store) -> StoreStats:
     seg = store.index.segments()
     if store.nvme is not None:
         live = sum(s.live_blocks for s in seg.values())
-        tiers.append(TierStats("nvme", live, store.nvme.disk_bytes(), store.nvme.config.capacity_bytes))
+        # the effective bound: less than configured when the filesystem holds less
+        tiers.append(TierStats("nvme", live, store.nvme.disk_bytes(), store.nvme.capacity_bytes()))
     return StoreStats(
         data_dir=store.config.data_dir, index_blocks=store.index.count(), namespaces=len(store.namespaces),
         tiers=tiers, counters=dict(store.stats_counters), persistent_counters=store.index.counters(),

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.events import Event, EventSink, NullSink
-from kvcache.kvstore.errors import StoreError, UnknownNamespaceError
+from kvcache.kvstore.errors import StoreError, TierFullError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
@@ -104,14 +104,19 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
 
     # ---------------------------------------------------------------- namespaces
     def register_namespace(self, ns: Namespace) -> bytes:
-        """Make `ns` known (persisted); returns its 16-byte id. Idempotent."""
+        """Make `ns` known (persisted); returns its 16-byte id. Idempotent.
+
+        namespaces.json first, then the index, then memory: a failure (a full or read-only
+        disk: TierFullError / StoreError) leaves `ns` unknown, so the next registration tries
+        again; at worst namespaces.json names one the index lacks, which a rebuild registers."""
         with self._lock:
             if ns.id not in self.namespaces:
-                self.index.add_namespace(ns)
-                self.namespaces[ns.id] = ns
-                descriptors = {k.hex(): v.to_dict() for k, v in self.namespaces.items()}
+                known = {**self.namespaces, ns.id: ns}
+                descriptors = {k.hex(): v.to_dict() for k, v in known.items()}
                 if self.nvme is not None:
                     self.nvme.save_namespaces(descriptors)
+                self.index.add_namespace(ns)
+                self.namespaces[ns.id] = ns
                 if self.object is not None:
                     self._best_effort(self.object.save_namespaces, descriptors)
         return ns.id
@@ -243,8 +248,20 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         return changed
 
     def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove blocks from every tier (pins do not protect against an explicit delete)."""
+        """Remove blocks from every tier (pins do not protect against an explicit delete).
+        On a full disk the delete reserve is released and the delete tried once more
+        (tiering/space_reserve.py): a store that cannot delete can never free space."""
         keys = _storable(keys)
+        with self._lock:
+            try:
+                return self._delete(keys)
+            except TierFullError:
+                if self.nvme is None or not self.nvme.reserve.release():
+                    raise
+                return self._delete(keys)    # tombstones written twice are harmless
+
+    def _delete(self, keys: list[bytes]) -> int:
+        """Tombstones first, then the index: a rebuild after a crash never resurrects a block."""
         with self._lock:
             stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
             if stored and self.nvme is not None:

@@ -12,10 +12,15 @@ Write path (the order is the durability contract):
 Reads are one preadv of header and payload straight into the caller's buffer, then the
 header checksum, the key and the payload checksum are verified; any mismatch is a miss,
 reported through `on_corrupt` so the store can quarantine the block.
+
+Capacity: the bound that eviction works against is the configured capacity or what the
+filesystem can still hold (segments written + free space), whichever
+is smaller, so GC makes room before writes fail even when the disk is smaller than configured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -33,6 +38,7 @@ from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
 from kvcache.tiering.segment_readers import SegmentReaders
+from kvcache.tiering.space_reserve import SpaceReserve
 from kvcache.tiering.segment import (
     HEAD_BYTES, align_up, encode_head, parse_segment_name, segment_name,
 )
@@ -68,6 +74,7 @@ class NvmeConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     compact_below: float = 0.5     # compact a sealed segment whose live fraction drops below this
+    reserve_bytes: int = 4 << 20   # kept free for deletes on a full disk (tiering/space_reserve.py)
 
     def __post_init__(self) -> None:
         if self.fsync not in _FSYNC_POLICIES:
@@ -76,6 +83,8 @@ class NvmeConfig:
             raise ValueError("need 0 < nvme.low_watermark <= nvme.high_watermark <= 1")
         if self.segment_bytes < 1 << 20:
             raise ValueError("nvme.segment_bytes must be at least 1 MiB")
+        if self.reserve_bytes < 0:
+            raise ValueError("nvme.reserve_bytes must be >= 0")
 
 
 class NvmeTier(BlockTier):
@@ -105,6 +114,8 @@ class NvmeTier(BlockTier):
         self._active_end = 0
         self._sealed_bytes = sum(_file_size(self.path(i)) for i in ids)
         self._sealed_sizes: dict[int, int] = {}     # segment id -> size, for holds_extent
+        self.reserve = SpaceReserve(os.path.join(root, "reserve.bin"), config.reserve_bytes)
+        self.capacity_bytes()          # allocates the delete reserve if the disk is low already
         self._last_sync = clock()
         self._unsynced = False
 
@@ -409,12 +420,17 @@ class NvmeTier(BlockTier):
         """Keep namespace descriptors beside the data, so a rebuilt index knows them."""
         path = os.path.join(self.root, "namespaces.json")
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(descriptors, f, sort_keys=True, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self._fsync_dir()
+        try:          # whole or not at all: the old file stays until the new one is on disk
+            with open(tmp, "w") as f:
+                json.dump(descriptors, f, sort_keys=True, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._fsync_dir()
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise _tier_error(e, self.root) from e
 
     def load_namespaces(self) -> dict[str, dict]:
         """Descriptors saved beside the data; anything malformed is skipped with an error log."""
@@ -439,11 +455,22 @@ class NvmeTier(BlockTier):
         """Bytes of all segment files (tracked, not stat'ed: cheap enough for every put)."""
         return self._sealed_bytes + (self._active_end if self._active_fd >= 0 else 0)
 
+    def capacity_bytes(self) -> int:
+        """The bound eviction works against: nvme.capacity_bytes, or less when the filesystem
+        cannot hold that much (the index and other files share it). One statvfs, ~1 us."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return self.config.capacity_bytes
+        free = st.f_bavail * st.f_frsize
+        self.reserve.keep(free)
+        return max(0, min(self.config.capacity_bytes, self.disk_bytes() + free))
+
     def is_over_watermark(self) -> bool:
-        return self.disk_bytes() > self.config.high_watermark * self.config.capacity_bytes
+        return self.disk_bytes() > self.config.high_watermark * self.capacity_bytes()
 
     def usage(self) -> TierUsage:
-        return TierUsage(Tier.NVME, -1, self.disk_bytes(), self.config.capacity_bytes)
+        return TierUsage(Tier.NVME, -1, self.disk_bytes(), self.capacity_bytes())
 
     def close(self) -> None:
         with self._write_lock:
@@ -464,4 +491,7 @@ def _tier_error(e: OSError, root: str) -> StoreError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return TierFullError(f"NVMe tier at {root}: the disk is full; free space or lower "
                              "nvme.capacity_bytes so eviction starts earlier")
+    if e.errno == errno.EROFS:
+        return StoreError(f"NVMe tier at {root}: the filesystem is read-only; remount it read-write "
+                          "or point data_dir somewhere writable")
     return StoreError(f"NVMe tier write failed at {root}: {e.strerror}")

@@ -1,0 +1,184 @@
+"""The store on a full disk: deletes still work (the delete reserve), GC evicts against what the
+filesystem can really hold, and deleted blocks stay deleted through a rebuild. Where the machine
+lets the test mount a small tmpfs (root), the disk is really full; elsewhere ENOSPC is injected."""
+
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import StoreError, TierFullError
+from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.tiering.nvme import NvmeConfig, NvmeTier
+from tests.tiering.faults_common import NS, key_for, payload_for
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A mounted 32 MiB tmpfs, or a skip where mounting is not allowed."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _config(data_dir, reserve: int = 512 << 10) -> StoreConfig:
+    return StoreConfig(str(data_dir), dram=None, index_map_bytes=1 << 30,
+                       nvme=NvmeConfig(segment_bytes=1 << 20, reserve_bytes=reserve))
+
+
+def _open(data_dir, **kw) -> BlockStore:
+    s = BlockStore(_config(data_dir, **kw))
+    s.register_namespace(NS)
+    return s
+
+
+def _put(s: BlockStore, idxs, size: int = 32 << 10) -> None:
+    for i in idxs:
+        s.put_many([PutItem(key_for(i), payload_for(i, size), NS.id)])
+
+
+def _fill_disk(path) -> None:
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def _rebuilt(data_dir) -> BlockStore:
+    shutil.rmtree(os.path.join(data_dir, "index"))
+    return BlockStore(_config(data_dir))
+
+
+def test_gc_evicts_against_the_disk_when_it_is_smaller_than_configured(small_fs):
+    s = _open(small_fs / "d")                          # nvme.capacity_bytes 64 GiB on a 32 MiB disk
+    _put(s, range(1600))                               # 50 MiB of blocks: every put finds room
+    [nvme] = [t for t in s.stats().tiers if t.tier == "nvme"]
+    assert nvme.capacity_bytes <= 32 << 20             # stats show the bound GC works against
+    assert s.stats_counters["evictions_nvme"] > 0
+    assert s.get(key_for(1599)) == payload_for(1599, 32 << 10)
+    s.close()
+
+
+def test_a_delete_on_a_full_disk_frees_and_stays_deleted_after_a_rebuild(small_fs):
+    data = small_fs / "d"
+    s = _open(data)
+    _put(s, range(40))
+    s.pin([key_for(i) for i in range(12)])             # GC, making room for the put below, keeps them
+    assert s.nvme.reserve.held                         # a small disk: the reserve is set aside
+    _fill_disk(small_fs / "filler")
+    with pytest.raises(TierFullError):                 # puts get 507 ...
+        s.put_many([PutItem(key_for(1000), payload_for(1000, 256 << 10), NS.id)])
+    assert s.delete([key_for(i) for i in range(10)]) == 10    # ... deletes still work
+    assert not s.nvme.reserve.held
+    assert s.get(key_for(0)) is None
+    os.unlink(small_fs / "filler")
+    s.close()
+    s = _rebuilt(data)                                 # the tombstones reached the disk
+    assert [s.get(key_for(i)) is None for i in range(12)] == [True] * 10 + [False] * 2
+    s.close()
+
+
+def test_a_delete_spends_the_reserve_when_tombstones_meet_enospc(tmp_path, monkeypatch):
+    """The same without a mount: ENOSPC at the write syscall while the reserve is held."""
+    data = tmp_path / "d"
+    s = _open(data)
+    _put(s, range(6), size=4096)
+    assert s.nvme.reserve.take()
+    real = NvmeTier._pwrite_all
+
+    def pwrite(fd, bufs, offset):
+        if s.nvme.reserve.held:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, bufs, offset)
+    monkeypatch.setattr(NvmeTier, "_pwrite_all", staticmethod(pwrite))
+    with pytest.raises(TierFullError):
+        s.put(key_for(100), payload_for(100, 4096), NS.id)
+    assert s.delete([key_for(0), key_for(1)]) == 2
+    assert not os.path.exists(s.nvme.reserve.path)
+    monkeypatch.setattr(NvmeTier, "_pwrite_all", staticmethod(lambda fd, bufs, offset: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device"))))
+    with pytest.raises(TierFullError, match="disk is full"):   # no reserve left: the delete says so
+        s.delete([key_for(2)])
+    monkeypatch.setattr(NvmeTier, "_pwrite_all", staticmethod(real))
+    s.close()
+    s = _rebuilt(data)
+    assert [s.get(key_for(i)) is None for i in range(4)] == [True, True, False, False]
+    s.close()
+
+
+def _namespaces_json(data_dir) -> dict:
+    import json
+    path = os.path.join(data_dir, "nvme", "namespaces.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+NS2 = type(NS)("other-model@rev1", "raw/v1", 16, name="other")
+
+
+@pytest.mark.parametrize("err,raised", [(errno.ENOSPC, TierFullError), (errno.EROFS, StoreError)])
+def test_a_namespace_that_cannot_be_persisted_is_not_registered(tmp_path, monkeypatch, err, raised):
+    s = _open(tmp_path / "d")
+    real = os.replace
+
+    def replace(src, dst):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(raised, match="full; free space" if err == errno.ENOSPC else "read-only; remount"):
+        s.register_namespace(NS2)
+    assert NS2.id not in s.namespaces and NS2.id not in s.index.namespaces()
+    assert NS2.id.hex() not in _namespaces_json(tmp_path / "d")
+    assert not os.path.exists(tmp_path / "d" / "nvme" / "namespaces.json.tmp")
+    monkeypatch.setattr(os, "replace", real)
+    assert s.register_namespace(NS2) == NS2.id          # the next registration does persist it
+    assert NS2.id.hex() in _namespaces_json(tmp_path / "d") and NS2.id in s.index.namespaces()
+    s.close()
+
+
+def test_a_namespace_registered_on_a_full_disk_is_refused_then_registered(small_fs):
+    s = _open(small_fs / "d")
+    _fill_disk(small_fs / "filler")
+    s.nvme.reserve.release()
+    _fill_disk(small_fs / "filler2")
+    with pytest.raises(TierFullError):
+        s.register_namespace(NS2)
+    assert NS2.id not in s.namespaces
+    os.unlink(small_fs / "filler")
+    s.register_namespace(NS2)
+    _put(s, [0])                                         # a segment, so that a lost index is rebuilt
+    s.close()
+    s = BlockStore(_config(small_fs / "d"))
+    assert NS2.id in s.namespaces
+    s.close()
+    shutil.rmtree(small_fs / "d" / "index")             # a rebuild knows it from namespaces.json
+    s = BlockStore(_config(small_fs / "d"))
+    assert NS2.id in s.namespaces
+    s.close()
+
+
+async def test_the_daemon_answers_507_for_a_namespace_on_a_full_disk(tmp_path, monkeypatch):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvcache.cli.server import build_app
+    from kvcache.cli.server_config import ServerConfig, TokenInfo
+    store = _open(tmp_path / "d")
+    cfg = ServerConfig(tokens=(TokenInfo("a" * 32, "alice"),))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    async with TestClient(TestServer(build_app(store, cfg))) as c:
+        r = await c.post("/v1/namespaces", json=NS2.to_dict(), headers={"Authorization": "Bearer " + "a" * 32})
+        assert r.status == 507
+        body = await r.json()
+        assert body["error"] == "insufficient_storage" and "free space" in body["message"]
+        monkeypatch.undo()
+        r = await c.post("/v1/namespaces", json=NS2.to_dict(), headers={"Authorization": "Bearer " + "a" * 32})
+        assert r.status == 200
+    store.close()
