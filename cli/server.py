@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
-import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,10 +24,12 @@ from aiohttp import web
 
 from kvcache.cli import tenancy
 from kvcache.cli.metrics import Metrics
-from kvcache.cli.quota import Quotas, QuotaExceeded, put_within_quota
+from kvcache.cli.quota import Quotas, put_within_quota
 from kvcache.cli.server_config import ServerConfig
+from kvcache.cli.server_errors import error_for, error_middleware, parse_json, quiet_bad_requests
+from kvcache.cli.server_errors import error_response as _error
 from kvcache.kvstore import wire
-from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import TensorSpec
@@ -46,37 +47,6 @@ SHM = web.RequestKey("shm", bool)
 METRICS_ONLY = web.RequestKey("metrics_only", bool)
 METRICS_PATHS = ("/metrics", "/healthz")   # all a metrics token may read
 GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status)
-
-
-def error_for(exc: BaseException) -> tuple[int, str, str] | None:
-    """(status, code, message) for the errors a request can cause; None for a bug (500)."""
-    if isinstance(exc, web.HTTPException):
-        return exc.status, exc.reason.lower().replace(" ", "_"), exc.text or exc.reason
-    for kind, status, code in _ERRORS:
-        if isinstance(exc, kind):
-            return status, code, str(exc) if code != "truncated_body" else \
-                "the request body ended in the middle of a frame"
-    return None
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return _error(*error_for(e))
-    except Exception as e:
-        known = error_for(e)
-        if known is not None:
-            return _error(*known)
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "internal", "internal error; see the daemon log")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +108,6 @@ async def metrics_middleware(request: web.Request, handler):
 async def _call(request: web.Request, fn, *args, **kw):
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(request.app[POOL], functools.partial(fn, *args, **kw))
-
-
-_ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitError, 413, "request_entity_too_large"),
-           (BlockFormatError, 400, "bad_request"), (ValueError, 400, "bad_request"), (KeyError, 400, "bad_request"),
-           (TypeError, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
-           (TierFullError, 507, "insufficient_storage"), (QuotaExceeded, 507, "quota_exceeded"),
-           (StoreError, 503, "store_unavailable"))
 
 
 def _require_admin(request: web.Request) -> None:
@@ -212,11 +175,7 @@ def json_limit(config) -> int:
 
 async def json_body(request: web.Request):
     """The request's JSON body, within json_limit (413 past it); malformed JSON is a 400."""
-    raw = await _read_at_most(request, json_limit(request.app[CONFIG]))
-    try:
-        return json.loads(raw)
-    except ValueError as e:                  # JSONDecodeError, or bytes that are no Unicode text
-        raise BlockFormatError(f"request body is not JSON: {e}") from None
+    return parse_json(await _read_at_most(request, json_limit(request.app[CONFIG])), "request body")
 
 
 async def _read_at_most(request: web.Request, limit: int) -> bytes:
@@ -233,12 +192,12 @@ def _layout(header: str | None) -> tuple[TensorSpec, ...] | None:
     """X-KVCache-Layout: a JSON list of [name, dtype, shape] (shape a list of ints), or absent."""
     if not header:
         return None
+    specs = parse_json(header, "X-KVCache-Layout")
     try:
-        specs = json.loads(header)
-        if not all(isinstance(n, str) and isinstance(d, str) for n, d, _ in specs):
-            raise TypeError("names and dtypes are strings")
-        return tuple(TensorSpec(n, d, tuple(int(x) for x in shape)) for n, d, shape in specs)
-    except (ValueError, TypeError, AttributeError) as e:
+        if not isinstance(specs, list) or not all(isinstance(s, list) and len(s) == 3 for s in specs):
+            raise TypeError("each tensor is a [name, dtype, [dims...]] list")
+        return tuple(TensorSpec(n, d, tuple(shape) if isinstance(shape, list) else shape) for n, d, shape in specs)
+    except (ValueError, TypeError) as e:     # TensorSpec checks the names, dtypes and dims (integers)
         raise BlockFormatError(f"X-KVCache-Layout must be a JSON list of [name, dtype, [dims...]] ({e})") from None
 
 
@@ -338,7 +297,8 @@ async def exists(request: web.Request) -> web.Response:
 async def pin(request: web.Request) -> web.Response:
     keys, body = await _keys(request)
     ttl = body.get("ttl_s")
-    if ttl is not None and not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < math.inf):
+    if ttl is not None and not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
+                                and 0 < ttl <= sys.float_info.max):     # a 400-digit int is no float
         raise BlockFormatError("ttl_s must be a positive, finite number of seconds")
     return web.json_response({"changed": await _call(request, request.app[STORE].pin, keys, ttl)})
 
@@ -386,6 +346,7 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware, metrics_middleware],
                           client_max_size=config.max_block_bytes + (1 << 20))
+    quiet_bad_requests()
     from kvcache.cli.reconfigure import LiveConfig, reconfigure_handler
     app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -52,19 +53,20 @@ class StoreConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], data_dir: str | None = None) -> "StoreConfig":
-        d = dict(d)
-        store = dict(d.pop("store", {}))
+        d = dict(_table("the config", d))
+        store = _table("[store]", d.pop("store", {}))
         tiers = {}
         for name, klass in (("dram", DramConfig), ("nvme", NvmeConfig)):
-            section = d.pop(name, {})
-            if section.get("enabled", True) is False:
-                tiers[name] = None
-            else:
+            section = _table(f"[{name}]", d.pop(name, {}))
+            if _enabled(name, section):
                 tiers[name] = klass(**_sized(klass, {k: v for k, v in section.items() if k != "enabled"}))
-        section = dict(d.pop("object", {}))
-        if section and section.pop("enabled", True) is not False:
-            tiers["object_store"] = ObjectConfig(**_sized(ObjectConfig, section))
-        retention = RetentionPolicy.from_dict(d.pop("retention", {}))
+            else:
+                tiers[name] = None
+        section = _table("[object]", d.pop("object", {}))
+        if section and _enabled("object", section):
+            tiers["object_store"] = ObjectConfig(**_sized(ObjectConfig, {k: v for k, v in section.items()
+                                                                         if k != "enabled"}))
+        retention = _retention(_table("[retention]", d.pop("retention", {})))
         d.pop("server", None)  # read by `kvcache serve`
         if d:
             raise ValueError(f"unknown config sections {sorted(d)}")
@@ -86,15 +88,69 @@ class StoreConfig:
         return cls.from_dict(raw, data_dir)
 
 
+def _table(name: str, value: Any) -> dict[str, Any]:
+    """A section of the config (TOML table, or a JSON object sent to reconfigure) as a dict."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a table of settings, got {type(value).__name__} {str(value)[:40]!r}")
+    return dict(value)
+
+
+def _enabled(name: str, section: Mapping[str, Any]) -> bool:
+    on = section.get("enabled", True)
+    if not isinstance(on, bool):
+        raise ValueError(f"{name}.enabled must be true or false, got {on!r}"[:120])
+    return on
+
+
+def _retention(section: dict[str, Any]) -> RetentionPolicy:
+    """[retention] with its [retention.namespaces.<name>] and [retention.tenants.<name>] tables:
+    every rule's hours are finite positive numbers (a string or 1e400 would be a rule nobody meant)."""
+    rules = {"default": {k: v for k, v in section.items() if k not in ("namespaces", "tenants")}}
+    for group in ("namespaces", "tenants"):
+        for who, rule in _table(f"[retention.{group}]", section.get(group, {})).items():
+            rules[f"{group}.{who}"] = _table(f"[retention.{group}.{who}]", rule)
+    for where, rule in rules.items():
+        for k, v in rule.items():
+            if k in ("ttl_hours", "max_age_hours") and not _is_number(v):
+                raise ValueError(f"retention {where}.{k} must be a finite number of hours, got {v!r}"[:160])
+    return RetentionPolicy.from_dict(section)
+
+
+def _is_number(v: Any) -> bool:
+    """A finite int or float (not a bool; not an int past what a float holds, 1e400 as digits)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -sys.float_info.max <= v <= sys.float_info.max
+
+
+_SCALARS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "float": _is_number,
+            "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+            "dict": lambda v: isinstance(v, Mapping), "None": lambda v: v is None}
+
+
+def _check_type(klass, name: str, value: Any) -> None:
+    """A setting has the type its field declares (`bool | None` allows either); a field typed
+    otherwise (a tier's own config, the retention policy) is no setting of this section."""
+    kinds = str(_field_types(klass)[name]).replace(" ", "").split("|")
+    if not any(k in _SCALARS and _SCALARS[k](value) for k in kinds):
+        raise ValueError(f"{klass.__name__}.{name} must be {' or '.join(kinds)}, got {value!r}"[:160])
+
+
+def _field_types(klass) -> dict[str, str]:
+    return {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(klass)}
+
+
 def _sized(klass, section: Mapping[str, Any]) -> dict[str, Any]:
-    """Accept `*_mib`/`*_gib` spellings for `*_bytes` fields; reject unknown keys."""
+    """Accept `*_mib`/`*_gib` spellings for `*_bytes` fields; reject unknown keys and values of
+    the wrong type (a reconfigure body is as much a client's input as a request is)."""
     names = {f.name for f in fields(klass)}
     out = {}
     for k, v in section.items():
         for suffix, mult in (("_gib", 1 << 30), ("_mib", 1 << 20)):
             if k.endswith(suffix) and k[: -len(suffix)] + "_bytes" in names:
+                if not _is_number(v) or not 0 <= v <= 1 << 30:
+                    raise ValueError(f"{klass.__name__}.{k} must be a number of {suffix[1:].upper()}, got {v!r}"[:160])
                 k, v = k[: -len(suffix)] + "_bytes", int(float(v) * mult)
         if k not in names:
-            raise ValueError(f"unknown setting {k!r} for {klass.__name__}; known: {sorted(names)}")
+            raise ValueError(f"unknown setting {str(k)[:60]!r} for {klass.__name__}; known: {sorted(names)}")
+        _check_type(klass, k, v)
         out[k] = v
     return out

@@ -46,6 +46,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+MAX_DIM = 1 << 63
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One named tensor inside a block payload, stored contiguously in declaration order."""
@@ -55,12 +58,15 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not self.name or len(self.name.encode()) > 255:
-            raise ValueError(f"tensor name must be 1-255 bytes, got {self.name!r}")
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPE_SIZES)}")
-        if len(self.shape) > 16 or any((not isinstance(d, int)) or d < 0 for d in self.shape):
-            raise ValueError(f"shape must be at most 16 non-negative ints, got {self.shape!r}")
+        # layouts arrive from clients (a header, frame metadata) and are stored as u64 dims
+        # (kvstore/block_format.py): anything else is refused here, not when it is packed
+        if not 1 <= _utf8_len(self.name) <= 255:
+            raise ValueError(f"tensor name must be a string of 1-255 UTF-8 bytes, got {self.name!r}"[:200])
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {str(self.dtype)[:40]!r}; known: {sorted(DTYPE_SIZES)}")
+        if not isinstance(self.shape, tuple) or len(self.shape) > 16 or not all(
+                type(d) is int and 0 <= d < MAX_DIM for d in self.shape):
+            raise ValueError(f"shape must be at most 16 ints in [0, 2**63), got {self.shape!r}"[:200])
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +74,14 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n
+
+
+def _utf8_len(text) -> int:
+    """Bytes of `text` in UTF-8; -1 for what is no string or cannot be encoded (a lone surrogate)."""
+    try:
+        return len(text.encode()) if isinstance(text, str) else -1
+    except UnicodeEncodeError:
+        return -1
 
 
 @functools.lru_cache(maxsize=1024)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -171,15 +172,37 @@ def parse_get_head(rest: bytes) -> tuple[bytes, bool, Tier, int]:
 
 
 def _parse_meta(raw: bytes) -> dict:
+    """A frame's metadata (both upload paths parse it here): a JSON object with at most a layout
+    and a ttl_s (other keys are ignored). Whatever else the client's bytes hold (JSON nested past
+    the parser's recursion limit, an integer too large for a float) is a BlockFormatError (400)."""
     try:
         meta = json.loads(raw)
-        layout = meta.get("layout")
-        if layout is not None:
-            meta["layout"] = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in layout)
-        if meta.get("ttl_s") is not None:
-            if isinstance(meta["ttl_s"], bool):     # float(True) would be a 1-second TTL
-                raise TypeError("ttl_s is a number of seconds, not a boolean")
-            meta["ttl_s"] = float(meta["ttl_s"])
-        return meta
-    except (ValueError, TypeError, AttributeError) as e:
-        raise BlockFormatError(f"frame metadata is not valid: {e}") from e
+    except RecursionError:
+        raise BlockFormatError("frame metadata is JSON nested too deeply") from None
+    except ValueError as e:
+        raise BlockFormatError(f"frame metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict):       # other keys are ignored, as before: room for newer clients
+        raise BlockFormatError('frame metadata is a JSON object {"layout": [[name, dtype, [dims...]], ...], '
+                               '"ttl_s": seconds}, both optional')
+    try:
+        return {"layout": _meta_layout(meta.get("layout")), "ttl_s": _meta_ttl(meta.get("ttl_s"))}
+    except (ValueError, TypeError, OverflowError) as e:
+        raise BlockFormatError(f"frame metadata is not valid: {e}") from None
+
+
+def _meta_layout(layout) -> tuple[TensorSpec, ...] | None:
+    if layout is None:
+        return None
+    if not isinstance(layout, list) or not all(isinstance(t, list) and len(t) == 3 for t in layout):
+        raise TypeError("layout is a list of [name, dtype, [dims...]]")
+    return tuple(TensorSpec(n, d, tuple(s) if isinstance(s, list) else s) for n, d, s in layout)
+
+
+def _meta_ttl(ttl) -> float | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):   # float(True) would be a 1-second TTL
+        raise TypeError(f"ttl_s is a number of seconds, not a boolean or a string, got {ttl!r}"[:120])
+    if not -sys.float_info.max <= ttl <= sys.float_info.max:      # a 400-digit integer is no float
+        raise ValueError(f"ttl_s must be a finite number of seconds, got {ttl!r}"[:120])
+    return float(ttl)
