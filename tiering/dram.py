@@ -25,6 +25,7 @@ full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is avai
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -106,6 +107,11 @@ class DramTier(DramLandings, BlockTier):
         self.config = config
         self._clock = clock
         self._slab = SlabAllocator(config.capacity_bytes, config.page_bytes)
+        if self._slab.num_pages < 8:
+            log.warning("dram.capacity_bytes %d holds %d slab pages of %d bytes: blocks of several sizes then "
+                        "crowd each other out (each size class takes whole pages); lower dram.page_bytes "
+                        "(to the largest block size) or raise dram.capacity_bytes", config.capacity_bytes,
+                        self._slab.num_pages, config.page_bytes)
         self.arena = Arena(self._slab.capacity, shared=bool(config.shared_memory), prefault=config.prefault,
                            pin_memory=config.pin_memory)
         self.pinned = self.arena.pinned
@@ -145,12 +151,16 @@ class DramTier(DramLandings, BlockTier):
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
-        """A chunk for `nbytes`, evicting from the LRU head in small batches if needed.
+        """A chunk for `nbytes`, evicting if needed: first the least recently used block whose
+        chunk this one fits in (of its own size class if one is near the LRU head: one eviction
+        then suffices), else from the LRU head in small batches until a page empties.
 
         Evicted chunks are freed only after `on_evict` has demoted them, so a batch is
         finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
         """
         off = self._slab.alloc(nbytes)
+        if off is None:
+            off = self._evict_fitting(nbytes, evicted)
         candidates = iter(list(self._entries)) if off is None else iter(())
         budget, freed = self.MAX_EVICT_PER_ALLOC, 0
         while off is None and budget > 0:
@@ -169,6 +179,28 @@ class DramTier(DramLandings, BlockTier):
             raise TierFullError(f"DRAM tier cannot fit a {nbytes}-byte block: the blocks left are pinned or "
                                 "being read; unpin blocks or raise dram.capacity_bytes")
         return off
+
+    def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock]) -> int | None:
+        """Evict one block near the LRU head whose chunk would hold `nbytes` and allocate there.
+        Without it, a block of a size class that has no page evicted the LRU head (of any
+        class) until a whole page emptied: a small arena of mixed sizes kept a handful."""
+        need, window = self._slab.chunk_size(nbytes), self.MAX_EVICT_PER_ALLOC
+        same = larger = None
+        for key in itertools.islice(self._entries, window):
+            e = self._entries[key]
+            if e.leases or e.pins or e.pin_until > self._clock():
+                continue
+            chunk = self._slab.chunk_at(e.offset)
+            if chunk == need:
+                same = key
+                break
+            if chunk > need and larger is None:
+                larger = key
+        victim = same or larger
+        if victim is None or not self._evict_one(victim, evicted):
+            return None
+        self._finish_evictions(evicted)
+        return self._slab.alloc(nbytes)
 
     def _evict_to_watermark(self, evicted: list[EvictedBlock]) -> None:
         cap = self._slab.capacity
@@ -192,7 +224,7 @@ class DramTier(DramLandings, BlockTier):
         evicted.append(EvictedBlock(key, e.dirty, write))
         self._doomed_offsets.append(e.offset)
         self.evictions += 1
-        return self._slab.chunk_size(e.nbytes)
+        return self._slab.chunk_at(e.offset)
 
     def _finish_evictions(self, evicted: list[EvictedBlock]) -> None:
         if evicted and self._on_evict is not None:
