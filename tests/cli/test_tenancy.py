@@ -11,7 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvcache.cli.reconfigure import CONFIG_FILE
 from kvcache.cli.server import STORE, authenticate, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo, parse_env_tokens
-from kvcache.kvstore import Namespace
+from kvcache.cli.shm_control import ControlSession
+from kvcache.kvstore import Namespace, wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import BlockStore
@@ -161,6 +162,19 @@ async def test_a_second_name_for_a_namespace_is_a_conflict(serve):
     assert await register(c, BOB, Namespace(**{**NS.to_dict(), "name": "scratch"})) == {"id": NS.id.hex()}
 
 
+async def test_batch_put_frames_name_the_callers_own_namespace(serve):
+    c = await serve()
+    await register(c, ALICE)
+    frames = [wire.stream_header(1)] + wire.encode_put_frame(wire.PutFrame(KEYS[0], NS.id, payload(0)))
+    body = b"".join(bytes(f) for f in frames)
+    r = await c.post("/v1/blocks/batch_put", data=body, headers=auth(BOB))
+    assert r.status == 422                              # alice's registration is not bob's
+    r = await c.post("/v1/blocks/batch_put", data=body, headers=auth(ALICE))
+    assert (await r.json())["stored"] == 1
+    [meta] = c.server.app[STORE].index.get_many([tenant_key("alice", KEYS[0])])
+    assert meta.namespace_id == tenant_namespace_id("alice", NS.id)
+
+
 def test_a_namespaces_owner_is_persisted(tmp_path):
     ns = Namespace(**{**NS.to_dict(), "owner": "alice", "name": "prod"})
     assert Namespace.from_dict(json.loads(json.dumps(ns.to_dict()))) == ns
@@ -232,3 +246,11 @@ async def test_a_metrics_token_reads_metrics_and_nothing_else(serve):
                              ("post", "/v1/admin/reconfigure", {"json": {}}), ("post", "/v1/gc", {})):
         r = await getattr(c, method)(path, headers=auth(PROM), **kw)
         assert r.status == 403 and "metrics" in (await r.json())["message"], path
+
+
+async def test_a_metrics_token_gets_no_shared_memory(serve):
+    c = await serve()
+    session = ControlSession(c.server.app)
+    assert session.hello(PROM.encode())[0] == 403 and session.tenant is None
+    assert session.hello(ALICE.encode())[0] == 403                  # no shared_memory flag either
+    assert session.hello(ADMIN.encode()) == (0, b"ops")            # an admin leases in its own tenant's keys
