@@ -78,10 +78,10 @@ def describe(store_cfg, server_cfg) -> str:
 
 def undumpable() -> bool:
     """prctl(PR_SET_DUMPABLE, 0): processes of the daemon's own user can no longer open
-    /proc/<pid>/fd/*, /proc/<pid>/mem or /proc/<pid>/environ (tokens from KVCACHE_TOKENS), nor
-    ptrace it, and a crash leaves no core with tokens and blocks in it. Local clients get the
-    arena over the control socket instead (cli/shm_control.py). Root (CAP_SYS_PTRACE) still can.
-    False where the platform has no prctl (not Linux)."""
+    /proc/<pid>/fd/* or /proc/<pid>/mem, nor ptrace it, and a crash leaves no core with tokens and
+    blocks in it. Local clients get the arena over the control socket instead (cli/shm_control.py).
+    Root (CAP_SYS_PTRACE) still can; /proc/<pid>/environ stays readable to the same user on the
+    kernels we run, so KVCACHE_TOKENS is no secret from it. False where there is no prctl."""
     import ctypes
     try:
         libc = ctypes.CDLL(None, use_errno=True)
