@@ -63,6 +63,15 @@ OPEN = Principal()     # no tokens configured (loopback only): everything allowe
 
 
 def authenticate(cfg: ServerConfig, authorization: str, path: str) -> Principal | None:
+    """The principal of an Authorization header value on `path`; None when the token is missing or
+    unknown, and for a metrics token anywhere but METRICS_PATHS (it has no tenant to act as)."""
+    who = identify(cfg, authorization, path)
+    if who is not None and who.metrics_only and path not in METRICS_PATHS:
+        return None
+    return who
+
+
+def identify(cfg: ServerConfig, authorization: str, path: str) -> Principal | None:
     """The principal of an Authorization header value; None when the token is missing or unknown."""
     if path == "/healthz" or not cfg.auth_required:
         return OPEN
@@ -81,7 +90,7 @@ UNAUTHORIZED = (401, "unauthorized", "missing or unknown bearer token (Authoriza
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    who = authenticate(request.app[CONFIG], request.headers.get("Authorization", ""), request.path)
+    who = identify(request.app[CONFIG], request.headers.get("Authorization", ""), request.path)
     if who is None:
         return _error(*UNAUTHORIZED)
     if who.metrics_only and request.path not in METRICS_PATHS:   # it has no tenant: never near the data
