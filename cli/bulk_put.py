@@ -16,37 +16,44 @@ blocked in recv_into wakes once per burst with nothing else to run, and releases
 waiting. The socket is a dup() of the connection's, with a timeout (poll + recv): the shared
 file flags never change, and the loop does not touch the connection until it is given back.
 
+Admission happens on the event loop, before a thread is lent (`admit`): a request without a
+known token gets its 401 there and the connection closes unread, so strangers' bytes never
+reach an upload thread; a tenant holding server.max_uploads_per_tenant threads has its further
+uploads served by aiohttp. An upload must end within server.request_timeout_s (408 after),
+and its payload memory grows with the bytes that arrive, counted as pending against the
+tenant's quota and the daemon-wide server.max_pending_upload_bytes before it is reserved
+(cli/quota.py).
+
 An error reply keeps the connection when the rest of the body can be skipped (Content-Length
-says how much); a truncated body or a lost client closes it.
+says how much, up to DRAIN_LIMIT); past that the reply goes out with Connection: close, the
+write side is shut and the body is read and dropped for up to LINGER_S, so that the client
+reads the answer rather than a reset. A truncated body or a lost client closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http import HTTPStatus
 
 from aiohttp import web
 
-from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head
+from kvcache.cli.bulk_body import CHUNK_BYTES, WINDOW, Body, RequestDeadline, StagingPool  # noqa: F401
+from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head, reply_head
 from kvcache.cli.put_batch import ingest_puts_blocking
-from kvcache.cli.server import CONFIG, METRICS, STORE, UNAUTHORIZED, authenticate, error_for
-from kvcache.kvstore import wire
+from kvcache.cli.quota import PendingBytes
+from kvcache.cli.server import CONFIG, METRICS, QUOTAS, STORE, UNAUTHORIZED, Principal, authenticate, error_for
 from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
 BULK_PATH = "/v1/blocks/batch_put"
-CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (in the upload thread, before the next)
-DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
 UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
-WINDOW = 4096                 # one recv for frame headers (and the first bytes of their payload)
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
+MAX_LENGTH_DIGITS = 18        # a Content-Length longer than this is refused (int() takes 4300 digits)
+REFUSED = object()            # admit(): answered on the loop, the connection closes
 
 
 def _is_count(text: str) -> bool:
@@ -61,201 +68,96 @@ def wants(head: Head) -> bool:
             and "transfer-encoding" not in h and "expect" not in h and _is_count(h.get("content-length", "x")))
 
 
-class StagingPool:
-    """A few reusable staging buffers, so uploads neither allocate nor fault in fresh pages per
-    request; when all are in use, payloads get buffers of their own (bounded memory either way)."""
-
-    def __init__(self, count: int = 16, nbytes: int = 2 * CHUNK_BYTES):
-        self.nbytes, self._left, self._free, self._lock = nbytes, count, [], threading.Lock()
-
-    def acquire(self) -> memoryview | None:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            if self._left:
-                self._left -= 1
-                return memoryview(bytearray(self.nbytes))
+def admit(conn: FrontConnection, head: Head):
+    """On the event loop, before a thread is lent: the request's Principal; None when its tenant
+    already holds its share of upload threads (aiohttp serves it); REFUSED when answered here."""
+    app, front = conn.front.app, conn.front
+    if len(head.headers["content-length"]) > MAX_LENGTH_DIGITS:
+        conn.refuse(413, "request_entity_too_large", "Content-Length has "
+                    f"{len(head.headers['content-length'])} digits; a batch_put body is far smaller")
+        return REFUSED
+    who = authenticate(app[CONFIG], head.headers.get("authorization", ""), BULK_PATH)
+    if who is None:
+        app[METRICS].observe_request(BULK_PATH, UNAUTHORIZED[0], 0.0)
+        conn.refuse(*UNAUTHORIZED)
+        return REFUSED
+    if front.uploads[who.tenant] >= front.max_uploads_per_tenant:
         return None
-
-    def release(self, buf: memoryview | None) -> None:
-        if buf is not None:
-            with self._lock:
-                self._free.append(buf)
+    return who
 
 
 STAGING = web.AppKey("staging", StagingPool)
 UPLOADS = web.AppKey("upload_threads", ThreadPoolExecutor)
 
 
-class Body:
-    """The request body read from the lent socket, never past Content-Length. Frame headers come
-    through a small read-ahead buffer; payloads go to DRAM landings, else to a staging buffer
-    reused per chunk (a chunk is stored before the next one is received); a chunk holds less
-    than CHUNK_BYTES before its last payload, so a payload of up to CHUNK_BYTES always fits there."""
-
-    def __init__(self, sock: socket.socket, length: int, early: bytes, store=None):
-        self.sock, self.store = sock, store
-        self.buf = bytearray(max(64 << 10, len(early)))
-        self.buf[: len(early)] = early
-        self.start, self.end = 0, len(early)
-        self.remaining = length         # body bytes not yet consumed by the parser
-        self.staging: memoryview | None = None
-        self.pos = 0
-        self.landed: list[memoryview] = []   # DRAM landings read since the last chunk went to the store
-
-    # ---------------------------------------------------------------- the read-ahead buffer
-    def _fill(self, n: int) -> None:
-        """At least n body bytes buffered; reads never go past the body (the early bytes may)."""
-        if n > self.remaining:
-            raise BlockFormatError("the body ends inside a frame")
-        while self.end - self.start < n:
-            have = self.end - self.start
-            if self.start and self.end + WINDOW > len(self.buf):
-                self.buf[:have] = self.buf[self.start: self.end]
-                self.start, self.end = 0, have
-            if self.start + n > len(self.buf):
-                self.buf.extend(bytes(self.start + n - len(self.buf)))
-            want = min(max(WINDOW, n - have), len(self.buf) - self.end, self.remaining - have)
-            got = self.sock.recv_into(memoryview(self.buf)[self.end: self.end + want])
-            if not got:
-                raise ConnectionError("the client closed the connection mid-body")
-            self.end += got
-
-    def _consume(self, n: int) -> None:
-        if n > self.remaining:
-            raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
-        self.start += n
-        self.remaining -= n
-        if self.start == self.end:
-            self.start = self.end = 0
-
-    def read(self, n: int) -> bytes:
-        if n > self.remaining:
-            raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
-        self._fill(n)
-        out = bytes(self.buf[self.start: self.start + n])
-        self._consume(n)
-        return out
-
-    def leftover(self) -> bytes:
-        """Bytes read past this body (a pipelined next request), for the event loop."""
-        return bytes(self.buf[self.start: self.end]) if not self.remaining else b""
-
-    # ---------------------------------------------------------------- frames and payloads
-    def next_frame(self, max_payload: int) -> wire.PutFrame:
-        while True:
-            got = wire.parse_put_head(memoryview(self.buf)[self.start: self.end], max_payload)
-            if got is not None:
-                break
-            self._fill(self.end - self.start + 1)
-        frame, plen, used = got
-        self._consume(used)
-        return dataclasses.replace(frame, payload=self.read_payload(plen))
-
-    def read_payload(self, n: int) -> memoryview:
-        if n > self.remaining:
-            raise BlockFormatError(f"a frame runs {n - self.remaining} bytes past the Content-Length")
-        dst = self.store.reserve_payload(n) if self.store is not None else None
-        st = self.staging
-        if dst is not None:
-            self.landed.append(dst)
-        elif st is not None and self.pos + n <= len(st):
-            dst, self.pos = st[self.pos: self.pos + n], self.pos + n
-        else:
-            dst = memoryview(bytearray(n))
-        have = min(n, self.end - self.start)
-        dst[:have] = self.buf[self.start: self.start + have]
-        self._consume(have)
-        self._recv_into(dst[have:])
-        self.remaining -= n - have
-        return dst
-
-    def _recv_into(self, view: memoryview) -> None:
-        while view.nbytes:
-            got = self.sock.recv_into(view)
-            if not got:
-                raise ConnectionError("the client closed the connection mid-body")
-            view = view[got:]
-
-    def next_chunk(self) -> None:
-        """The chunk so far is stored: its staging bytes may be overwritten, and its store call
-        released the landings it did not adopt."""
-        self.pos = 0
-        self.landed = []
-
-    def skip_rest(self) -> bool:
-        if self.remaining > DRAIN_LIMIT:
-            return False
-        try:
-            buffered = min(self.remaining, self.end - self.start)
-            self._consume(buffered)
-            scratch = memoryview(bytearray(min(self.remaining, 1 << 20) or 1))
-            while self.remaining:
-                n = min(self.remaining, len(scratch))
-                self._recv_into(scratch[:n])
-                self.remaining -= n
-        except (OSError, BlockFormatError):
-            return False
-        return True
-
-
 def _respond(sock: socket.socket, status: int, body: bytes, close: bool) -> None:
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
-    sock.sendall(head.encode() + body)
+    retry = b"Retry-After: 1\r\n" if status == 503 else b""
+    head = reply_head(status, len(body), close)
+    sock.sendall(head[:-2] + retry + b"\r\n" + body)
 
 
-def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early: bytes) -> tuple[bool, bytes]:
+def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early: bytes,
+                   who: Principal) -> tuple[bool, bytes]:
     """Serve one batch_put on the lent socket: (keep the connection?, bytes read past the body)."""
     t0 = time.perf_counter()
-    store = app[STORE]
-    body = Body(sock, int(head.headers["content-length"]), early, store)
+    cfg, store, pool = app[CONFIG], app[STORE], app[STAGING]
+    pending = PendingBytes(app[QUOTAS], store, who, cfg.max_pending_upload_bytes)
+    body = Body(sock, int(head.headers["content-length"]), early, store, pending,
+                time.monotonic() + cfg.request_timeout_s)
     keep = head.headers.get("connection", "").lower() != "close"
-    who = authenticate(app[CONFIG], head.headers.get("authorization", ""), BULK_PATH)
-    if who is None:
-        status, reply = UNAUTHORIZED[0], {"error": UNAUTHORIZED[1], "message": UNAUTHORIZED[2]}
-    else:
-        pool = app[STAGING]
-        body.staging = pool.acquire()
-        try:
-            reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES)
-            if body.remaining:
-                raise BlockFormatError(f"{body.remaining} bytes follow the last frame of the batch")
-            status = 200
-        except (ConnectionError, TimeoutError):
-            raise                       # nobody to answer
-        except Exception as e:
-            known = error_for(e)
-            if known is None:
-                log.exception("unhandled error on POST %s", BULK_PATH)
-                known = (500, "internal", "internal error; see the daemon log")
-            status, reply = known[0], {"error": known[1], "message": known[2]}
-        finally:
-            pool.release(body.staging)
-            if body.landed:             # read but never handed to the store (an error): free their chunks
-                store.release_payloads(body.landed)
-    if status != 200 and body.remaining:
+    body.staging = pool.acquire()
+    try:
+        reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES, pending)
+        if body.remaining:
+            raise BlockFormatError(f"{body.remaining} bytes follow the last frame of the batch")
+        status = 200
+    except RequestDeadline as e:
+        status, reply, keep = 408, {"error": "request_timeout", "message": str(e)}, False
+    except (ConnectionError, TimeoutError):
+        raise                       # nobody to answer
+    except Exception as e:
+        known = error_for(e)
+        if known is None:
+            log.exception("unhandled error on POST %s", BULK_PATH)
+            known = (500, "internal", "internal error; see the daemon log")
+        status, reply = known[0], {"error": known[1], "message": known[2]}
+    finally:
+        pool.release(body.staging)
+        pending.release()           # received but never stored (an error)
+        if body.landed:             # read but never handed to the store (an error): free their chunks
+            store.release_payloads(body.landed)
+    if status != 200 and body.remaining and status != 408:
         keep = keep and body.skip_rest()
     app[METRICS].observe_request(BULK_PATH, status, time.perf_counter() - t0)
     _respond(sock, status, json.dumps(reply).encode(), close=not keep)
+    if not keep and body.remaining and status != 408:
+        sock.shutdown(socket.SHUT_WR)
+        body.linger()
     return keep, body.leftover() if keep else b""
 
 
-def serve_lent(app: web.Application, sock: socket.socket, head: Head, early: bytes, closing) -> tuple[bool, bytes]:
+def serve_lent(app: web.Application, sock: socket.socket, head: Head, early: bytes, who: Principal,
+               closing) -> tuple[bool, bytes]:
     """Serve batch_puts on the lent connection while they keep coming (a client streaming uploads
-    never goes back through the loop); (keep the connection?, bytes read past the last one)."""
+    never goes back through the loop) with the same token; (keep the connection?, bytes read
+    past the last one). A next request with another token goes back to the loop's admission."""
+    auth = head.headers.get("authorization", "")
+
+    def same_token(h: Head) -> bool:       # and still valid: a token revoked since goes to the loop's 401
+        return h.headers.get("authorization", "") == auth and authenticate(app[CONFIG], auth, BULK_PATH) is not None
     while True:
-        keep, rest = serve_blocking(app, sock, head, early)
+        keep, rest = serve_blocking(app, sock, head, early, who)
         if not keep or closing():
             return keep, rest
-        head, early, keep = _next_head(sock, rest)
+        head, early, keep = _next_head(sock, rest, same_token)
         if head is None:
             return keep, early
 
 
-def _next_head(sock: socket.socket, buf: bytes) -> tuple[Head | None, bytes, bool]:
-    """The next request, if it is a batch_put that arrives within HOLD_S: (head, bytes after it,
-    True); else (None, the bytes read, whether the connection is still open) for the loop."""
+def _next_head(sock: socket.socket, buf: bytes, accept) -> tuple[Head | None, bytes, bool]:
+    """The next request, if it is a batch_put that `accept`s and arrives within HOLD_S: (head,
+    bytes after it, True); else (None, the bytes read, whether the connection is still open) for
+    the loop (which admits it as any other)."""
     timeout = sock.gettimeout()
     sock.settimeout(HOLD_S)
     try:
@@ -263,7 +165,9 @@ def _next_head(sock: socket.socket, buf: bytes) -> tuple[Head | None, bytes, boo
             at = buf.find(b"\r\n\r\n")
             if at >= 0:
                 head = parse_head(buf[: at + 4])
-                return (head, buf[at + 4:], True) if head is not None and wants(head) else (None, buf, True)
+                same = head is not None and wants(head) and accept(head) \
+                    and len(head.headers["content-length"]) <= MAX_LENGTH_DIGITS
+                return (head, buf[at + 4:], True) if same else (None, buf, True)
             if len(buf) > HEAD_LIMIT:
                 return None, buf, True
             more = sock.recv(WINDOW)
@@ -276,15 +180,20 @@ def _next_head(sock: socket.socket, buf: bytes) -> tuple[Head | None, bytes, boo
         sock.settimeout(timeout)
 
 
-async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application) -> bool:
+async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application, who: Principal) -> bool:
     """Serve batch_puts on an upload thread; True when the connection can take another request."""
     sock, early = conn.lend()
     keep, extra = False, b""
+    uploads = conn.front.uploads
+    uploads[who.tenant] += 1
     try:
         keep, extra = await asyncio.get_running_loop().run_in_executor(
-            app[UPLOADS], serve_lent, app, sock, head, early, lambda: conn.front.closing)
+            app[UPLOADS], serve_lent, app, sock, head, early, who, lambda: conn.front.closing)
     except (OSError, asyncio.IncompleteReadError) as e:
         log.debug("bulk upload connection dropped: %s", e)
     finally:
+        uploads[who.tenant] -= 1
+        if not uploads[who.tenant]:
+            del uploads[who.tenant]
         conn.give_back(sock, extra)
     return keep

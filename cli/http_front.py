@@ -18,57 +18,34 @@ serves batch_put as well (slower).
 
 Flow control: the head buffer pauses the transport when full, and a lent connection is not read
 by the loop at all, so a fast client never makes the daemon buffer more than it chose to.
+
+What a connection costs the daemon before it has shown a token: an 8 KiB head buffer (grown
+to HEAD_LIMIT only while a long head arrives, shrunk after), for at most header_timeout_s per
+head; a batch_put head is admitted on the loop (cli/bulk_put.py `admit`) and a stranger gets
+its 401 there, the body unread. Past server.max_connections new connections are closed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from kvcache.cli.http_head import Head, parse_head, reply_head  # noqa: F401  (parse_head: the front's API)
+
 log = logging.getLogger(__name__)
 HEAD_LIMIT = 16 << 10          # request line + headers; larger heads go to aiohttp (which answers 431)
-BUFFER_BYTES = 256 << 10       # head and frame-header buffer per connection
-WINDOW = 4096                  # what one recv into that buffer asks for (see get_buffer)
-
-
-@dataclass
-class Head:
-    method: str
-    target: str
-    version: str
-    headers: dict[str, str]
-    size: int                  # bytes of the head, blank line included
-
-
-def parse_head(raw: bytes) -> Head | None:
-    """The request line and headers (names lowercased); None when malformed or ambiguous, so
-    that aiohttp, which answers such requests properly, gets them."""
-    try:
-        text = raw.decode("latin-1")
-    except UnicodeDecodeError:
-        return None
-    lines = text.split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3:
-        return None
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            break
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():   # "Content-Length : 5": aiohttp refuses it too
-            return None
-        name = name.lower()
-        if name in headers and name in ("content-length", "host"):
-            return None
-        headers[name] = value.strip()
-    return Head(parts[0], parts[1], parts[2], headers, len(raw))
+WINDOW = 4096                  # what one recv into the head buffer asks for (see get_buffer)
+BUFFER_BYTES = 2 * WINDOW      # the head buffer a connection starts (and shrinks back) to
+MAX_BUFFER_BYTES = HEAD_LIMIT + 2 * WINDOW   # what it grows to while a head is incomplete
+LINGER_S = 1.0                 # a refused connection stays open this long for its reply to get out
 
 
 class FrontConnection(asyncio.BufferedProtocol):
@@ -78,30 +55,38 @@ class FrontConnection(asyncio.BufferedProtocol):
     def __init__(self, front: "Front"):
         self.front = front
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray(BUFFER_BYTES)
+        self._buf = bytearray(BUFFER_BYTES)   # small: an idle connection costs little; grows for a long head
         self._start = self._end = 0
         self._window = WINDOW
         self._wake: asyncio.Future | None = None
         self._eof = self._lost = self._paused = self._handed = self._lent = False
+        self.served = False     # has completed a request (idle timeout: keepalive_s, else header_timeout_s)
         self.busy = False       # inside a request (shutdown waits for it)
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ transport callbacks
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self.front.full():       # refused before anything is read or allocated for it
+            log.info("refusing a connection: %d open (server.max_connections)", self.front.open_count())
+            transport.abort()
+            return
         self.front.connections.add(self)
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._end == len(self._buf) and self._start:
-            self._compact()
+        if self._end == len(self._buf):
+            if self._start:
+                self._compact()
+            elif len(self._buf) < MAX_BUFFER_BYTES:
+                self._resize(min(MAX_BUFFER_BYTES, 2 * len(self._buf)))
         # A small window: a large recv here would pull the body's first payload into this
         # buffer, and the upload thread would copy it out again.
         return memoryview(self._buf)[self._end: self._end + self._window]
 
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
-        if self._end == len(self._buf) and not self._start:
+        if self._end == len(self._buf) and not self._start and len(self._buf) >= MAX_BUFFER_BYTES:
             self._pause()
         self._wakeup()
 
@@ -117,8 +102,13 @@ class FrontConnection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ reading
     async def read_head(self) -> bytes | None:
-        """The next request head, peeked (not consumed); None when the client closed or idled out."""
-        timer = asyncio.get_running_loop().call_later(self.front.keepalive_s, self._idle_out)
+        """The next request head, peeked (not consumed); None when the client closed or idled out.
+        A connection waits keepalive_s for a next request once it has served one; a head, once
+        begun (or on a connection that never completed a request), must be whole within
+        header_timeout_s: a client trickling a head byte by byte is cut off then."""
+        loop, front = asyncio.get_running_loop(), self.front
+        waiting = self.served and self._end == self._start
+        timer = loop.call_later(front.keepalive_s if waiting else front.header_timeout_s, self._idle_out)
         try:
             while True:
                 at = self._buf.find(b"\r\n\r\n", self._start, self._end)
@@ -128,6 +118,10 @@ class FrontConnection(asyncio.BufferedProtocol):
                     return b""          # too large: aiohttp answers it
                 if self._eof or self._lost:
                     return None
+                if waiting and self._end > self._start:     # a head began: it has header_timeout_s
+                    waiting = False
+                    timer.cancel()
+                    timer = loop.call_later(front.header_timeout_s, self._idle_out)
                 await self._more(0, timeout=None)
         except asyncio.IncompleteReadError:
             return None
@@ -138,12 +132,21 @@ class FrontConnection(asyncio.BufferedProtocol):
         self._start += n
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buf) > BUFFER_BYTES:   # a long head grew it: idle connections stay small
+                self._buf = bytearray(BUFFER_BYTES)
         self._resume()
 
     def _compact(self) -> None:
         rest = self._end - self._start
         self._buf[:rest] = self._buf[self._start: self._end]
         self._start, self._end = 0, rest
+
+    def _resize(self, size: int) -> None:
+        """A new buffer (never resized in place: the transport may hold a view of the old one)."""
+        rest = self._end - self._start
+        buf = bytearray(max(size, rest))
+        buf[:rest] = self._buf[self._start: self._end]
+        self._buf, self._start, self._end = buf, 0, rest
 
     async def _more(self, want: int, timeout: float | None = -1.0) -> None:
         """Wait for more bytes (`want`: how many the caller needs in all, a window hint)."""
@@ -197,22 +200,36 @@ class FrontConnection(asyncio.BufferedProtocol):
         sock.settimeout(self.front.read_timeout_s)
         early = bytes(self._buf[self._start: self._end])
         self._start = self._end = 0
+        if len(self._buf) > BUFFER_BYTES:
+            self._buf = bytearray(BUFFER_BYTES)
         return sock, early
 
     def give_back(self, sock: socket.socket, extra: bytes) -> None:
         """Back from the thread, with the bytes it read past its request."""
         sock.close()                  # the dup only
         self._lent = False
+        self.served = True
         if extra:
-            if len(extra) > len(self._buf):
-                self._buf.extend(bytes(len(extra) - len(self._buf)))
+            self._buf = bytearray(max(BUFFER_BYTES, len(extra)))
             self._buf[: len(extra)] = extra
             self._start, self._end = 0, len(extra)
         self._resume()
 
+    def refuse(self, status: int, code: str, message: str) -> None:
+        """Answer from the event loop and close, reading nothing more: the reply and a FIN go
+        out now; the socket closes after LINGER_S (a client still sending its body then gets a
+        reset, and finds the reply in its receive buffer)."""
+        body = json.dumps({"error": code, "message": message}).encode()
+        self._pause()
+        self.transport.write(reply_head(status, len(body), close=True) + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        self._handed = True           # _serve's exit leaves the closing to the timer
+
     # ------------------------------------------------------------ the request loop
     async def _serve(self) -> None:
-        from kvcache.cli.bulk_put import serve_bulk_put, wants
+        from kvcache.cli.bulk_put import REFUSED, admit, serve_bulk_put, wants
         try:
             while not self.front.closing:
                 raw = await self.read_head()
@@ -222,14 +239,20 @@ class FrontConnection(asyncio.BufferedProtocol):
                 if head is None or not wants(head):
                     self._hand_over()
                     return
+                who = admit(self, head)
+                if who is REFUSED:
+                    return
+                if who is None:                 # the tenant's share of upload threads is in use
+                    self._hand_over()
+                    return
                 self.busy = True
                 self._consume(head.size)
-                keep = await serve_bulk_put(self, head, self.front.app)
+                keep = await serve_bulk_put(self, head, self.front.app, who)
                 self.busy = False
                 if not keep:
                     break
-        except Exception:
-            log.exception("bulk connection failed")
+        except Exception as e:        # a client's doing (a reset, garbage): not worth an ERROR
+            log.debug("bulk connection failed: %r", e)
         finally:
             self.busy = False
             if not self._handed and self.transport is not None:
@@ -254,13 +277,35 @@ class FrontConnection(asyncio.BufferedProtocol):
 
 @dataclass
 class Front:
-    """What every FrontConnection of one daemon shares."""
+    """What every FrontConnection of one daemon shares. Timeouts and limits left None come from
+    the app's [server] settings when the front is made."""
     app: web.Application
     aiohttp_factory: object
     keepalive_s: float = 75.0
-    read_timeout_s: float = 60.0
+    read_timeout_s: float | None = None      # one socket read of an upload
+    header_timeout_s: float | None = None    # a request head, from its first byte
+    request_timeout_s: float | None = None   # a whole upload, head to reply
+    max_connections: int | None = None
+    max_uploads_per_tenant: int | None = None
     closing: bool = False
     connections: set = field(default_factory=set)
+    uploads: Counter = field(default_factory=Counter)   # upload threads in use, per tenant
+
+    def __post_init__(self) -> None:
+        from kvcache.cli.server import CONFIG
+        cfg = self.app[CONFIG]
+        for name in ("header_timeout_s", "request_timeout_s", "max_connections", "max_uploads_per_tenant"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(cfg, name))
+        if self.read_timeout_s is None:
+            self.read_timeout_s = self.request_timeout_s
+
+    def open_count(self) -> int:
+        """Connections open: front-owned ones and those aiohttp serves."""
+        return len(self.connections) + len(getattr(self.aiohttp_factory, "connections", ()))
+
+    def full(self) -> bool:
+        return self.open_count() >= self.max_connections
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests: idle connections close now, busy ones after their reply."""

@@ -19,7 +19,7 @@ import asyncio
 
 from aiohttp import web
 
-from kvcache.cli.quota import put_within_quota
+from kvcache.cli.quota import PendingBytes, put_within_quota
 from kvcache.cli.server import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
 from kvcache.kvstore import wire
 from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
@@ -27,6 +27,7 @@ from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import PutResult
 
 PUT_CHUNK_BYTES = 64 << 20
+GROW_FROM = 1 << 20     # a payload's buffer starts this large and doubles as its bytes arrive
 
 
 class PutBatch:
@@ -62,54 +63,109 @@ class PutBatch:
         return {"stored": self.stored, "already_present": self.present, "durable": self.durable}
 
 
+def _limited(next_frame, limit: int):
+    """next_frame(limit), its 413 naming the setting that sets the limit."""
+    def call():
+        try:
+            return next_frame(limit)
+        except wire.FrameLimitError as e:
+            raise wire.FrameLimitError(f"{e} (the daemon's server.max_block_bytes)") from None
+    return call
+
+
+def _limited_async(next_frame, limit: int):
+    async def call():
+        try:
+            return await next_frame(limit)
+        except wire.FrameLimitError as e:
+            raise wire.FrameLimitError(f"{e} (the daemon's server.max_block_bytes)") from None
+    return call
+
+
 async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
-                      chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
+                      chunk_limit: int = PUT_CHUNK_BYTES, pending: PendingBytes | None = None) -> dict:
     """Store one upload: the stream header is read with `read(n)`, each frame with
-    `next_frame(max payload bytes)` (both awaitables)."""
+    `next_frame(max payload bytes)` (both awaitables). `pending`: the upload's payload bytes
+    were counted as pending as they arrived (cli/quota.py); each stored chunk stops counting."""
     cfg, store, loop = app[CONFIG], app[STORE], asyncio.get_running_loop()
     count = await wire.read_stream_header(read, cfg.max_batch_blocks)
-    batch, pending = PutBatch(who, chunk_limit), None
+    batch, storing = PutBatch(who, chunk_limit), None
+    frame = _limited_async(next_frame, cfg.max_block_bytes)
 
     async def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            batch.done(await pending)
-            pending = None
+        nonlocal storing
+        if storing is not None:
+            batch.done(await storing)
+            storing = None
         items, _ = batch.take()
         if items:                    # quota held from its check to the end of its put (cli/quota.py)
-            pending = loop.run_in_executor(app[POOL], put_within_quota, store, app[QUOTAS], who, items)
+            storing = loop.run_in_executor(app[POOL], put_within_quota, store, app[QUOTAS], who, items, pending)
             if next_chunk is not None:
                 next_chunk()
     try:
         for _ in range(count):
-            if batch.add(await next_frame(cfg.max_block_bytes)):
+            if batch.add(await frame()):
                 await flush()
         await flush()
         await flush()
     finally:
-        if pending is not None:     # an error while a chunk is being stored: let it finish first
-            await asyncio.wait([pending])
+        if storing is not None:     # an error while a chunk is being stored: let it finish first
+            await asyncio.wait([storing])
     return batch.reply(app)
 
 
 def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
-                         chunk_limit: int = PUT_CHUNK_BYTES) -> dict:
+                         chunk_limit: int = PUT_CHUNK_BYTES, pending: PendingBytes | None = None) -> dict:
     """ingest_puts for a receiving thread: `read` and `next_frame` block, and chunks are stored
     right here, not overlapped: with payloads landing in DRAM a put is bookkeeping that costs
     less than waking a worker thread (measured: 0.9x -> 1.0x of redis at 256 KiB on 2 cores;
     durable puts gained nothing from the overlap either)."""
     cfg, store = app[CONFIG], app[STORE]
     count = wire.parse_stream_header(read(wire.STREAM_HEADER_BYTES), cfg.max_batch_blocks)
-    batch = PutBatch(who, chunk_limit)
+    batch, frame = PutBatch(who, chunk_limit), _limited(next_frame, cfg.max_block_bytes)
 
     def flush() -> None:
         items, _ = batch.take()
         if items:
-            batch.done(put_within_quota(store, app[QUOTAS], who, items))
+            batch.done(put_within_quota(store, app[QUOTAS], who, items, pending))
             if next_chunk is not None:
                 next_chunk()
     for _ in range(count):
-        if batch.add(next_frame(cfg.max_block_bytes)):
+        if batch.add(frame()):
             flush()
     flush()
     return batch.reply(app)
+
+
+async def ingest_request(app: web.Application, who: Principal, content) -> dict:
+    """aiohttp's batch_put body (`content`: its StreamReader) stored, within server.request_timeout_s
+    (408 after). Each payload's memory grows as its bytes arrive and is counted as pending first
+    (cli/quota.py): an upload that declares 64 MiB and stalls holds what it sent."""
+    cfg = app[CONFIG]
+    pending = PendingBytes(app[QUOTAS], app[STORE], who, cfg.max_pending_upload_bytes)
+
+    async def read_payload(n: int) -> bytearray:   # one copy out of the socket's chunks, no join
+        buf, pos = bytearray(0), 0
+        while pos < n:
+            if pos == len(buf):
+                more = min(n, max(GROW_FROM, 2 * len(buf))) - len(buf)
+                pending.add(more)
+                buf += bytes(more)
+            chunk = await content.read(len(buf) - pos)
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", n)
+            buf[pos: pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return buf
+    read = content.readexactly
+    try:
+        async with asyncio.timeout(cfg.request_timeout_s):
+            reply = await ingest_puts(app, who, read, lambda limit: wire.read_put_frame(read, limit, read_payload),
+                                      pending=pending)
+            if await content.read(1):   # as the native path (cli/bulk_put.py): the frames must end the body
+                raise wire.BlockFormatError("bytes follow the last frame of the batch")
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text="the upload took longer than server.request_timeout_s") from None
+    finally:
+        pending.release()           # received but never stored (an error)
+    return reply

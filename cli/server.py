@@ -188,12 +188,17 @@ async def json_body(request: web.Request):
 
 
 async def _read_at_most(request: web.Request, limit: int) -> bytes:
-    """The body, or 413 once it passes `limit` (a chunked body has no Content-Length to check first)."""
+    """The body, or 413 once it passes `limit` (a chunked body has no Content-Length to check
+    first); 408 when it takes longer than server.request_timeout_s to arrive."""
     body = bytearray()
-    async for chunk in request.content.iter_chunked(1 << 20):
-        body += chunk
-        if len(body) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+    try:
+        async with asyncio.timeout(request.app[CONFIG].request_timeout_s):
+            async for chunk in request.content.iter_chunked(1 << 20):
+                body += chunk
+                if len(body) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text="the request body took longer than server.request_timeout_s") from None
     return bytes(body)
 
 
@@ -230,25 +235,8 @@ async def head_block(request: web.Request) -> web.Response:
 
 
 async def batch_put(request: web.Request) -> web.Response:
-    content = request.content
-
-    async def read_payload(n: int) -> bytearray:   # one copy out of the socket's chunks, no join
-        buf, pos = bytearray(n), 0
-        mv = memoryview(buf)
-        while pos < n:
-            chunk = await content.read(n - pos)
-            if not chunk:
-                raise asyncio.IncompleteReadError(bytes(buf[:pos]), n)
-            mv[pos: pos + len(chunk)] = chunk
-            pos += len(chunk)
-        return buf
-    from kvcache.cli.put_batch import ingest_puts   # put_batch imports this module
-    read = content.readexactly
-    reply = await ingest_puts(request.app, principal(request), read,
-                              lambda limit: wire.read_put_frame(read, limit, read_payload))
-    if await content.read(1):       # as the native path (cli/bulk_put.py): the frames must end the body
-        raise BlockFormatError("bytes follow the last frame of the batch")
-    return web.json_response(reply)
+    from kvcache.cli.put_batch import ingest_request   # put_batch imports this module
+    return web.json_response(await ingest_request(request.app, principal(request), request.content))
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:

@@ -54,12 +54,18 @@ class ServerConfig:
     max_shm_leases: int = 4096       # outstanding shared-memory leases (clients that never release)
     workers: int = 8                 # threads running blocking store calls
     shutdown_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0   # a request head must be whole this long after its first byte
+    request_timeout_s: float = 60.0  # an upload's body, head to reply (also the limit per socket read)
+    max_connections: int = 4096      # open client connections; more are closed at once
+    max_pending_upload_bytes: int = 1 << 30   # payload bytes being received, daemon-wide; past it: 503
+    max_uploads_per_tenant: int = 16  # upload threads one tenant holds; its further uploads go to aiohttp
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_block_bytes", "max_batch_blocks", "max_keys", "max_shm_leases", "workers"):
+        for name in ("port", "max_block_bytes", "max_batch_blocks", "max_keys", "max_shm_leases", "workers",
+                     "max_connections", "max_pending_upload_bytes", "max_uploads_per_tenant"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("shm_lease_s", "shutdown_timeout_s"):
+        for name in ("shm_lease_s", "shutdown_timeout_s", "header_timeout_s", "request_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
                 raise ValueError(f"server.{name} must be a positive number of seconds, got {v!r}")

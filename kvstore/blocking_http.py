@@ -12,7 +12,9 @@ Connections are the standard library's http.client ones (TCP_NODELAY on), kept a
 small pool per client. Retries follow the async client's contract (kvstore/client.py): 502/503/
 504, connection errors and timeouts, with exponential backoff, for the idempotent calls that use
 this path (batch_put, batch_get); a pooled connection the daemon closed while idle is retried once
-at no cost.
+at no cost. A 4xx is final. When the daemon stops reading an upload part-way (an error it answered
+before the body ended), the send fails; the reply it sent is read then, and reported, rather than
+the body re-sent.
 """
 
 from __future__ import annotations
@@ -145,12 +147,29 @@ class BlockingHTTP:
         for k, v in {**self._headers, **headers}.items():
             conn.putheader(k, v)
         conn.endheaders()
-        if self._https:               # TLS sockets have no sendmsg
-            for p in pieces:
-                conn.send(p)
-        else:
-            send_pieces(conn.sock, pieces)
+        try:
+            if self._https:           # TLS sockets have no sendmsg
+                for p in pieces:
+                    conn.send(p)
+            else:
+                send_pieces(conn.sock, pieces)
+        except OSError as e:          # reset or closed mid-body: the daemon may have answered first
+            return self._answer_after(conn, e)
         return conn.getresponse()
+
+    @staticmethod
+    def _answer_after(conn, send_error: OSError) -> http.client.HTTPResponse:
+        """The reply the daemon sent before it stopped reading the body (a 413 for a block over
+        its limit, a 401): an error reply is final, and re-sending the body would only meet it
+        again. No reply: the send error, for the retry logic."""
+        try:
+            resp = conn.getresponse()
+        except _TRANSPORT_ERRORS:
+            raise send_error from None
+        if resp.status < 300:
+            raise send_error          # a success cannot come before the whole body was read
+        resp.will_close = True
+        return resp
 
     def _finish(self, conn, resp: http.client.HTTPResponse) -> None:
         if resp.read(1):              # the handler left bytes behind: never reuse such a stream

@@ -97,14 +97,14 @@ async def test_client_puts_take_the_native_path_and_read_back(daemon):
         await c.close()
 
 
-async def test_keep_alive_bad_token_skips_body_then_serves_next_and_hands_over(daemon):
+async def test_keep_alive_error_skips_body_then_serves_next_and_hands_over(daemon):
     await (await registered(daemon)).close()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
     body = batch_body([0, 1, 2])
-    writer.write(request(body, token="x" * 32) + request(body))      # pipelined: a 401, then a good one
+    writer.write(request(batch_body([0, 1], ns=b"\x01" * 16)) + request(body))   # pipelined: a 422, then a good one
     await writer.drain()
     status, headers, reply = await read_response(reader)
-    assert status == 401 and reply["error"] == "unauthorized" and headers.get("connection") != "close"
+    assert status == 422 and reply["error"] == "unknown_namespace" and headers.get("connection") != "close"
     status, _, reply = await read_response(reader)
     assert status == 200 and reply == {"stored": 3, "already_present": 0, "durable": True}
     writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")          # anything else: aiohttp takes over
@@ -117,6 +117,19 @@ async def test_keep_alive_bad_token_skips_body_then_serves_next_and_hands_over(d
     assert status == 200 and reply["stored"] == 1
     writer.close()
     assert daemon["store"].get(tenant_key("alice", KEYS[3])) == payload(3)
+
+
+async def test_a_bad_token_is_refused_on_the_loop_and_its_body_never_read(daemon):
+    """A 401 comes at once, with Connection: close, and the connection closes without the
+    daemon reading (or draining) the body it announced."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
+    writer.write(request(b"", token="x" * 32, length=60_000_000) + b"\x00" * 1000)
+    await writer.drain()
+    status, headers, reply = await asyncio.wait_for(read_response(reader), 2)
+    assert status == 401 and reply["error"] == "unauthorized" and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 3) == b""            # closed, nothing drained
+    assert not daemon["front"].uploads                                  # no upload thread was lent
+    writer.close()
 
 
 async def test_frames_past_content_length_and_trailing_bytes_are_400(daemon):

@@ -1,0 +1,304 @@
+"""Slow, stalled and flooding clients against the daemon's front (cli/http_front.py, cli/bulk_put.py)
+and aiohttp's batch_put: strangers' bytes never reach an upload thread, every request has a
+deadline, a connection or a stalled upload costs little memory, errors arrive as answers."""
+
+import asyncio
+import json
+import re
+import struct
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from kvcache.cli.http_front import BUFFER_BYTES, Front, FrontSite
+from kvcache.cli.server import METRICS, QUOTAS, build_app
+from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.kvstore import Namespace, hash_blocks, wire
+from kvcache.kvstore.client import AsyncKVClient
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import BlockFormatError
+from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.sync_client import KVClient
+from kvcache.tiering.nvme import NvmeConfig
+
+NS = Namespace("slow-model@1", "raw/v1", 16, name="slow")
+KEYS = hash_blocks(NS, np.arange(16 * 64))
+ALICE, BOB, SMALL = "a" * 32, "b" * 32, "s" * 32
+TOKENS = (TokenInfo(ALICE, "alice"), TokenInfo(BOB, "bob"), TokenInfo(SMALL, "small", quota_bytes=300_000))
+
+
+def start_daemon(tmp_path, **server):
+    """A daemon on a real listening socket; no DRAM tier, so payloads get memory of their own."""
+    async def start():
+        store = BlockStore(StoreConfig(str(tmp_path), nvme=NvmeConfig(segment_bytes=4 << 20)))
+        app = build_app(store, ServerConfig(tokens=TOKENS, **server))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        front = Front(app, runner.server)
+        site = FrontSite(runner, front, host="127.0.0.1", port=0)
+        await site.start()
+
+        async def stop():
+            await front.drain(2)
+            await runner.cleanup()
+            store.close()
+        return {"url": f"http://127.0.0.1:{site.port}", "port": site.port, "app": app, "front": front,
+                "stop": stop}
+    return start()
+
+
+@pytest.fixture
+async def daemon(tmp_path):
+    made = []
+
+    async def make(**server):
+        made.append(await start_daemon(tmp_path / str(len(made)), **server))
+        return made[-1]
+    yield make
+    for d in made:
+        await d["stop"]()
+
+
+def head(token: str | None, length: int, extra: str = "") -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (f"POST /v1/blocks/batch_put HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+def frame_head(i: int, nbytes: int) -> bytes:
+    """A frame's bytes up to its payload, declaring nbytes of payload."""
+    return wire.encode_put_frame(wire.PutFrame(KEYS[i], NS.id, b""))[0][:-8] + struct.pack("<Q", nbytes)
+
+
+async def read_response(reader) -> tuple[int, dict, dict]:
+    status_line = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = await reader.readexactly(int(headers["content-length"]))
+    return int(status_line.split()[1]), headers, json.loads(body) if body else {}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) << 10
+
+
+async def trickle(writer, data: bytes, every_s: float) -> None:
+    """One byte of `data` every `every_s` seconds until the daemon closes the connection."""
+    try:
+        for b in data:
+            writer.write(bytes([b]))
+            await writer.drain()
+            await asyncio.sleep(every_s)
+    except (ConnectionError, OSError):
+        pass
+
+
+async def test_slow_strangers_do_not_starve_uploads(daemon):
+    """40 connections without a token, each announcing a 60 MB batch_put and trickling a byte a
+    second, hold no upload thread (today's 32 would all be drained slowly): an authenticated
+    put_many completes at once."""
+    d = await daemon()
+    conns = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(40)]
+    for _, w in conns:
+        w.write(head(None, 60_000_000))
+    trickles = [asyncio.create_task(trickle(w, bytes(100), 0.5)) for _, w in conns]
+    await asyncio.sleep(0.3)
+    c = AsyncKVClient(d["url"], ALICE, retries=0, timeout_s=3, shared_memory="off")
+    try:
+        await c.register_namespace(NS)
+        t0 = time.monotonic()
+        r = await c.put_many([PutItem(KEYS[i], bytes([i]) * 50_000, NS.id) for i in range(8)])
+        assert r.stored == 8 and time.monotonic() - t0 < 2
+        for reader, _ in conns:                     # each got its 401 and was closed, unread
+            status, headers, _ = await asyncio.wait_for(read_response(reader), 3)
+            assert status == 401 and headers["connection"] == "close"
+    finally:
+        await c.close()
+        for t in trickles:
+            t.cancel()
+        for _, w in conns:
+            w.close()
+
+
+async def test_a_trickled_upload_is_cut_off_at_the_request_deadline(daemon):
+    """An authenticated client sending one byte every 0.2 s (each read well within any per-read
+    timeout) gets 408 once request_timeout_s has passed, on both upload paths."""
+    d = await daemon(request_timeout_s=1.0)
+    for via_aiohttp in (False, True):
+        reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+        if via_aiohttp:                              # any other request first: aiohttp owns it then
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(reader))[0] == 200
+        body = wire.stream_header(1) + frame_head(0, 1000)
+        writer.write(head(ALICE, len(body) + 1000) + body)
+        t0 = time.monotonic()
+        slow = asyncio.create_task(trickle(writer, bytes(1000), 0.2))
+        status, _, reply = await asyncio.wait_for(read_response(reader), 5)
+        assert status == 408 and "request_timeout_s" in reply["message"], (via_aiohttp, reply)
+        assert 0.9 < time.monotonic() - t0 < 3
+        slow.cancel()
+        writer.close()
+
+
+async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
+    d = await daemon(header_timeout_s=0.5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    t0 = time.monotonic()
+    slow = asyncio.create_task(trickle(writer, head(ALICE, 10), 0.1))
+    assert await asyncio.wait_for(reader.read(), 3) == b""
+    assert time.monotonic() - t0 < 1.5
+    slow.cancel()
+    writer.close()
+    # a connection that never sends a byte is closed as soon, not after the 75 s keep-alive
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    assert await asyncio.wait_for(reader.read(), 3) == b""
+    writer.close()
+
+
+async def test_connections_past_max_connections_are_closed(daemon):
+    d = await daemon(max_connections=5)
+    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
+    await asyncio.sleep(0.1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    try:
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+    except ConnectionResetError:
+        pass
+    writer.close()
+    for _, w in held:
+        w.close()
+    await asyncio.sleep(0.1)
+    c = AsyncKVClient(d["url"], ALICE, retries=0, shared_memory="off")
+    assert await c.healthz() == {"status": "ok"}       # room again once they closed
+    await c.close()
+
+
+async def test_idle_connections_cost_a_small_buffer(daemon):
+    """Before: every connection allocated a 256 KiB buffer up front (300 idle ones: ~75 MiB)."""
+    d = await daemon()
+    before = rss_bytes()
+    conns = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(300)]
+    await asyncio.sleep(0.2)
+    grown = rss_bytes() - before
+    assert len(d["front"].connections) >= 300
+    assert all(len(c._buf) <= BUFFER_BYTES for c in d["front"].connections)
+    assert grown < 300 * (64 << 10), grown
+    for _, w in conns:
+        w.close()
+
+
+async def test_stalled_large_uploads_hold_what_they_sent(daemon):
+    """16 uploads each declaring a 64 MiB payload and stalling after 100 kB: before, the daemon
+    allocated (and zeroed) the 64 MiB of each as the frame arrived, +1 GiB; now a payload's
+    memory grows with its bytes, on both upload paths."""
+    d = await daemon(max_block_bytes=64 << 20)
+    before = rss_bytes()
+    conns = []
+    for i in range(16):
+        reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+        if i % 2:                                    # half of them on aiohttp's path
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            await read_response(reader)
+        body = wire.stream_header(1) + frame_head(i, 64 << 20)
+        writer.write(head(ALICE, len(body) + (64 << 20)) + body + bytes(100_000))
+        await writer.drain()
+        conns.append((reader, writer))
+    await asyncio.sleep(1.0)
+    grown = rss_bytes() - before
+    assert grown < 200 << 20, grown
+    assert d["app"][QUOTAS].pending_total <= 16 * (2 << 20)
+    for _, w in conns:
+        w.close()
+
+
+async def test_pending_upload_bytes_are_bounded_and_counted_against_the_quota(daemon):
+    d = await daemon(max_pending_upload_bytes=1 << 20)
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    body = wire.stream_header(1) + frame_head(0, 2 << 20) + bytes(2 << 20)
+    writer.write(head(ALICE, len(body)) + body)
+    status, headers, reply = await asyncio.wait_for(read_response(reader), 3)
+    assert status == 503 and headers["retry-after"] == "1" and "max_pending_upload_bytes" in reply["message"]
+    writer.close()
+    # a tenant's quota counts what its uploads under way have received, before more is reserved
+    c = AsyncKVClient(d["url"], SMALL, retries=0, shared_memory="off")
+    await c.register_namespace(NS)
+    r1, w1 = await asyncio.open_connection("127.0.0.1", d["port"])
+    body = wire.stream_header(1) + frame_head(1, 200_000)
+    w1.write(head(SMALL, len(body) + 200_000) + body + bytes(1000))     # stalls: 200 kB pending
+    await w1.drain()
+    await asyncio.sleep(0.2)
+    try:
+        await c.put_many([PutItem(KEYS[2], bytes(200_000), NS.id)])
+        raise AssertionError("the quota ignored the upload under way")
+    except Exception as e:
+        assert "quota" in str(e)
+    w1.close()
+    await c.close()
+
+
+async def test_a_huge_content_length_is_answered(daemon):
+    """A 5,000-digit Content-Length (int() refuses it) used to drop the connection unanswered
+    and log a traceback at ERROR."""
+    d = await daemon()
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    writer.write(b"POST /v1/blocks/batch_put HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")
+    status, _, reply = await asyncio.wait_for(read_response(reader), 3)
+    assert status == 413 and "digits" in reply["message"]
+    writer.close()
+
+
+async def test_garbage_on_the_front_is_not_logged_at_error(daemon, caplog):
+    d = await daemon()
+    for junk in (b"\x00\xff" * 3000 + b"\r\n\r\n", b"POST /v1/blocks/batch_put HTTP/1.1\r\nContent-Length: 5\r\n\r\n"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+        writer.write(junk)
+        await writer.drain()
+        try:
+            await asyncio.wait_for(reader.read(), 3)
+        except ConnectionError:
+            pass
+        writer.close()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_one_tenant_cannot_hold_every_upload_thread(daemon):
+    """Past max_uploads_per_tenant, a tenant's uploads are served by aiohttp (no thread held)."""
+    d = await daemon(max_uploads_per_tenant=1)
+    c = AsyncKVClient(d["url"], ALICE, retries=0, shared_memory="off")
+    await c.register_namespace(NS)
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    body = wire.stream_header(1) + frame_head(3, 100_000)
+    writer.write(head(ALICE, len(body) + 100_000) + body)      # holds alice's one thread
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    assert d["front"].uploads["alice"] == 1
+    r = await asyncio.wait_for(c.put_many([PutItem(KEYS[4], bytes(50_000), NS.id)]), 3)
+    assert r.stored == 1 and d["front"].uploads["alice"] == 1
+    writer.close()
+    await c.close()
+
+
+async def test_a_block_over_max_block_bytes_is_one_clear_413(daemon):
+    """An 80 MiB block (more than the 64 MiB the daemon drains) used to close the connection
+    unanswered: KVClient saw ConnectionResetError and re-sent the 80 MiB four times."""
+    d = await daemon(max_block_bytes=1 << 20)
+    big = np.zeros(80 << 20, dtype=np.uint8)
+
+    def put() -> BaseException:
+        with KVClient(d["url"], ALICE, retries=3, backoff_s=0.01, shared_memory="off") as c:
+            c.register_namespace(NS)
+            try:
+                c.put_many([PutItem(KEYS[5], big, NS.id)])
+            except BaseException as e:
+                return e
+        raise AssertionError("accepted")
+    err = await asyncio.wait_for(asyncio.to_thread(put), 20)
+    assert isinstance(err, BlockFormatError) and "413" in str(err) and "max_block_bytes" in str(err), err
+    text, _ = d["app"][METRICS].render()
+    text = text.decode() if isinstance(text, bytes) else text
+    sent = re.search(r'endpoint="/v1/blocks/batch_put",status="413"} (\d+)', text)
+    assert sent is not None and float(sent.group(1)) == 1           # sent once
