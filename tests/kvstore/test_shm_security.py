@@ -9,6 +9,7 @@ what a process of the daemon's user without privileges has."""
 import ctypes
 import fcntl
 import json
+import logging
 import mmap
 import os
 import socket
@@ -21,6 +22,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcache.cli import shm_control
 from kvcache.cli.server import build_app
@@ -371,3 +374,38 @@ def test_undumpable_sets_the_flag():
             "print(libc.prctl(3, 0, 0, 0, 0), undumpable(), libc.prctl(3, 0, 0, 0, 0))")   # PR_GET_DUMPABLE
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", "True", "0"], out.stderr
+
+
+# ---------------------------------------------------------------- any frames at all
+_KEYS = st.lists(st.binary(min_size=1, max_size=64), max_size=6)
+_BODIES = st.one_of(st.binary(max_size=96), _KEYS.map(w.encode_keys), st.integers(0, 2**64 - 1).map(w.encode_u64),
+                    st.sampled_from([ALICE.encode(), BOB.encode(), PLAIN.encode(), b"\xff\xfe"]))
+_FRAMES = st.lists(st.tuples(st.sampled_from([w.HELLO, w.LEASE, w.RELEASE, w.FORGET, w.TOUCH, 0, 6, 65535]), _BODIES),
+                   max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=_FRAMES, hello=st.sampled_from([None, ALICE, PLAIN]), cut=st.integers(0, 7))
+def test_any_frames_leave_no_error_and_the_daemon_serving(daemon, caplog, frames, hello, cut):
+    """Whatever a local process sends, with or without a token, and wherever it hangs up: no
+    traceback at ERROR, no lease left behind, and the next client is served."""
+    url, store, path = daemon
+    caplog.clear()
+    data = (w.frame(w.HELLO, hello.encode()) if hello else b"") + b"".join(w.frame(op, body) for op, body in frames)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(data[: len(data) - cut] if cut < len(data) else data)
+        s.shutdown(socket.SHUT_WR)
+        while True:                        # the daemon closes once it has read everything
+            try:
+                got, fds, _, _ = socket.recv_fds(s, 1 << 16, 8)
+            except ConnectionResetError:
+                break
+            w.close_fds(fds)
+            if not got:
+                break
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    wait_released(store)
+    with connected(path, BOB) as bob:
+        assert call(bob, w.LEASE, w.encode_keys([b"k" * 16]))[0] == 0
