@@ -60,7 +60,7 @@ class Arena:
         self.read_fd: int | None = None     # a read-only description of the memfd, for clients
         if shared:
             self.fd, self.buf = _sealed_memfd(size)
-            self.read_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            self.read_fd = _read_only(self.fd)
         else:
             self.buf = mmap.mmap(-1, size)
         if prefault:
@@ -123,6 +123,15 @@ def _sealed_memfd(size: int) -> tuple[int, mmap.mmap]:
         os.close(fd)
         raise
     return fd, buf
+
+
+def _read_only(fd: int) -> int:
+    """A read-only description of the memfd. Without /proc (a bare chroot), a duplicate of the
+    writable one: the seal still refuses every write through it."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(fd)
 
 
 def _pin(buf: mmap.mmap, mode: str) -> bool:
