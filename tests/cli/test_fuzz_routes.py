@@ -135,8 +135,22 @@ HEX_KEYS = st.lists(st.sampled_from([k.hex() for k in KEYS]) | st.text("01234567
 SHAPED = st.recursive(st.fixed_dictionaries({}, optional={"keys": HEX_KEYS | JSON, "ttl_s": SCALARS}),
                       lambda c: st.dictionaries(st.sampled_from(FIELDS), c | JSON | HEX_KEYS, max_size=5),
                       max_leaves=10)
+SECTION_FIELDS = {"server": ["tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "port",
+                              "max_shm_leases", "request_timeout_s", "header_timeout_s", "max_connections"],
+                   "store": ["data_dir", "write_policy", "index_map_bytes", "touch_flush_s", "gc_interval_s", "dram"],
+                   "dram": ["enabled", "capacity_bytes", "capacity_mib", "page_bytes", "high_watermark", "eviction",
+                            "shared_memory", "admission", "admission_memory"],
+                   "nvme": ["enabled", "capacity_gib", "segment_bytes", "fsync", "fsync_interval_s", "low_watermark"],
+                   "object": ["enabled", "url", "codec", "pack_mib", "storage_options", "timeout_s"],
+                   "retention": ["ttl_hours", "max_age_hours", "namespaces", "tenants"]}
+TOKEN_TABLES = st.lists(st.fixed_dictionaries({}, optional={k: SCALARS for k in (
+    "token", "tenant", "admin", "quota_bytes", "shared_memory", "metrics")}), max_size=2)
+# a reconfigure body: the config's sections with their own settings, fuzzed values
+CONFIGS = st.fixed_dictionaries({}, optional={
+    section: st.fixed_dictionaries({}, optional={k: SCALARS | JSON | TOKEN_TABLES for k in keys}) | SCALARS
+    for section, keys in SECTION_FIELDS.items()})
 DEEP = st.integers(min_value=900, max_value=6000).map(lambda n: "[" * n + "]" * n)
-BODIES = st.one_of(JSON.map(json.dumps), SHAPED.map(json.dumps), DEEP,
+BODIES = st.one_of(JSON.map(json.dumps), SHAPED.map(json.dumps), CONFIGS.map(json.dumps), DEEP,
                    st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
                    st.builds(lambda ns: json.dumps({**NS.to_dict(), **ns}),
                              st.dictionaries(st.sampled_from(list(NS.to_dict())), SCALARS, max_size=3)))
