@@ -145,7 +145,9 @@ def serve_lent(app: web.Application, sock: socket.socket, head: Head, early: byt
 
     def same_token(h: Head) -> bool:       # and still valid: a token revoked since goes to the loop's 401
         return h.headers.get("authorization", "") == auth and authenticate(app[CONFIG], auth, BULK_PATH) is not None
+    read_timeout = sock.gettimeout()
     while True:
+        sock.settimeout(read_timeout)       # a request near its deadline shortened it
         keep, rest = serve_blocking(app, sock, head, early, who)
         if not keep or closing():
             return keep, rest

@@ -333,3 +333,25 @@ def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
     finally:
         d.proc.kill()
         d.proc.wait()
+
+
+async def test_each_upload_on_a_connection_gets_its_own_deadline(daemon):
+    """A request near its deadline shortens the socket's read timeout; the next upload on the
+    same connection starts with the whole timeout again (a pause of 0.8 s within its 1.5 s)."""
+    d = await daemon(request_timeout_s=1.5)
+    c = AsyncKVClient(d["url"], ALICE, retries=0, shared_memory="off")
+    await c.register_namespace(NS)
+    await c.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    for i, pause in ((6, 1.0), (7, 0.8)):
+        body = wire.stream_header(1) + frame_head(i, 1000) + bytes(1000)
+        writer.write(head(ALICE, len(body)) + body[:100])
+        await writer.drain()
+        await asyncio.sleep(pause)
+        writer.write(body[100:200])
+        await writer.drain()
+        await asyncio.sleep(0.05)                   # a read after the pause: its timeout is what is left
+        writer.write(body[200:])
+        status, _, reply = await asyncio.wait_for(read_response(reader), 3)
+        assert status == 200 and reply["stored"] == 1, (i, reply)
+    writer.close()
