@@ -281,7 +281,7 @@ class Front:
     the app's [server] settings when the front is made."""
     app: web.Application
     aiohttp_factory: object
-    keepalive_s: float = 75.0
+    keepalive_s: float | None = None         # an idle connection, between requests
     read_timeout_s: float | None = None      # one socket read of an upload
     header_timeout_s: float | None = None    # a request head, from its first byte
     request_timeout_s: float | None = None   # a whole upload, head to reply
@@ -294,7 +294,8 @@ class Front:
     def __post_init__(self) -> None:
         from kvcache.cli.server import CONFIG
         cfg = self.app[CONFIG]
-        for name in ("header_timeout_s", "request_timeout_s", "max_connections", "max_uploads_per_tenant"):
+        for name in ("keepalive_s", "header_timeout_s", "request_timeout_s", "max_connections",
+                     "max_uploads_per_tenant"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(cfg, name))
         if self.read_timeout_s is None:
@@ -351,7 +352,9 @@ def run(app: web.Application, host: str, port: int, unix_socket: str, shutdown_t
     """Serve until SIGTERM/SIGINT, then drain: bulk requests finish, aiohttp's requests finish
     (up to the timeout), the app's cleanup hooks run (flush and close the store)."""
     async def main() -> None:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s)
+        from kvcache.cli.server import CONFIG    # aiohttp's own default keeps an idle connection an hour
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                               keepalive_timeout=app[CONFIG].keepalive_s)
         await runner.setup()
         front = Front(app, runner.server)
         stop = asyncio.Event()

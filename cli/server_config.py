@@ -55,6 +55,7 @@ class ServerConfig:
     workers: int = 8                 # threads running blocking store calls
     shutdown_timeout_s: float = 30.0
     header_timeout_s: float = 10.0   # a request head must be whole this long after its first byte
+    keepalive_s: float = 75.0        # an idle connection waits this long for its next request
     request_timeout_s: float = 60.0  # an upload's body, head to reply (also the limit per socket read)
     max_connections: int = 4096      # open client connections; more are closed at once
     max_pending_upload_bytes: int = 1 << 30   # payload bytes being received, daemon-wide; past it: 503
@@ -65,7 +66,8 @@ class ServerConfig:
                      "max_connections", "max_pending_upload_bytes", "max_uploads_per_tenant"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("shm_lease_s", "shutdown_timeout_s", "header_timeout_s", "request_timeout_s"):
+        for name in ("shm_lease_s", "shutdown_timeout_s", "header_timeout_s", "request_timeout_s",
+                     "keepalive_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
                 raise ValueError(f"server.{name} must be a positive number of seconds, got {v!r}")

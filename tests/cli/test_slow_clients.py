@@ -355,3 +355,26 @@ async def test_each_upload_on_a_connection_gets_its_own_deadline(daemon):
         status, _, reply = await asyncio.wait_for(read_response(reader), 3)
         assert status == 200 and reply["stored"] == 1, (i, reply)
     writer.close()
+
+
+def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
+    """A connection aiohttp serves (any request but a bulk upload) used to stay open an hour
+    when idle (aiohttp's own default under an AppRunner); now server.keepalive_s."""
+    import socket
+
+    from tests.cli.test_serve_process import Daemon
+    (tmp_path / "kvcache.toml").write_text("[server]\nkeepalive_s = 1.0\n")
+    d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
+    try:
+        d.wait_ready()
+        s = socket.create_connection(("127.0.0.1", d.port))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(5)
+        t0, got = time.monotonic(), b""
+        while chunk := s.recv(4096):                 # the reply, then the daemon's close
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 4
+        s.close()
+    finally:
+        d.proc.kill()
+        d.proc.wait()
