@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvcache.cli import tenancy
 from kvcache.cli.metrics import Metrics
-from kvcache.cli.quota import Quotas, put_within_quota
+from kvcache.cli.quota import PendingBytes, Quotas, put_within_quota
 from kvcache.cli.server_config import ServerConfig
 from kvcache.cli.server_errors import error_for, error_middleware, parse_json, quiet_bad_requests
 from kvcache.cli.server_errors import error_response as _error
@@ -168,10 +168,15 @@ async def put_block(request: web.Request) -> web.Response:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
     ns = tenancy.stored_namespace_id(request[TENANT], ns_hex)
     layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
-    body = await _read_at_most(request, limit)
-    item = PutItem(_key(request, request.match_info["key"]), body, ns, layout, request[TENANT],
-                   float(ttl) if ttl else None)
-    r = await _call(request, put_within_quota, request.app[STORE], request.app[QUOTAS], principal(request), [item])
+    app, who = request.app, principal(request)
+    pending = PendingBytes(app[QUOTAS], app[STORE], who, app[CONFIG].max_pending_upload_bytes)
+    try:                     # the body counts as pending (quota, daemon-wide bound) as it arrives
+        body = await _read_at_most(request, limit, pending)
+        item = PutItem(_key(request, request.match_info["key"]), body, ns, layout, request[TENANT],
+                       float(ttl) if ttl else None)
+        r = await _call(request, put_within_quota, app[STORE], app[QUOTAS], who, [item], pending)
+    finally:
+        pending.release()
     return web.json_response(_put_json(r))
 
 
@@ -187,13 +192,16 @@ async def json_body(request: web.Request):
     return parse_json(await _read_at_most(request, json_limit(request.app[CONFIG])), "request body")
 
 
-async def _read_at_most(request: web.Request, limit: int) -> bytes:
+async def _read_at_most(request: web.Request, limit: int, pending: PendingBytes | None = None) -> bytes:
     """The body, or 413 once it passes `limit` (a chunked body has no Content-Length to check
-    first); 408 when it takes longer than server.request_timeout_s to arrive."""
+    first); 408 when it takes longer than server.request_timeout_s to arrive. With `pending`,
+    each chunk is counted there before it is kept."""
     body = bytearray()
     try:
         async with asyncio.timeout(request.app[CONFIG].request_timeout_s):
             async for chunk in request.content.iter_chunked(1 << 20):
+                if pending is not None:
+                    pending.add(len(chunk))
                 body += chunk
                 if len(body) > limit:
                     raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
