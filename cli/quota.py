@@ -18,7 +18,7 @@ them (a PendingBytes per upload): against the tenant's quota, and against a daem
 uploads cannot make the daemon hold what they declare:
 
     payload arriving:  pending(tenant) += n   (quota: used + held + pending + n <= quota)
-    its chunk stored:  hold(already_pending=n) ... put_many ... pending -= n
+    its chunk stored:  hold: pending -= n, held += n (one step) ... put_many ... held -= n
 """
 
 from __future__ import annotations
@@ -48,19 +48,23 @@ class Quotas:
         self.pending_total = 0
 
     @contextlib.contextmanager
-    def hold(self, store, tenant: str, quota: int | None, incoming: int, already_pending: int = 0) -> Iterator[None]:
+    def hold(self, store, tenant: str, quota: int | None, incoming: int,
+             pending: "PendingBytes | None" = None) -> Iterator[None]:
         """Reserve `incoming` payload bytes of `tenant`'s quota for the duration of the block
-        (QuotaExceeded if they do not fit); `already_pending` of them are counted as pending
-        (received for this put). Blocking: call it from a store worker thread."""
-        if quota is None:
-            yield
-            return
+        (QuotaExceeded if they do not fit). With `pending` (the upload they arrived in), those
+        bytes move from pending to held in the same step, so that they never count twice.
+        Blocking: call it from a store worker thread."""
         with self._lock:
-            used, _ = store.tenant_usage(tenant)
-            held = self._held[tenant] + self._pending[tenant] - already_pending
-            if used + held + incoming > quota:
-                raise QuotaExceeded(_over(tenant, used, quota, held, incoming))
-            self._held[tenant] += incoming
+            if pending is not None:
+                self._release_pending(pending, incoming)
+            if quota is None:
+                incoming = 0
+            else:
+                used, _ = store.tenant_usage(tenant)
+                held = self._held[tenant] + self._pending[tenant]
+                if used + held + incoming > quota:
+                    raise QuotaExceeded(_over(tenant, used, quota, held, incoming))
+                self._held[tenant] += incoming
         try:
             yield
         finally:
@@ -88,12 +92,15 @@ class Quotas:
 
     def release_pending(self, p: "PendingBytes", n: int | None = None) -> None:
         with self._lock:
-            n = p.count if n is None else min(n, p.count)
-            p.count -= n
-            self.pending_total -= n
-            self._pending[p.who.tenant] -= n
-            if not self._pending[p.who.tenant]:
-                del self._pending[p.who.tenant]
+            self._release_pending(p, p.count if n is None else n)
+
+    def _release_pending(self, p: "PendingBytes", n: int) -> None:
+        n = min(n, p.count)
+        p.count -= n
+        self.pending_total -= n
+        self._pending[p.who.tenant] -= n
+        if not self._pending[p.who.tenant]:
+            del self._pending[p.who.tenant]
 
 
 def _over(tenant: str, used: int, quota: int, held: int, incoming: int) -> str:
@@ -122,12 +129,10 @@ class PendingBytes:
 def put_within_quota(store, quotas: Quotas, who, items: list, pending: PendingBytes | None = None) -> object:
     """put_many of `items` for `who` (a Principal) inside its quota; the DRAM landings put_many
     did not adopt (duplicates, a refused or failed put) are freed either way. With `pending`,
-    the items' bytes were counted as pending when they arrived; they stop being pending here."""
+    the items' bytes were counted as pending when they arrived; they are held from here on."""
     incoming = sum(memoryview(it.payload).nbytes for it in items)
     try:
-        with quotas.hold(store, who.tenant, who.quota, incoming, incoming if pending is not None else 0):
+        with quotas.hold(store, who.tenant, who.quota, incoming, pending):
             return store.put_many(items)
     finally:
         store.release_payloads([it.payload for it in items])
-        if pending is not None:
-            pending.release(incoming)
