@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ class FrontConnection(asyncio.BufferedProtocol):
         self._start = self._end = 0
         self._window = WINDOW
         self._wake: asyncio.Future | None = None
-        self._eof = self._lost = self._paused = self._handed = self._lent = False
+        self._eof = self._lost = self._paused = self._handed = self._lent = self._refused = False
         self.served = False     # has completed a request (idle timeout: keepalive_s, else header_timeout_s)
         self.busy = False       # inside a request (shutdown waits for it)
         self._task: asyncio.Task | None = None
@@ -68,7 +69,7 @@ class FrontConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if self.front.full():       # refused before anything is read or allocated for it
-            log.info("refusing a connection: %d open (server.max_connections)", self.front.open_count())
+            self.front.warn_full()
             transport.abort()
             return
         self.front.connections.add(self)
@@ -225,7 +226,7 @@ class FrontConnection(asyncio.BufferedProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
-        self._handed = True           # _serve's exit leaves the closing to the timer
+        self._refused = True          # _serve's exit leaves the closing to the timer
 
     # ------------------------------------------------------------ the request loop
     async def _serve(self) -> None:
@@ -251,11 +252,13 @@ class FrontConnection(asyncio.BufferedProtocol):
                 self.busy = False
                 if not keep:
                     break
-        except Exception as e:        # a client's doing (a reset, garbage): not worth an ERROR
+        except (OSError, asyncio.IncompleteReadError) as e:   # the client's doing (a reset): no ERROR
             log.debug("bulk connection failed: %r", e)
+        except Exception:
+            log.exception("bulk connection failed")
         finally:
             self.busy = False
-            if not self._handed and self.transport is not None:
+            if not self._handed and not self._refused and self.transport is not None:
                 self.transport.close()
 
     def _hand_over(self) -> None:
@@ -290,6 +293,7 @@ class Front:
     closing: bool = False
     connections: set = field(default_factory=set)
     uploads: Counter = field(default_factory=Counter)   # upload threads in use, per tenant
+    warned_full_at: float = float("-inf")
 
     def __post_init__(self) -> None:
         from kvcache.cli.server import CONFIG
@@ -307,6 +311,13 @@ class Front:
 
     def full(self) -> bool:
         return self.open_count() >= self.max_connections
+
+    def warn_full(self) -> None:
+        """Once a minute at most: a flood of connections must not flood the log as well."""
+        now = time.monotonic()
+        if now - self.warned_full_at >= 60:
+            self.warned_full_at = now
+            log.warning("refusing connections: %d open (server.max_connections)", self.open_count())
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests: idle connections close now, busy ones after their reply."""
