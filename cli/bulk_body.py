@@ -68,6 +68,7 @@ class Body:
         self.buf[: len(early)] = early
         self.start, self.end = 0, len(early)
         self.remaining = length         # body bytes not yet consumed by the parser
+        self.pool: StagingPool | None = None      # staging taken from it at the first payload that needs it
         self.staging: memoryview | None = None
         self.pos = 0
         self.landed: list[memoryview] = []   # DRAM landings read since the last chunk went to the store
@@ -152,6 +153,8 @@ class Body:
         """A DRAM chunk or staging room for n bytes, counted as pending first; None when neither."""
         self._count(n)
         dst = self.store.reserve_payload(n) if self.store is not None else None
+        if dst is None and self.staging is None and self.pool is not None and n <= self.pool.nbytes:
+            self.staging = self.pool.acquire()
         st = self.staging
         if dst is not None:
             self.landed.append(dst)

@@ -105,7 +105,7 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
     body = Body(sock, int(head.headers["content-length"]), early, store, pending,
                 time.monotonic() + cfg.request_timeout_s)
     keep = head.headers.get("connection", "").lower() != "close"
-    body.staging = pool.acquire()
+    body.pool = pool
     try:
         reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES, pending)
         if body.remaining:
