@@ -313,6 +313,7 @@ def process_rss(pid: int) -> int:
         return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) << 10
 
 
+@pytest.mark.slow
 def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
     """The real `kvcache serve`: 400 connections that never send a byte. Before, each cost
     ~256 KiB (+100 MiB) and stayed 75 s; now a few KiB, and they close at header_timeout_s."""
