@@ -90,8 +90,30 @@ def undumpable() -> bool:
         return False
 
 
+def private_files() -> None:
+    """Everything the daemon creates (segments, index, event logs, sockets) is its user's alone:
+    the data directory holds every tenant's blocks, and a file mode is the only boundary between
+    them and the host's other users. umask 077 makes files 0600 and directories 0700."""
+    os.umask(0o077)
+
+
+def warn_if_shared(data_dir: str) -> None:
+    """A data directory made before (or by another tool) may still be open to other users."""
+    import logging
+    import stat
+    try:
+        mode = stat.S_IMODE(os.stat(data_dir).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        logging.getLogger("kvcache.serve").warning(
+            "data directory %s has mode %o: other users of this host can read every tenant's blocks; "
+            "run `chmod -R go= %s` (see docs/security.md)", data_dir, mode, data_dir)
+
+
 def cmd_serve(args) -> int:
     undumpable()   # first: before tokens and blocks are loaded
+    private_files()
     from kvcache.cli.server import build_app
     from kvcache.kvstore.store import BlockStore
     store_cfg, server_cfg = load_configs(args)
@@ -102,6 +124,7 @@ def cmd_serve(args) -> int:
         if events is not None:
             events.close()
         raise
+    warn_if_shared(store_cfg.data_dir)
     app = build_app(store, server_cfg)
     from kvcache.cli.reconfigure import CONFIG_FILE, reload_on_sighup
     app[CONFIG_FILE] = os.path.abspath(args.config) if args.config else ""

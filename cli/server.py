@@ -60,6 +60,7 @@ class Principal:
 
 
 OPEN = Principal()     # no tokens configured (loopback only): everything allowed, one tenant
+NOBODY = Principal(admin=False, shm=False, metrics_only=True)   # /healthz without a token: no rights at all
 
 
 def authenticate(cfg: ServerConfig, authorization: str, path: str) -> Principal | None:
@@ -73,8 +74,10 @@ def authenticate(cfg: ServerConfig, authorization: str, path: str) -> Principal 
 
 def identify(cfg: ServerConfig, authorization: str, path: str) -> Principal | None:
     """The principal of an Authorization header value; None when the token is missing or unknown."""
-    if path == "/healthz" or not cfg.auth_required:
+    if not cfg.auth_required:
         return OPEN
+    if path == "/healthz":      # anyone may ask; the answer acts as nobody
+        return NOBODY
     presented = authorization[7:] if authorization.startswith("Bearer ") else ""
     match = None
     for t in cfg.tokens:  # compare with every token, in constant time

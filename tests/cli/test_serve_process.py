@@ -206,3 +206,19 @@ def test_object_store_outage_never_fails_a_request(daemon, tmp_path):
         assert status == 200 and b"kvcache_quarantined_total 0.0" in body
     finally:
         s3.stop()
+
+
+def test_the_daemons_files_are_its_users_alone(daemon, tmp_path):
+    """umask 077 at start: segments, index and event logs are 0600 and directories 0700, since
+    they hold every tenant's blocks; a data directory left open to others is warned about."""
+    (tmp_path / "data").mkdir(mode=0o755)
+    os.chmod(tmp_path / "data", 0o755)
+    d = daemon()
+    assert d.call("POST", "/v1/namespaces", NS.to_dict())[0] == 200
+    d.put(1)
+    out = d.stop()
+    assert "has mode 755" in out and "chmod -R go=" in out
+    made = [p for p in (tmp_path / "data").rglob("*")]
+    assert any(p.suffix == ".seg" or "seg" in p.name for p in made), [p.name for p in made]
+    for p in made:
+        assert os.stat(p).st_mode & 0o077 == 0, (p, oct(os.stat(p).st_mode))

@@ -284,3 +284,13 @@ async def test_a_metrics_token_cannot_upload_on_the_native_path(tmp_path):
         await front.drain(5)
         await runner.cleanup()
         store.close()
+
+
+def test_healthz_without_a_token_acts_as_nobody():
+    """/healthz answers anyone, so what it runs as must hold no rights at all (not the
+    open, admin principal of a daemon without auth)."""
+    from kvcache.cli.server import identify
+    cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"),))
+    who = identify(cfg, "", "/healthz")
+    assert who is not None and not who.admin and not who.shm and who.metrics_only
+    assert identify(ServerConfig(), "", "/healthz").admin      # no auth: one trusted tenant
