@@ -8,6 +8,7 @@ reconfigure. Without tokens (loopback only) the daemon is one trust domain: tena
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -28,6 +29,10 @@ class TokenInfo:
             raise ValueError("auth tokens must be strings of at least 16 characters (use `openssl rand -hex 24`)")
         if not isinstance(self.tenant, str):
             raise ValueError(f"a token's tenant must be a string, got {self.tenant!r}")
+        for flag in ("admin", "shared_memory", "metrics"):   # bool("false") is True: never coerce a grant
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"token {self.token[:4]}...: {flag} must be true or false, got "
+                                 f"{getattr(self, flag)!r}")
         if self.quota_bytes is not None and not (_is_int(self.quota_bytes) and self.quota_bytes >= 0):
             raise ValueError(f"quota_bytes must be a whole number of bytes >= 0, got {self.quota_bytes!r}")
         if self.metrics:
@@ -77,7 +82,8 @@ class ServerConfig:
             raise ValueError("server.shm_lease_s must be > 0 and server.max_shm_leases >= 1")
         seen = [t.token for t in self.tokens]
         if len(set(seen)) != len(seen):
-            raise ValueError("server.tokens lists a token twice: each token maps to one tenant")
+            raise ValueError("a token is listed twice ([server] tokens and KVCACHE_TOKENS together): "
+                             "each token maps to one tenant, so list it once")
         if not self.tokens and not is_loopback(self.host):
             raise ValueError(f"refusing to serve on {self.host} without auth: set [server] tokens or "
                              "KVCACHE_TOKENS, or bind to 127.0.0.1")
@@ -85,6 +91,15 @@ class ServerConfig:
     @property
     def auth_required(self) -> bool:
         return bool(self.tokens)
+
+    def match_token(self, presented: str) -> TokenInfo | None:
+        """The token `presented` is, compared with every configured token in constant time (no
+        early exit: how long the check takes says nothing about how close a guess was)."""
+        match = None
+        for t in self.tokens:
+            if hmac.compare_digest(t.token.encode(), presented.encode("utf-8", "surrogatepass")):
+                match = t
+        return match
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], env: Mapping[str, str] = os.environ,
@@ -131,8 +146,8 @@ def parse_tokens(items, env: Mapping[str, str]) -> tuple[TokenInfo, ...]:
     for t in items:
         if set(t) - set(TOKEN_FIELDS):
             raise ValueError(f"unknown token fields {sorted(set(t) - set(TOKEN_FIELDS))}; known: {list(TOKEN_FIELDS)}")
-    tokens = [TokenInfo(t["token"], t.get("tenant", ""), bool(t.get("admin", False)), t.get("quota_bytes"),
-                        bool(t.get("shared_memory", False)), bool(t.get("metrics", False))) for t in items]
+    tokens = [TokenInfo(t["token"], t.get("tenant", ""), t.get("admin", False), t.get("quota_bytes"),
+                        t.get("shared_memory", False), t.get("metrics", False)) for t in items]
     return tuple(tokens + parse_env_tokens(env.get("KVCACHE_TOKENS", "")))
 
 

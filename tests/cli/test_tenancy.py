@@ -294,3 +294,25 @@ def test_healthz_without_a_token_acts_as_nobody():
     who = identify(cfg, "", "/healthz")
     assert who is not None and not who.admin and not who.shm and who.metrics_only
     assert identify(ServerConfig(), "", "/healthz").admin      # no auth: one trusted tenant
+
+
+@pytest.mark.parametrize("flag, value", [("admin", "false"), ("shared_memory", "no"), ("metrics", "false"),
+                                         ("admin", 1), ("shared_memory", "0")])
+def test_a_token_flag_that_is_no_boolean_is_refused(flag, value):
+    """bool("false") is True: a flag written as a string must be refused, never read as a grant."""
+    with pytest.raises(ValueError, match=f"{flag} must be true or false"):
+        ServerConfig.from_dict({"tokens": [{"token": CAROL, "tenant": "carol", flag: value}]}, env={})
+
+
+async def test_a_reconfigure_with_a_string_flag_changes_nothing(serve):
+    c = await serve()
+    body = {"server": {"tokens": [{"token": ALICE, "tenant": "alice", "admin": "false"},
+                                  {"token": ADMIN, "tenant": "ops", "admin": True}]}}
+    r = await c.post("/v1/admin/reconfigure", json=body, headers=auth(ADMIN))
+    assert r.status == 400 and "admin must be true or false" in (await r.json())["message"]
+    assert (await c.get("/v1/stats", headers=auth(ALICE))).status == 403
+
+
+def test_a_token_listed_in_the_file_and_the_environment_is_named_so():
+    with pytest.raises(ValueError, match="KVCACHE_TOKENS together"):
+        ServerConfig.from_dict({"tokens": [{"token": CAROL, "tenant": "carol"}]}, env={"KVCACHE_TOKENS": f"{CAROL}:c"})
