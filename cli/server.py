@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -123,11 +124,13 @@ def _require_admin(request: web.Request) -> None:
         raise web.HTTPForbidden(text="this operation needs an admin token")
 
 
+HEX_KEY = re.compile(r"(?:[0-9a-fA-F]{2})+")    # bytes.fromhex alone would take "00 ff" too
+
+
 def _key(request: web.Request, text: str) -> bytes:
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise BlockFormatError(f"block keys are hex strings, got {text[:40]!r}") from None
+    if not HEX_KEY.fullmatch(text):
+        raise BlockFormatError(f"block keys are hex digits, two per byte, got {text[:40]!r}")
+    key = bytes.fromhex(text)
     if not 1 <= len(key) <= 64:
         raise BlockFormatError(f"block keys are 1-64 bytes, got {len(key)}")
     return tenant_key(request[TENANT], key)
@@ -150,12 +153,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    """The tenant's own namespace (cli/tenancy.py); answers the id the client computes."""
-    store = request.app[STORE]
+    """The tenant's own namespace (cli/tenancy.py), registered or renamed; answers the id the
+    client computes. A new one past server.max_namespaces_per_tenant is a 429."""
     ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
-    await _call(request, store.register_namespace, ns)
-    tenancy.check_same_name(store.namespaces[ns.id], ns)
-    return web.json_response({"id": ns.client_id.hex()})
+    before = await _call(request, request.app[STORE].save_namespace, ns,
+                         request.app[CONFIG].max_namespaces_per_tenant)
+    return web.json_response(tenancy.registration_reply(ns, before))
 
 
 async def put_block(request: web.Request) -> web.Response:
@@ -165,7 +168,7 @@ async def put_block(request: web.Request) -> web.Response:
     ns_hex = request.headers.get("X-KVCache-Namespace")
     if not ns_hex:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
-    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex)
+    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex, request.app[STORE].namespaces)
     layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
     app, who = request.app, principal(request)
     pending = PendingBytes(app[QUOTAS], app[STORE], who, app[CONFIG].max_pending_upload_bytes)

@@ -23,7 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from kvcache.cli.quota import QuotaExceeded
 from kvcache.kvstore import wire
-from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, TierFullError,
+                                    UnknownNamespaceError)
 
 log = logging.getLogger("kvcache.cli.server")
 
@@ -35,11 +36,15 @@ _ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitEr
            (TypeError, 400, "bad_request"), (OverflowError, 400, "bad_request"), (RecursionError, 400, "bad_request"),
            (struct.error, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
            (TierFullError, 507, "insufficient_storage"), (QuotaExceeded, 507, "quota_exceeded"),
+           (NamespaceLimitError, 429, "too_many_namespaces"),
            (StoreError, 503, "store_unavailable"))
 
 
 def error_response(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": code, "message": message}, status=status)
+    """The JSON error body; a 503 (a limit that passes: pending uploads, a busy daemon) says
+    when to try again."""
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return web.json_response({"error": code, "message": message}, status=status, headers=headers)
 
 
 def error_for(exc: BaseException) -> tuple[int, str, str] | None:
