@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 from kvcache.gc.pack_collector import compact_one_pack
-from kvcache.kvstore.errors import CorruptBlockError
+from kvcache.kvstore.errors import CorruptBlockError, TierFullError
 from kvcache.kvstore.events import Event
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
@@ -69,7 +69,15 @@ class Collector:
     def make_room(self) -> GcReport:
         """Bounded work for a put that found the NVMe tier over its watermark: evict
         approximately-LRU blocks, then compact the sparsest sealed segment even if it is
-        above `compact_below` (dead bytes must go before the disk fills)."""
+        above `compact_below` (dead bytes must go before the disk fills).
+
+        On a disk too full to hold that segment's live records a second time, its unpinned
+        blocks are evicted instead, so it is dropped with (almost) nothing to copy:
+
+            segments 60% live, free 0 ──copy──> ENOSPC: 507 on every put, deletes only add
+                                                dead bytes (the store stays wedged)
+            segments 60% live, free 0 ──evict its blocks──> unlink ──> a segment's room back
+        """
         r = GcReport()
         self._evict_for_capacity(r)
         self._compact_one(r, force=True)
@@ -149,15 +157,36 @@ class Collector:
                     if stale > max_victims:
                         return
                     continue
-                if store.index.object_location(key) is not None:
-                    meta.residency &= ~Tier.NVME
-                    store.index.commit({key: meta}, counters={"evicted_nvme": 1})
-                else:
-                    store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
-                    if store.dram is not None:
-                        store.dram.delete(key)
+                self._evict_locked(key, meta)
             live -= meta.record_len
             r.evicted += 1
+
+    def _evict_locked(self, key: bytes, meta: BlockMeta) -> None:
+        """Drop `key`'s NVMe copy (the caller holds the store lock and checked it is a victim)."""
+        store = self.store
+        if store.index.object_location(key) is not None:
+            meta.residency &= ~Tier.NVME
+            store.index.commit({key: meta}, counters={"evicted_nvme": 1})
+        else:
+            store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
+            if store.dram is not None:
+                store.dram.delete(key)
+
+    def _evict_segment(self, sid: int, r: GcReport) -> None:
+        """Evict the unpinned live blocks of sealed segment `sid`, whatever their age: the disk
+        has no room to copy them forward, and the segment is worth its whole size once dropped."""
+        store, now, n = self.store, self.store.clock(), 0
+        here = [(item.header.key, item.offset) for item in scan(store.nvme.path(sid), verify_payloads=False)
+                if isinstance(item, ScannedRecord) and not item.header.is_tombstone]
+        with store._lock:
+            for (key, off), meta in zip(here, store.index.get_many([k for k, _ in here])):
+                if (meta is not None and Tier.NVME in meta.residency and not meta.is_pinned(now)
+                        and (meta.segment_id, meta.offset) == (sid, off)):
+                    self._evict_locked(key, meta)
+                    n += 1
+        r.evicted += n
+        log.warning("the disk under %s has no room to compact segment %d: evicted its %d unpinned blocks "
+                    "instead; free space or lower nvme.capacity_bytes", store.nvme.root, sid, n)
 
     def _pick_victim(self, now: float) -> tuple[bytes, BlockMeta] | None:
         cands = [(k, m) for k, m in self.store.index.sample(self.sample, self._rng)
@@ -183,7 +212,11 @@ class Collector:
             return
         size = _size(nvme.path(best))
         u = usage.get(best)
-        self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
+        if force and u is not None and u.live_bytes + _COPY_SLACK > nvme.free_bytes():
+            self._evict_segment(best, r)
+            self._copy_live_or_spend_reserve(best)
+        else:
+            self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
         if u is not None and u.live_blocks:
             r.segments_compacted += 1
         # the copies and the index entries naming them durable before the old file goes, whatever
@@ -199,6 +232,21 @@ class Collector:
             nvme.remove_segment(best)
         r.segments_removed += 1
         r.bytes_reclaimed += size
+
+    def _copy_live_or_spend_reserve(self, sid: int) -> None:
+        """Copy what an emptied segment still carries (pinned blocks, tombstones) on a full disk:
+        the delete reserve may pay for it when dropping the segment gives at least twice that back
+        (a segment of pinned blocks gains nothing from a copy: the put gets its 507)."""
+        try:
+            self._copy_live(sid)
+        except TierFullError:
+            store = self.store
+            with store._lock:
+                left = store.index.segments().get(sid)
+                worth = left is None or 2 * left.live_bytes <= _size(store.nvme.path(sid))
+                if not (worth and store.nvme.reserve.release()):
+                    raise
+            self._copy_live(sid)
 
     def _copy_live(self, sid: int) -> None:
         """Copy live records and still-needed tombstones of segment `sid` to the active one."""
@@ -238,6 +286,10 @@ class Collector:
                 m.segment_id, m.offset, m.record_len = p.segment_id, p.offset, p.record_len
                 puts[key] = m
             store.index.commit(puts, new_segments={p.segment_id for p in placements})
+
+
+# room for the tombstones and the pinned blocks a segment emptied by eviction still carries forward
+_COPY_SLACK = 1 << 20
 
 
 def _placement(meta: BlockMeta) -> Placement:

@@ -458,13 +458,19 @@ class NvmeTier(BlockTier):
     def capacity_bytes(self) -> int:
         """The bound eviction works against: nvme.capacity_bytes, or less when the filesystem
         cannot hold that much (the index and other files share it). One statvfs, ~1 us."""
+        free = self.free_bytes()
+        if free < 0:
+            return self.config.capacity_bytes
+        self.reserve.keep(free)
+        return max(0, min(self.config.capacity_bytes, self.disk_bytes() + free))
+
+    def free_bytes(self) -> int:
+        """What the filesystem under the tier can still take (-1: statvfs failed)."""
         try:
             st = os.statvfs(self.root)
         except OSError:
-            return self.config.capacity_bytes
-        free = st.f_bavail * st.f_frsize
-        self.reserve.keep(free)
-        return max(0, min(self.config.capacity_bytes, self.disk_bytes() + free))
+            return -1
+        return st.f_bavail * st.f_frsize
 
     def is_over_watermark(self) -> bool:
         return self.disk_bytes() > self.config.high_watermark * self.capacity_bytes()

@@ -73,7 +73,7 @@ def test_a_delete_on_a_full_disk_frees_and_stays_deleted_after_a_rebuild(small_f
     data = small_fs / "d"
     s = _open(data)
     _put(s, range(40))
-    s.pin([key_for(i) for i in range(12)])             # GC, making room for the put below, keeps them
+    s.pin([key_for(i) for i in range(40)])             # nothing to evict: the put below gets no room
     assert s.nvme.reserve.held                         # a small disk: the reserve is set aside
     _fill_disk(small_fs / "filler")
     with pytest.raises(TierFullError):                 # puts get 507 ...
@@ -182,3 +182,20 @@ async def test_the_daemon_answers_507_for_a_namespace_on_a_full_disk(tmp_path, m
         r = await c.post("/v1/namespaces", json=NS2.to_dict(), headers={"Authorization": "Bearer " + "a" * 32})
         assert r.status == 200
     store.close()
+
+
+def test_puts_find_room_again_on_a_full_disk_whose_segments_are_partly_dead(small_fs):
+    """Segments 60% live on a disk with no free space: compaction has nowhere to copy to, so the
+    sparsest segment's blocks are evicted and the segment dropped without a copy."""
+    s = _open(small_fs / "d")
+    _put(s, range(300))                                 # ~10 MiB in 1 MiB segments
+    s.pin([key_for(i) for i in range(2, 300, 5)])       # pinned blocks are never evicted
+    assert s.delete([key_for(i) for i in range(300) if i % 5 in (0, 1)]) == 120
+    _fill_disk(small_fs / "filler")                     # something else takes the rest of the disk
+    for i in range(1000, 1010):                         # was 507 on every put: no room to compact
+        _put(s, [i])
+        assert s.get(key_for(i)) == payload_for(i, 32 << 10)
+    assert s.stats_counters["evictions_nvme"] > 0
+    assert all(s.get(key_for(i)) == payload_for(i, 32 << 10) for i in range(2, 300, 5))
+    assert all(s.get(key_for(i)) in (None, payload_for(i, 32 << 10)) for i in range(300))
+    s.close()
