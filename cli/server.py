@@ -153,12 +153,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    """The tenant's own namespace (cli/tenancy.py), registered or renamed; answers the id the
-    client computes. A new one past server.max_namespaces_per_tenant is a 429."""
+    """The tenant's own namespace (cli/tenancy.py); answers the id the client computes."""
+    store = request.app[STORE]
     ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
-    before = await _call(request, request.app[STORE].save_namespace, ns,
-                         request.app[CONFIG].max_namespaces_per_tenant)
-    return web.json_response(tenancy.registration_reply(ns, before))
+    await _call(request, store.register_namespace, ns)
+    tenancy.check_same_name(store.namespaces[ns.id], ns)
+    return web.json_response({"id": ns.client_id.hex()})
 
 
 async def put_block(request: web.Request) -> web.Response:
@@ -168,7 +168,7 @@ async def put_block(request: web.Request) -> web.Response:
     ns_hex = request.headers.get("X-KVCache-Namespace")
     if not ns_hex:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
-    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex, request.app[STORE].namespaces)
+    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex)
     layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
     app, who = request.app, principal(request)
     pending = PendingBytes(app[QUOTAS], app[STORE], who, app[CONFIG].max_pending_upload_bytes)
