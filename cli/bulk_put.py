@@ -45,7 +45,8 @@ from kvcache.cli.bulk_body import CHUNK_BYTES, WINDOW, Body, RequestDeadline, St
 from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head, reply_head
 from kvcache.cli.put_batch import ingest_puts_blocking
 from kvcache.cli.quota import PendingBytes
-from kvcache.cli.server import CONFIG, METRICS, QUOTAS, STORE, UNAUTHORIZED, Principal, authenticate, error_for
+from kvcache.cli.server import (CONFIG, METRICS, QUOTAS, STORE, UNAUTHORIZED, Principal, authenticate, error_for,
+                               identify)
 from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 MAX_LENGTH_DIGITS = 18        # a Content-Length longer than this is refused (int() takes 4300 digits)
 REFUSED = object()            # admit(): answered on the loop, the connection closes
+METRICS_FORBIDDEN = (403, "forbidden", "this is a metrics token: it reads /metrics only")
 
 
 def _is_count(text: str) -> bool:
@@ -69,20 +71,32 @@ def wants(head: Head) -> bool:
 
 
 def admit(conn: FrontConnection, head: Head):
-    """On the event loop, before a thread is lent: the request's Principal; None when its tenant
-    already holds its share of upload threads (aiohttp serves it); REFUSED when answered here."""
+    """On the event loop, before a thread is lent: the request's Principal, with an upload thread
+    counted for it (serve_bulk_put gives it back); None when no thread is free daemon-wide, or its
+    tenant holds its share (aiohttp serves it, no thread held); REFUSED when answered here.
+
+    Counting in the same loop turn as the check is what keeps the executor's queue empty: an
+    admitted upload always finds a thread, and one that would wait for a thread goes to aiohttp."""
     app, front = conn.front.app, conn.front
     if len(head.headers["content-length"]) > MAX_LENGTH_DIGITS:
         conn.refuse(413, "request_entity_too_large", "Content-Length has "
                     f"{len(head.headers['content-length'])} digits; a batch_put body is far smaller")
         return REFUSED
-    who = authenticate(app[CONFIG], head.headers.get("authorization", ""), BULK_PATH)
+    cfg = app[CONFIG]
+    who = identify(cfg, head.headers.get("authorization", ""), BULK_PATH)
     if who is None:
         app[METRICS].observe_request(BULK_PATH, UNAUTHORIZED[0], 0.0)
         conn.refuse(*UNAUTHORIZED)
         return REFUSED
-    if front.uploads[who.tenant] >= front.max_uploads_per_tenant:
+    if authenticate(cfg, head.headers.get("authorization", ""), BULK_PATH) is None:   # a metrics token
+        app[METRICS].observe_request(BULK_PATH, METRICS_FORBIDDEN[0], 0.0)
+        conn.refuse(*METRICS_FORBIDDEN)
+        return REFUSED
+    if sum(front.uploads.values()) >= UPLOAD_THREADS:
         return None
+    if cfg.auth_required and front.uploads[who.tenant] >= front.max_uploads_per_tenant:
+        return None             # without tokens there is one tenant: the share would only slow it
+    front.uploads[who.tenant] += 1
     return who
 
 
@@ -139,19 +153,19 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
 def serve_lent(app: web.Application, sock: socket.socket, head: Head, early: bytes, who: Principal,
                closing) -> tuple[bool, bytes]:
     """Serve batch_puts on the lent connection while they keep coming (a client streaming uploads
-    never goes back through the loop) with the same token; (keep the connection?, bytes read
-    past the last one). A next request with another token goes back to the loop's admission."""
-    auth = head.headers.get("authorization", "")
-
-    def same_token(h: Head) -> bool:       # and still valid: a token revoked since goes to the loop's 401
-        return h.headers.get("authorization", "") == auth and authenticate(app[CONFIG], auth, BULK_PATH) is not None
+    never goes back through the loop) as the same Principal; (keep the connection?, bytes read
+    past the last one). Each next head is authenticated again: one whose token now stands for
+    another Principal (a reconfigure changed its tenant or quota, or revoked it) goes back to the
+    loop's admission, as does one with another token."""
+    def same_principal(h: Head) -> bool:
+        return authenticate(app[CONFIG], h.headers.get("authorization", ""), BULK_PATH) == who
     read_timeout = sock.gettimeout()
     while True:
         sock.settimeout(read_timeout)       # a request near its deadline shortened it
         keep, rest = serve_blocking(app, sock, head, early, who)
         if not keep or closing():
             return keep, rest
-        head, early, keep = _next_head(sock, rest, same_token)
+        head, early, keep = _next_head(sock, rest, same_principal)
         if head is None:
             return keep, early
 
@@ -183,19 +197,20 @@ def _next_head(sock: socket.socket, buf: bytes, accept) -> tuple[Head | None, by
 
 
 async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application, who: Principal) -> bool:
-    """Serve batch_puts on an upload thread; True when the connection can take another request."""
-    sock, early = conn.lend()
-    keep, extra = False, b""
-    uploads = conn.front.uploads
-    uploads[who.tenant] += 1
+    """Serve batch_puts on an upload thread (admit counted it for `who`); True when the connection
+    can take another request."""
+    keep, extra, sock = False, b"", None
     try:
+        sock, early = conn.lend()
         keep, extra = await asyncio.get_running_loop().run_in_executor(
             app[UPLOADS], serve_lent, app, sock, head, early, who, lambda: conn.front.closing)
     except (OSError, asyncio.IncompleteReadError) as e:
         log.debug("bulk upload connection dropped: %s", e)
     finally:
+        uploads = conn.front.uploads
         uploads[who.tenant] -= 1
         if not uploads[who.tenant]:
             del uploads[who.tenant]
-        conn.give_back(sock, extra)
+        if sock is not None:
+            conn.give_back(sock, extra)
     return keep

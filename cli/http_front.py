@@ -243,7 +243,7 @@ class FrontConnection(asyncio.BufferedProtocol):
                 who = admit(self, head)
                 if who is REFUSED:
                     return
-                if who is None:                 # the tenant's share of upload threads is in use
+                if who is None:                 # no upload thread for it: all in use, or its tenant's share
                     self._hand_over()
                     return
                 self.busy = True

@@ -21,7 +21,7 @@ from kvcache.tiering.nvme import NvmeConfig
 
 NS = Namespace("bulk-model@1", "raw/v1", 16, name="bulk")
 KEYS = hash_blocks(NS, np.arange(16 * 64))
-ALICE, ADMIN, SMALL = "a" * 32, "c" * 32, "s" * 32
+ALICE, ADMIN, SMALL, PROM = "a" * 32, "c" * 32, "s" * 32, "m" * 32
 
 
 def payload(i: int, n: int = 70_000) -> bytes:
@@ -34,7 +34,7 @@ async def daemon(tmp_path):
                                                                   prefault=False),
                                    nvme=NvmeConfig(segment_bytes=4 << 20)))
     cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"), TokenInfo(ADMIN, "ops", True),
-                               TokenInfo(SMALL, "small", quota_bytes=200_000)),
+                               TokenInfo(SMALL, "small", quota_bytes=200_000), TokenInfo(PROM, metrics=True)),
                        max_block_bytes=1 << 20, max_batch_blocks=64)
     app = build_app(store, cfg)
     runner = web.AppRunner(app, access_log=None)
@@ -129,6 +129,38 @@ async def test_a_bad_token_is_refused_on_the_loop_and_its_body_never_read(daemon
     assert status == 401 and reply["error"] == "unauthorized" and headers["connection"] == "close"
     assert await asyncio.wait_for(reader.read(), 3) == b""            # closed, nothing drained
     assert not daemon["front"].uploads                                  # no upload thread was lent
+    writer.close()
+
+
+async def test_a_metrics_token_is_forbidden_to_upload(daemon):
+    """As on every aiohttp route: a known token without the right is a 403, not a 401."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
+    writer.write(request(batch_body([0]), token=PROM))
+    await writer.drain()
+    status, headers, reply = await asyncio.wait_for(read_response(reader), 2)
+    assert status == 403 and reply["error"] == "forbidden" and "metrics" in reply["message"]
+    assert headers["connection"] == "close" and not daemon["front"].uploads
+    writer.close()
+
+
+async def test_each_upload_on_a_lent_connection_is_authenticated_again(daemon):
+    """A reconfigure that gives a token a quota applies to the next upload on a connection that
+    is already streaming uploads with it."""
+    import dataclasses
+
+    from kvcache.cli.server import CONFIG
+    await (await registered(daemon)).close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
+    writer.write(request(batch_body([60])))
+    await writer.drain()
+    assert (await read_response(reader))[0] == 200
+    live = daemon["app"][CONFIG]
+    live.current = dataclasses.replace(live.current, tokens=tuple(
+        dataclasses.replace(t, quota_bytes=1000) if t.token == ALICE else t for t in live.current.tokens))
+    writer.write(request(batch_body([61])))          # within the upload thread's hold on the connection
+    await writer.drain()
+    status, _, reply = await asyncio.wait_for(read_response(reader), 3)
+    assert status == 507 and reply["error"] == "quota_exceeded", reply
     writer.close()
 
 

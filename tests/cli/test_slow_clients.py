@@ -33,7 +33,7 @@ def start_daemon(tmp_path, **server):
     """A daemon on a real listening socket; no DRAM tier, so payloads get memory of their own."""
     async def start():
         store = BlockStore(StoreConfig(str(tmp_path), nvme=NvmeConfig(segment_bytes=4 << 20)))
-        app = build_app(store, ServerConfig(tokens=TOKENS, **server))
+        app = build_app(store, ServerConfig(**{"tokens": TOKENS, **server}))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         front = Front(app, runner.server)
@@ -284,6 +284,66 @@ async def test_one_tenant_cannot_hold_every_upload_thread(daemon):
     assert r.stored == 1 and d["front"].uploads["alice"] == 1
     writer.close()
     await c.close()
+
+
+async def stall_uploads(d, token: str, first: int, count: int) -> list:
+    """`count` native uploads by `token`, each stalled inside its payload (holding a thread)."""
+    conns = []
+    for i in range(first, first + count):
+        reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+        body = wire.stream_header(1) + frame_head(i, 100_000)
+        writer.write(head(token, len(body) + 100_000) + body)
+        await writer.drain()
+        conns.append((reader, writer))
+    return conns
+
+
+async def test_uploads_that_find_no_free_thread_are_served_by_aiohttp(daemon):
+    """Two tenants stalling their share of uploads each hold every upload thread between them; a
+    third tenant's upload is served by aiohttp at once rather than queued for a thread (where it
+    would wait for their request_timeout_s)."""
+    from kvcache.cli.bulk_put import UPLOAD_THREADS
+    d = await daemon(max_uploads_per_tenant=UPLOAD_THREADS // 2)
+    for token in (ALICE, BOB, SMALL):
+        c = AsyncKVClient(d["url"], token, retries=0, shared_memory="off")
+        await c.register_namespace(NS)
+        await c.close()
+    half = UPLOAD_THREADS // 2
+    conns = await stall_uploads(d, ALICE, 0, half) + await stall_uploads(d, BOB, half, half)
+    c = AsyncKVClient(d["url"], SMALL, retries=0, timeout_s=5, shared_memory="off")
+    try:
+        for _ in range(50):
+            if sum(d["front"].uploads.values()) == UPLOAD_THREADS:
+                break
+            await asyncio.sleep(0.05)
+        assert dict(d["front"].uploads) == {"alice": half, "bob": half}
+        t0 = time.monotonic()
+        r = await asyncio.wait_for(c.put_many([PutItem(KEYS[40], bytes(50_000), NS.id)]), 3)
+        assert r.stored == 1 and time.monotonic() - t0 < 2
+        assert "small" not in d["front"].uploads
+    finally:
+        await c.close()
+        for _, w in conns:
+            w.close()
+
+
+async def test_without_tokens_uploads_are_not_capped_per_tenant(daemon):
+    """With no tokens there is one tenant: max_uploads_per_tenant does not send its uploads to
+    the slower aiohttp path."""
+    d = await daemon(tokens=(), max_uploads_per_tenant=1)
+    c = AsyncKVClient(d["url"], None, retries=0, shared_memory="off")
+    await c.register_namespace(NS)
+    await c.close()
+    conns = await stall_uploads(d, None, 50, 3)
+    try:
+        for _ in range(50):
+            if d["front"].uploads[""] == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert d["front"].uploads[""] == 3
+    finally:
+        for _, w in conns:
+            w.close()
 
 
 async def test_a_block_over_max_block_bytes_is_one_clear_413(daemon):
