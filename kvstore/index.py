@@ -6,9 +6,11 @@ Four named databases in one environment, all changed together in one transaction
     namespaces  namespace id (16B) -> JSON descriptor
     segments    segment id (u32 BE)-> live bytes, live blocks   (NVMe space accounting)
     counters    name               -> i64                       (quarantined, expired, ...)
+    objects, packs                                              (object-tier copies and usage)
 
-A value that does not unpack (bit flips in the index) reads as absent, never as an error;
-LMDB failures surface as StoreError (TierFullError when the disk is full), never as lmdb.Error.
+The bookkeeping tables' encoding lives in kvstore/index_usage.py. A value that does not
+unpack (bit flips in the index) reads as absent, never as an error; LMDB failures surface as
+StoreError (TierFullError when the disk is full), never as lmdb.Error.
 
 Access times are not written on every read: `touch()` buffers them and `flush_touches()`
 writes a batch. A crash loses at most one flush interval of access times, which only
@@ -23,41 +25,34 @@ import logging
 import os
 import struct
 import threading
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import lmdb
 
+from kvcache.kvstore import index_usage as usage
 from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.index_usage import TENANT_BLOCKS, TENANT_BYTES, SegmentUsage  # noqa: F401 (re-exported)
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import Placement
 
 log = logging.getLogger(__name__)
-_SEG_KEY = struct.Struct(">I")
-_SEG_VAL = struct.Struct("<QQ")
-_I64 = struct.Struct("<q")
-_OBJ_VAL = struct.Struct("<IQQQ")   # pack id, offset, record length, stored payload length
-TENANT_BYTES, TENANT_BLOCKS = "tenant_bytes/", "tenant_blocks/"
 _FULL_BELOW = 1 << 20   # free bytes under which a failed LMDB write is taken for a full disk
 
 
-def unpack_meta(key: bytes, raw) -> BlockMeta | None:
-    """BlockMeta of an index value, or None when the value is damaged (too short, an unknown
-    residency, a tenant that is not UTF-8): such a block reads as absent."""
+def unpack_meta(key: bytes, raw, *, quiet: bool = False) -> BlockMeta | None:
+    """BlockMeta of an index value, or None when absent or damaged (too short, an unknown
+    residency, a tenant that is not UTF-8): such a block reads as absent. `quiet`: no warning
+    (a touch flush skips what a read has reported already)."""
+    if raw is None:
+        return None
     try:
         return BlockMeta.unpack(raw)
     except (struct.error, IndexError, UnicodeDecodeError) as e:
-        log.warning("index entry of %s is damaged (%s); it reads as absent until `kvcache check --fix`",
-                    bytes(key).hex(), e)
+        if not quiet:
+            log.warning("index entry of %s is damaged (%s); it reads as absent until `kvcache check --fix`",
+                        bytes(key).hex(), e)
         return None
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentUsage:
-    segment_id: int
-    live_bytes: int
-    live_blocks: int
 
 
 class Index:
@@ -112,8 +107,7 @@ class Index:
         with self._read(db=self._blocks, buffers=True) as txn:
             out = []
             for k in keys:
-                raw = txn.get(k)
-                meta = None if raw is None else unpack_meta(k, raw)
+                meta = unpack_meta(k, txn.get(k))
                 if meta is not None:
                     if touches and k in touches:
                         ts, n = touches[k]
@@ -130,8 +124,7 @@ class Index:
         if self._objects is None:
             return None
         with self._read(db=self._objects) as txn:
-            raw = txn.get(key)
-            return None if raw is None or len(raw) != _OBJ_VAL.size else Placement(*_OBJ_VAL.unpack(raw))
+            return usage.unpack_object(key, txn.get(key))
 
     def scan(self, after: bytes | None = None, limit: int = 1000) -> list[tuple[bytes, BlockMeta]]:
         """Up to `limit` entries in key order, strictly after `after` (None: from the start)."""
@@ -187,12 +180,8 @@ class Index:
                              "`kvcache check DIR --rebuild`") from e
 
     def segments(self) -> dict[int, SegmentUsage]:
-        with self._read(db=self._segments) as txn:
-            out = {}
-            for k, v in txn.cursor():
-                sid = _SEG_KEY.unpack(k)[0]
-                out[sid] = SegmentUsage(sid, *_SEG_VAL.unpack(v))
-            return out
+        with self._read() as txn:
+            return usage.read_usage(txn, self._segments, "segments")
 
     def object_copies_in(self, pack_ids: Iterable[int]) -> dict[bytes, Placement]:
         """Every block whose object copy lives in one of `pack_ids` (a full scan of the objects
@@ -202,8 +191,8 @@ class Index:
             return out
         with self._read(db=self._objects) as txn:
             for key, raw in txn.cursor():
-                p = Placement(*_OBJ_VAL.unpack(raw))
-                if p.segment_id in wanted:
+                p = usage.unpack_object(key, raw)
+                if p is not None and p.segment_id in wanted:
                     out[bytes(key)] = p
         return out
 
@@ -211,13 +200,12 @@ class Index:
         """Live bytes and blocks per object-tier pack (the object tier's segment table)."""
         if self._packs is None:
             return {}
-        with self._read(db=self._packs) as txn:
-            return {_SEG_KEY.unpack(k)[0]: SegmentUsage(_SEG_KEY.unpack(k)[0], *_SEG_VAL.unpack(v))
-                    for k, v in txn.cursor()}
+        with self._read() as txn:
+            return usage.read_usage(txn, self._packs, "packs")
 
     def counters(self) -> dict[str, int]:
-        with self._read(db=self._counters) as txn:
-            return {k.decode(): _I64.unpack(v)[0] for k, v in txn.cursor()}
+        with self._read() as txn:
+            return usage.read_counters(txn, self._counters)
 
     # ---------------------------------------------------------------- writes
     def add_namespace(self, ns: Namespace) -> None:
@@ -240,81 +228,60 @@ class Index:
             seg_delta: dict[int, list[int]] = {}
             counters = dict(counters or {})
             for sid in new_segments:
-                if txn.get(_SEG_KEY.pack(sid), db=self._segments) is None:
-                    txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(0, 0), db=self._segments)
+                usage.add_usage_row(txn, self._segments, sid)
             pack_delta: dict[int, list[int]] = {}
             for key in deletes:
                 if self._objects is not None:
                     self._set_object(txn, key, None, pack_delta)
                 old = txn.pop(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, counters, unpack_meta(key, old), -1)
+                    usage.account(seg_delta, counters, unpack_meta(key, old), -1)
             for key, meta in (puts or {}).items():
                 old = txn.get(key, db=self._blocks)
                 if old is not None:
-                    self._account(seg_delta, counters, unpack_meta(key, old), -1)
-                self._account(seg_delta, counters, meta, +1)
+                    usage.account(seg_delta, counters, unpack_meta(key, old), -1)
+                usage.account(seg_delta, counters, meta, +1)
                 txn.put(key, meta.pack(), db=self._blocks)
-            _apply_usage(txn, self._segments, seg_delta)
+            usage.apply_usage(txn, self._segments, "segments", seg_delta)
             for sid in drop_segments:
-                txn.delete(_SEG_KEY.pack(sid), db=self._segments)
+                txn.delete(usage.seg_key(sid), db=self._segments)
             self._commit_objects(txn, pack_delta, object_puts or {}, object_drops or {}, object_moves or {},
                                  drop_packs)
-            for name, delta in counters.items():
-                if not delta:
-                    continue
-                raw = txn.get(name.encode(), db=self._counters)
-                cur = _I64.unpack(raw)[0] if raw is not None else 0
-                txn.put(name.encode(), _I64.pack(cur + delta), db=self._counters)
+            usage.bump_counters(txn, self._counters, counters)
 
     def _commit_objects(self, txn, pack_delta, puts, drops, moves, drop_packs) -> None:
         for key, p in puts.items():
             if txn.get(key, db=self._blocks) is not None:
                 self._set_object(txn, key, p, pack_delta)
         for key, p in drops.items():
-            if txn.get(key, db=self._objects) == _pack_object(p):
+            if txn.get(key, db=self._objects) == usage.pack_object(p):
                 self._set_object(txn, key, None, pack_delta)
         for key, (old, new) in moves.items():
-            if txn.get(key, db=self._objects) == _pack_object(old):
+            if txn.get(key, db=self._objects) == usage.pack_object(old):
                 self._set_object(txn, key, new, pack_delta)
-        _apply_usage(txn, self._packs, pack_delta)
+        usage.apply_usage(txn, self._packs, "packs", pack_delta)
         for pid in drop_packs:
-            txn.delete(_SEG_KEY.pack(pid), db=self._packs)
+            txn.delete(usage.seg_key(pid), db=self._packs)
 
     def _set_object(self, txn, key: bytes, new: Placement | None, pack_delta: dict[int, list[int]]) -> None:
         """Point `key`'s object copy at `new` (None: forget it), keeping pack usage exact."""
-        raw = txn.get(key, db=self._objects)
-        if raw is not None:
-            pid, _, rlen, _ = _OBJ_VAL.unpack(raw)
-            d = pack_delta.setdefault(pid, [0, 0])
-            d[0], d[1] = d[0] - rlen, d[1] - 1
+        old = usage.unpack_object(key, txn.get(key, db=self._objects))
+        if old is not None:
+            d = pack_delta.setdefault(old.segment_id, [0, 0])
+            d[0], d[1] = d[0] - old.record_len, d[1] - 1
         if new is None:
             txn.delete(key, db=self._objects)
             return
-        txn.put(key, _pack_object(new), db=self._objects)
+        txn.put(key, usage.pack_object(new), db=self._objects)
         d = pack_delta.setdefault(new.segment_id, [0, 0])
         d[0], d[1] = d[0] + new.record_len, d[1] + 1
 
-    def set_segment_usage(self, usage: dict[int, tuple[int, int]]) -> None:
+    def set_segment_usage(self, rows: dict[int, tuple[int, int]]) -> None:
         """Replace the whole segment table (used by check --fix after recounting)."""
         with self._write() as txn:
             txn.drop(self._segments, delete=False)
-            for sid, (b, n) in usage.items():
-                txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(b, n), db=self._segments)
-
-    @staticmethod
-    def _account(seg_delta: dict[int, list[int]], counters: dict[str, int], meta: BlockMeta | None,
-                 sign: int) -> None:
-        """Segment usage (NVMe bytes) and the owning tenant's usage (payload bytes, blocks).
-        A damaged entry (None) counts for nothing: `kvcache check --fix` recounts."""
-        if meta is None:
-            return
-        if Tier.NVME in meta.residency:
-            d = seg_delta.setdefault(meta.segment_id, [0, 0])
-            d[0] += sign * meta.record_len
-            d[1] += sign
-        for name, n in ((TENANT_BYTES + meta.tenant, meta.payload_len), (TENANT_BLOCKS + meta.tenant, 1)):
-            counters[name] = counters.get(name, 0) + sign * n
+            for sid, (b, n) in rows.items():
+                usage.put_usage_row(txn, self._segments, sid, b, n)
 
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
         """(payload bytes, blocks) that `tenant` holds in the index."""
@@ -324,11 +291,7 @@ class Index:
     def set_counters(self, values: dict[str, int], prefixes: tuple[str, ...] = ()) -> None:
         """Overwrite counters; counters under `prefixes` not in `values` are zeroed (recounts)."""
         with self._write() as txn:
-            for k, _ in list(txn.cursor(db=self._counters)):
-                if k.decode().startswith(prefixes) and k.decode() not in values:
-                    txn.put(k, _I64.pack(0), db=self._counters)
-            for name, v in values.items():
-                txn.put(name.encode(), _I64.pack(v), db=self._counters)
+            usage.set_counters(txn, self._counters, values, prefixes)
 
     @contextlib.contextmanager
     def _read(self, **kw):
@@ -395,7 +358,7 @@ class Index:
                     return 0
                 with self._write() as txn:
                     for key, (ts, n) in touches.items():
-                        meta = _unpack_quiet(txn.get(key, db=self._blocks))
+                        meta = unpack_meta(key, txn.get(key, db=self._blocks), quiet=True)
                         if meta is None:
                             continue
                         meta.last_access = max(meta.last_access, ts)
@@ -414,21 +377,3 @@ class Index:
             self.flush_touches()
         self.env.close()
 
-
-def _unpack_quiet(raw) -> BlockMeta | None:
-    try:
-        return None if raw is None else BlockMeta.unpack(raw)
-    except (struct.error, IndexError, UnicodeDecodeError):    # damaged: reads log it, touches skip it
-        return None
-
-
-def _pack_object(p: Placement) -> bytes:
-    return _OBJ_VAL.pack(p.segment_id, p.offset, p.record_len, p.payload_len)
-
-
-def _apply_usage(txn, db, delta: dict[int, list[int]]) -> None:
-    """Add (bytes, blocks) deltas to a usage table (segments or packs), never below zero."""
-    for sid, (db_bytes, db_blocks) in delta.items():
-        raw = txn.get(_SEG_KEY.pack(sid), db=db)
-        b, n = _SEG_VAL.unpack(raw) if raw is not None else (0, 0)
-        txn.put(_SEG_KEY.pack(sid), _SEG_VAL.pack(max(0, b + db_bytes), max(0, n + db_blocks)), db=db)

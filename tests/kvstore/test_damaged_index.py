@@ -93,3 +93,49 @@ def test_lmdb_errors_surface_as_store_errors(tmp_path):
         s.index.env = real
     assert s.get(key_for(0)) == payload_for(0)
     s.close()
+
+
+def _damage_table(store, db_name: str, change) -> int:
+    """Replace every value of one of the index's tables with change(value); how many there were."""
+    idx = store.index
+    db = getattr(idx, db_name)
+    with idx.env.begin(write=True) as txn:
+        rows = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)]
+        for k, v in rows:
+            txn.put(k, change(v), db=db)
+    return len(rows)
+
+
+@pytest.mark.parametrize("table", ["_segments", "_counters"])
+@pytest.mark.parametrize("change", [lambda v: v[:3], lambda v: v + b"\x01"], ids=["truncated", "longer"])
+def test_a_damaged_usage_or_counter_value_is_recounted_not_raised(tmp_path, caplog, monkeypatch, table, change):
+    """Segment usage and counters are bookkeeping that `kvcache check --fix` recounts: a damaged
+    value reads as absent (a warning), and the next commit writes it afresh."""
+    from kvcache.kvstore import index_usage
+    monkeypatch.setattr(index_usage, "_warned", set())    # warned once per process: this test's own
+    s = open_store(tmp_path / "d", dram=False)
+    fill(s, range(3))
+    assert s.delete([key_for(0)]) == 1
+    assert _damage_table(s, table, change) > 0
+    fill(s, range(3, 6))                                  # every put commit updates both tables
+    assert s.delete([key_for(1)]) == 1
+    assert s.get(key_for(3)) == payload_for(3)
+    s.index.segments(), s.index.counters(), s.stats()
+    from kvcache.gc.collector import Collector
+    Collector(s).run()
+    assert [s.get(key_for(i)) for i in range(2, 6)] == [payload_for(i) for i in range(2, 6)]
+    assert "damaged" in caplog.text
+    s.close()
+
+
+def test_a_damaged_object_copy_value_reads_as_no_copy(tmp_path):
+    s = open_store(tmp_path / "d", dram=False)
+    fill(s, range(2))
+    from kvcache.tiering.base import Placement
+    s.index.commit(object_puts={key_for(0): Placement(7, 0, 100, 90), key_for(1): Placement(7, 100, 100, 90)})
+    assert _damage_table(s, "_objects", lambda v: v[:5]) == 2
+    assert s.index.object_location(key_for(0)) is None
+    assert s.index.object_copies_in([7]) == {}
+    assert s.delete([key_for(0)]) == 1                    # forgetting a damaged copy does not fail
+    assert s.get(key_for(1)) == payload_for(1)
+    s.close()
