@@ -16,13 +16,15 @@ arena chunks) that put_many did not adopt are released by `put_within_quota`.
 from __future__ import annotations
 
 import asyncio
+from typing import Mapping
 
 from aiohttp import web
 
 from kvcache.cli.quota import PendingBytes, put_within_quota
 from kvcache.cli.server import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
+from kvcache.cli.tenancy import known_namespace_id
 from kvcache.kvstore import wire
-from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
+from kvcache.kvstore.hashing import Namespace, tenant_key
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import PutResult
 
@@ -33,8 +35,8 @@ GROW_FROM = 1 << 20     # a payload's buffer starts this large and doubles as it
 class PutBatch:
     """The frames of one upload grouped into chunks for the store, and the reply's totals."""
 
-    def __init__(self, who: Principal, chunk_limit: int):
-        self.who, self.chunk_limit = who, chunk_limit
+    def __init__(self, who: Principal, chunk_limit: int, registered: Mapping[bytes, Namespace]):
+        self.who, self.chunk_limit, self.registered = who, chunk_limit, registered
         self.items: list[PutItem] = []
         self.nbytes = 0
         self.stored = self.present = 0
@@ -43,7 +45,7 @@ class PutBatch:
     def add(self, f: wire.PutFrame) -> bool:
         """Queue one frame; True when the chunk is full (flush it)."""
         self.items.append(PutItem(tenant_key(self.who.tenant, f.key), f.payload,
-                                  tenant_namespace_id(self.who.tenant, f.namespace_id), f.layout,
+                                  known_namespace_id(self.registered, self.who.tenant, f.namespace_id), f.layout,
                                   self.who.tenant, f.ttl_s))
         self.nbytes += len(f.payload)
         return self.nbytes >= self.chunk_limit
@@ -89,7 +91,7 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
     were counted as pending as they arrived (cli/quota.py); each stored chunk stops counting."""
     cfg, store, loop = app[CONFIG], app[STORE], asyncio.get_running_loop()
     count = await wire.read_stream_header(read, cfg.max_batch_blocks)
-    batch, storing = PutBatch(who, chunk_limit), None
+    batch, storing = PutBatch(who, chunk_limit, store.namespaces), None
     frame = _limited_async(next_frame, cfg.max_block_bytes)
 
     async def flush() -> None:
@@ -122,7 +124,7 @@ def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame,
     durable puts gained nothing from the overlap either)."""
     cfg, store = app[CONFIG], app[STORE]
     count = wire.parse_stream_header(read(wire.STREAM_HEADER_BYTES), cfg.max_batch_blocks)
-    batch, frame = PutBatch(who, chunk_limit), _limited(next_frame, cfg.max_block_bytes)
+    batch, frame = PutBatch(who, chunk_limit, store.namespaces), _limited(next_frame, cfg.max_block_bytes)
 
     def flush() -> None:
         items, _ = batch.take()

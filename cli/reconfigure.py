@@ -29,7 +29,8 @@ from aiohttp import web
 from kvcache.cli.server_config import ServerConfig, parse_env_tokens
 
 log = logging.getLogger(__name__)
-HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases")
+HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases",
+              "max_namespaces_per_tenant")
 FIXED_SERVER = ("host", "port", "unix_socket")     # given on the command line: kept as they are
 HOT_STORE = ("retention",)
 IGNORED_STORE = ("data_dir", "gc_interval_s")       # the command line decides these

@@ -153,12 +153,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    """The tenant's own namespace (cli/tenancy.py); answers the id the client computes."""
-    store = request.app[STORE]
+    """The tenant's own namespace (cli/tenancy.py), registered or renamed; answers the id the
+    client computes. A new one past server.max_namespaces_per_tenant is a 429."""
     ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
-    await _call(request, store.register_namespace, ns)
-    tenancy.check_same_name(store.namespaces[ns.id], ns)
-    return web.json_response({"id": ns.client_id.hex()})
+    before = await _call(request, request.app[STORE].save_namespace, ns,
+                         request.app[CONFIG].max_namespaces_per_tenant)
+    return web.json_response(tenancy.registration_reply(ns, before))
 
 
 async def put_block(request: web.Request) -> web.Response:
@@ -168,13 +168,14 @@ async def put_block(request: web.Request) -> web.Response:
     ns_hex = request.headers.get("X-KVCache-Namespace")
     if not ns_hex:
         raise BlockFormatError("missing X-KVCache-Namespace header (the namespace id from POST /v1/namespaces)")
-    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex)
+    key = _key(request, request.match_info["key"])      # malformed input is a 400 before any 422
     layout, ttl = _layout(request.headers.get("X-KVCache-Layout")), request.headers.get("X-KVCache-TTL")
+    ns = tenancy.stored_namespace_id(request[TENANT], ns_hex, request.app[STORE].namespaces)
     app, who = request.app, principal(request)
     pending = PendingBytes(app[QUOTAS], app[STORE], who, app[CONFIG].max_pending_upload_bytes)
     try:                     # the body counts as pending (quota, daemon-wide bound) as it arrives
         body = await _read_at_most(request, limit, pending)
-        item = PutItem(_key(request, request.match_info["key"]), body, ns, layout, request[TENANT],
+        item = PutItem(key, body, ns, layout, request[TENANT],
                        float(ttl) if ttl else None)
         r = await _call(request, put_within_quota, app[STORE], app[QUOTAS], who, [item], pending)
     finally:

@@ -23,7 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from kvcache.cli.quota import QuotaExceeded
 from kvcache.kvstore import wire
-from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, TierFullError,
+                                    UnknownNamespaceError)
 
 log = logging.getLogger("kvcache.cli.server")
 
@@ -35,6 +36,7 @@ _ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitEr
            (TypeError, 400, "bad_request"), (OverflowError, 400, "bad_request"), (RecursionError, 400, "bad_request"),
            (struct.error, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
            (TierFullError, 507, "insufficient_storage"), (QuotaExceeded, 507, "quota_exceeded"),
+           (NamespaceLimitError, 429, "too_many_namespaces"),
            (StoreError, 503, "store_unavailable"))
 
 

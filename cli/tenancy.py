@@ -7,8 +7,10 @@ Block keys and namespace ids travel in the client's terms and are stored in the 
 
 so a namespace registered by one tenant is invisible to another: bob registering the fields of
 alice's namespace creates bob's own namespace (its own name, so its own retention), and neither
-learns whether the other registered anything. The tenant "" (a daemon without tokens) keeps the
-client's keys and ids as they are.
+learns whether the other registered anything. Registering one's namespace again under another
+name renames it (kvstore/namespaces.py); server.max_namespaces_per_tenant bounds how many a
+tenant registers (each one rewrites namespaces.json, under the store's lock). The tenant ""
+(a daemon without tokens) keeps the client's keys and ids as they are.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from typing import Any, Mapping
 
 from aiohttp import web
 
-from kvcache.kvstore.errors import BlockFormatError
+from kvcache.kvstore.errors import BlockFormatError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace, tenant_namespace_id
 
 
-def stored_namespace_id(tenant: str, text: str) -> bytes:
-    """The stored id of the namespace a client names by its 32-hex-digit id."""
+def stored_namespace_id(tenant: str, text: str, registered: Mapping[bytes, Namespace] | None = None) -> bytes:
+    """The stored id of the namespace a client names by its 32-hex-digit id; with `registered`
+    (the store's namespaces), one the tenant registered (see known_namespace_id)."""
     if len(text) != 32 or not all(c in string.hexdigits for c in text):   # fromhex would skip spaces
         raise BlockFormatError(f"a namespace id is 32 hex digits, got {text[:40]!r}")
+    if registered is not None:
+        return known_namespace_id(registered, tenant, bytes.fromhex(text))
     return tenant_namespace_id(tenant, bytes.fromhex(text))
 
 
@@ -39,12 +44,23 @@ def namespace_to_register(body: Any, tenant: str) -> Namespace:
     return Namespace.from_dict({**body, "owner": tenant})
 
 
-def check_same_name(registered: Namespace, asked: Namespace) -> None:
-    """409 when the tenant registered this namespace before under another name: a second name
-    would be ignored, and retention overrides follow the name. Sending no name is no conflict."""
-    if asked.name and registered.name != asked.name:
-        raise web.HTTPConflict(text=f"this namespace is registered as {registered.name!r}, not {asked.name!r}: "
-                                    f"register it as {registered.name!r} (a namespace keeps its first name)")
+def registration_reply(ns: Namespace, before: Namespace | None) -> dict:
+    """What a registration answers: the client's id, and the old name when it renamed the
+    namespace (a name is its owner's to change; retention overrides follow it)."""
+    reply: dict = {"id": ns.client_id.hex()}
+    if before is not None and ns.name and ns.name != before.name:
+        reply["renamed_from"] = before.name
+    return reply
+
+
+def known_namespace_id(namespaces: Mapping[bytes, Namespace], tenant: str, client_id: bytes) -> bytes:
+    """The stored id of a namespace the tenant registered; 422 naming the id the client sent
+    (the stored one is a hash it never saw), the same whoever else registered that id."""
+    stored = tenant_namespace_id(tenant, client_id)
+    if stored not in namespaces:
+        raise UnknownNamespaceError(f"namespace {client_id.hex()} is not registered by this token's tenant; "
+                                    "register it first (POST /v1/namespaces, register_namespace())")
+    return stored
 
 
 def delete_tenant(body: Mapping, tenant: str, admin: bool) -> str:

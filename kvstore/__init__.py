@@ -8,6 +8,7 @@ xxhash, zstandard and numpy. It never imports torch; aiohttp only in the daemon 
 from kvcache.kvstore.errors import (
     BlockFormatError,
     CorruptBlockError,
+    NamespaceLimitError,
     StoreError,
     StoreLockedError,
     TierFullError,
@@ -23,6 +24,7 @@ __all__ = [
     "HashAlgo",
     "LookupResult",
     "Namespace",
+    "NamespaceLimitError",
     "PutResult",
     "StoreError",
     "StoreLockedError",

@@ -11,8 +11,9 @@ Contract:
     key sizes are checked client-side first, so that needs an unknown namespace or a daemon fault).
   * Errors map onto kvstore/errors.py: 400/413 -> BlockFormatError, 422 -> UnknownNamespaceError,
     401/403 -> AuthError, 507 -> TierFullError (its subclass QuotaExceededError for a tenant's
-    quota), anything else (5xx, unreachable, bad stream) -> DaemonError. Each carries `.status`
-    and `.code` (the JSON `error` field) when the daemon answered.
+    quota), 429 `too_many_namespaces` -> NamespaceLimitError, anything else (5xx, unreachable,
+    bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when
+    the daemon answered.
   * Retries (exponential backoff with jitter) on 502/503/504, connection errors, timeouts and
     truncated streams, for idempotent calls only: reads, lookup/exists, pin/unpin,
     register_namespace and puts. Puts are idempotent because blocks are content-addressed:
@@ -188,6 +189,7 @@ class AsyncKVClient:
         return await self._json("GET", "/healthz")
 
     async def register_namespace(self, ns: Namespace) -> bytes:
+        """As BlockStore's: idempotent, and a new non-empty `ns.name` renames the namespace."""
         d = {k: v for k, v in ns.to_dict().items() if k != "scheme_version"}
         ns_id = bytes.fromhex((await self._json("POST", "/v1/namespaces", d))["id"])
         if ns_id != ns.id:

@@ -11,7 +11,8 @@ from typing import Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.block_format import check_layout
-from kvcache.kvstore.errors import BlockFormatError, StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, TierFullError,
+                                   UnknownNamespaceError)
 from kvcache.kvstore.types import PutResult, Tier
 from kvcache.kvstore.writes import PutItem
 
@@ -52,6 +53,8 @@ def error_from(status: int, reason: str, method: str, path: str, raw: bytes) -> 
         err = UnknownNamespaceError(text)
     elif status in (401, 403):
         err = AuthError(text)
+    elif status == 429 and code == "too_many_namespaces":
+        err = NamespaceLimitError(text)
     elif status == 507:
         err = QuotaExceededError(text) if code == "quota_exceeded" else TierFullError(text)
     else:

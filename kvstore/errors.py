@@ -26,3 +26,8 @@ class TierFullError(StoreError):
 
 class StoreLockedError(StoreError):
     """Another process holds the data directory open for writing."""
+
+
+class NamespaceLimitError(StoreError):
+    """A new namespace past the number one tenant may register (the daemon's
+    server.max_namespaces_per_tenant)."""

@@ -84,8 +84,8 @@ class Namespace:
     """Everything a block key depends on besides the tokens.
 
     `name` is a human label for configs and reports (retention overrides are keyed by it);
-    it is not hashed, so the name plays no part in block keys. A store keeps the name a
-    namespace was first registered under (the daemon answers a second name with 409).
+    it is not hashed, so the name plays no part in block keys. Registering a namespace again
+    under another name renames it (with no name, it keeps the one it has).
 
     `owner` is the tenant that registered it through the daemon ("" for a store used directly
     or a daemon without tokens). It is not part of the root either (block keys stay the

@@ -8,7 +8,8 @@ Where metadata lives:
     blocks only in DRAM          -> `_dram_meta` in memory (they die with the process anyway)
 
 Gets, promotion and prefetch live in kvstore/reads.py (the read half); puts, write-back
-demotion and flush in kvstore/writes.py (the write half).
+demotion and flush in kvstore/writes.py (the write half); registering and renaming
+namespaces in kvstore/namespaces.py.
 
 Lock order: the store lock, then the DRAM tier's lock. Every DRAM mutation (put, pin,
 delete, promotion) happens under the store lock, because DRAM eviction calls back into
@@ -28,11 +29,12 @@ from typing import Callable, Iterable, Sequence
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.events import Event, EventSink, NullSink
-from kvcache.kvstore.errors import StoreError, TierFullError, UnknownNamespaceError
+from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.leases import StoreLeases
+from kvcache.kvstore.namespaces import StoreNamespaces
 from kvcache.kvstore.reads import StoreReads
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.writes import PutItem, StoreWrites
@@ -63,7 +65,7 @@ def _recorded_if_possible(callback):
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
 
 
-class BlockStore(StoreReads, StoreWrites, StoreLeases):
+class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
                  events: EventSink | None = None):
         self.config = config
@@ -101,32 +103,6 @@ class BlockStore(StoreReads, StoreWrites, StoreLeases):
         if config.gc_interval_s > 0:
             from kvcache.gc.collector import start_background_gc
             self._threads.append(start_background_gc(self, config.gc_interval_s))
-
-    # ---------------------------------------------------------------- namespaces
-    def register_namespace(self, ns: Namespace) -> bytes:
-        """Make `ns` known (persisted); returns its 16-byte id. Idempotent.
-
-        namespaces.json first, then the index, then memory: a failure (a full or read-only
-        disk: TierFullError / StoreError) leaves `ns` unknown, so the next registration tries
-        again; at worst namespaces.json names one the index lacks, which a rebuild registers."""
-        with self._lock:
-            if ns.id not in self.namespaces:
-                known = {**self.namespaces, ns.id: ns}
-                descriptors = {k.hex(): v.to_dict() for k, v in known.items()}
-                if self.nvme is not None:
-                    self.nvme.save_namespaces(descriptors)
-                self.index.add_namespace(ns)
-                self.namespaces[ns.id] = ns
-                if self.object is not None:
-                    self._best_effort(self.object.save_namespaces, descriptors)
-        return ns.id
-
-    def _namespace(self, namespace_id: bytes) -> Namespace:
-        ns = self.namespaces.get(namespace_id)
-        if ns is None:
-            raise UnknownNamespaceError(f"namespace {namespace_id.hex()} is not registered with this store; "
-                                        "call register_namespace() first")
-        return ns
 
     # ---------------------------------------------------------------- metadata
     def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:

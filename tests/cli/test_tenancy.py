@@ -1,5 +1,5 @@
 """Tenants and credentials through the real app (aiohttp TestServer): every token names a tenant,
-namespaces belong to tenants, KVCACHE_TOKENS tokens can be revoked, an admin deletes another
+namespaces belong to tenants (renaming and limits: test_namespaces.py), KVCACHE_TOKENS tokens can be revoked, an admin deletes another
 tenant's blocks only when it names the tenant, and a metrics token reads /metrics only."""
 
 import asyncio
@@ -153,17 +153,6 @@ async def test_a_tenant_learns_nothing_of_others_namespaces(serve):
         assert await register(c, BOB, ns) == {"id": ns.id.hex()}
     r = await c.post("/v1/namespaces", json={**NS.to_dict(), "owner": "alice"}, headers=auth(BOB))
     assert r.status == 400 and "owner" in (await r.json())["message"]
-
-
-async def test_a_second_name_for_a_namespace_is_a_conflict(serve):
-    c = await serve()
-    prod = Namespace(**{**NS.to_dict(), "name": "prod"})
-    await register(c, ALICE, prod)
-    assert await register(c, ALICE, prod) == {"id": NS.id.hex()}        # idempotent
-    assert await register(c, ALICE, Namespace(**{**NS.to_dict(), "name": ""})) == {"id": NS.id.hex()}
-    body = await register(c, ALICE, Namespace(**{**NS.to_dict(), "name": "scratch"}), status=409)
-    assert body["error"] == "conflict" and "'prod'" in body["message"]
-    assert await register(c, BOB, Namespace(**{**NS.to_dict(), "name": "scratch"})) == {"id": NS.id.hex()}
 
 
 async def test_batch_put_frames_name_the_callers_own_namespace(serve):
