@@ -9,9 +9,10 @@ Write path (the order is the durability contract):
     A failed write (ENOSPC, EIO) truncates the segment back, so nothing half-written
     is ever referenced.
 
-Reads are one preadv of header and payload straight into the caller's buffer, then the
-header checksum, the key and the payload checksum are verified; any mismatch is a miss,
-reported through `on_corrupt` so the store can quarantine the block.
+Reads (tiering/nvme_reads.py) are one preadv of header and payload straight into the
+caller's buffer, then the header checksum, the key and the payload checksum are verified;
+any mismatch is a miss, reported through `on_corrupt` so the store can quarantine the block.
+Namespace descriptors are kept beside the segments (tiering/namespace_file.py).
 
 Capacity: the bound that eviction works against is the configured capacity or what the
 filesystem can still hold (segments written + free space), whichever
@@ -20,9 +21,7 @@ is smaller, so GC makes room before writes fail even when the disk is smaller th
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import json
 import logging
 import mmap
 import os
@@ -31,12 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvcache.kvstore.block_format import (
-    FLAG_TOMBSTONE, MAX_HEADER, Codec, RecordHeader, decode_header, decode_payload, encode_header, verify_payload,
-)
-from kvcache.kvstore.errors import CorruptBlockError, StoreError, TierFullError
+from kvcache.kvstore.block_format import FLAG_TOMBSTONE, Codec, encode_header
+from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.types import Tier
+from kvcache.tiering import namespace_file
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
+from kvcache.tiering.nvme_reads import NvmeReads, file_size
 from kvcache.tiering.segment_readers import SegmentReaders
 from kvcache.tiering.space_reserve import SpaceReserve
 from kvcache.tiering.segment import (
@@ -87,7 +86,7 @@ class NvmeConfig:
             raise ValueError("nvme.reserve_bytes must be >= 0")
 
 
-class NvmeTier(BlockTier):
+class NvmeTier(NvmeReads, BlockTier):
     kind = Tier.NVME
 
     def __init__(self, root: str, config: NvmeConfig, on_corrupt: CorruptCallback | None = None,
@@ -112,7 +111,7 @@ class NvmeTier(BlockTier):
         self._active_id = (max(ids) + 1) if ids else 1
         self._active_fd = -1
         self._active_end = 0
-        self._sealed_bytes = sum(_file_size(self.path(i)) for i in ids)
+        self._sealed_bytes = sum(file_size(self.path(i)) for i in ids)
         self._sealed_sizes: dict[int, int] = {}     # segment id -> size, for holds_extent
         self.reserve = SpaceReserve(os.path.join(root, "reserve.bin"), config.reserve_bytes)
         self.capacity_bytes()          # allocates the delete reserve if the disk is low already
@@ -169,7 +168,7 @@ class NvmeTier(BlockTier):
             if self.config.fsync != "never":
                 os.fsync(self._active_fd)
             os.close(self._active_fd)
-            self._sealed_bytes += _file_size(self.path(self._active_id))
+            self._sealed_bytes += file_size(self.path(self._active_id))
             self._active_fd = -1
             self._active_id += 1
 
@@ -177,7 +176,7 @@ class NvmeTier(BlockTier):
         """Unlink a segment the index no longer references (compaction's last step)."""
         if segment_id == self._active_id:
             raise StoreError("cannot remove the active segment")
-        size = _file_size(self.path(segment_id))
+        size = file_size(self.path(segment_id))
         try:
             os.unlink(self.path(segment_id))
             self._sealed_bytes -= size
@@ -325,127 +324,16 @@ class NvmeTier(BlockTier):
             if segments:
                 self._fsync_dir()
 
-    # ---------------------------------------------------------------- reads
-    def read_record(self, key: bytes, placement: Placement, out=None) -> tuple[RecordHeader, memoryview] | None:
-        """Header and payload view (into `out` when given and the codec is raw), or None."""
-        try:
-            with self.readers.open(placement.segment_id) as fd:
-                if fd is None:
-                    self._on_corrupt(key, placement, f"segment {placement.segment_id} is missing")
-                    return None
-                return self._read_at(fd, key, placement, out)
-        except OSError as e:     # EMFILE, EIO opening it: the machine, not the record: a miss, no quarantine
-            log.warning("cannot read segment %d: %s (a miss)", placement.segment_id, e.strerror or e)
-            return None
-
-    def _read_at(self, fd: int, key: bytes, placement: Placement, out) -> tuple[RecordHeader, memoryview] | None:
-        try:
-            # sizes come from the index: check them against the file before sizing a buffer
-            hlen = placement.record_len - placement.payload_len
-            if not 0 < hlen <= MAX_HEADER or placement.offset + placement.record_len > os.fstat(fd).st_size:
-                raise CorruptBlockError(f"a {placement.record_len}-byte record does not fit in the segment")
-            hbuf = bytearray(hlen)
-            if out is not None and memoryview(out).nbytes >= placement.payload_len:
-                body = memoryview(out).cast("B")[: placement.payload_len]
-            else:
-                body = memoryview(bytearray(placement.payload_len))
-            got = os.preadv(fd, [hbuf, body], placement.offset)
-            if got != placement.record_len:
-                raise CorruptBlockError(f"short read: {got} of {placement.record_len} bytes")
-            header = decode_header(hbuf)
-            if header.key != key or header.payload_len != placement.payload_len or header.is_tombstone:
-                raise CorruptBlockError("record does not hold the requested block")
-            verify_payload(header, body)
-        except CorruptBlockError as e:
-            self._on_corrupt(key, placement, f"segment {placement.segment_id} offset {placement.offset}: {e}")
-            return None
-        except OSError as e:     # the disk, not the record: a miss this time, not a quarantine
-            log.warning("read error in segment %d at %d: %s (a miss)", placement.segment_id, placement.offset,
-                        e.strerror)
-            return None
-        return header, body
-
-    def holds_extent(self, p: Placement) -> bool:
-        """Whether segment `p.segment_id` can hold a record at `p` (sizes from the index are checked
-        before a reader allocates for them). A missing segment passes: the read reports it."""
-        hlen = p.record_len - p.payload_len
-        if not 0 < hlen <= MAX_HEADER:
-            return False
-        active = self._active_id            # read first: a segment below it is sealed and never grows
-        size = self._sealed_sizes.get(p.segment_id) if p.segment_id < active else None
-        if size is None:
-            size = _file_size(self.path(p.segment_id), missing=-1)
-            if size < 0:
-                return True
-            if p.segment_id < active:
-                self._sealed_sizes[p.segment_id] = size
-        return p.offset + p.record_len <= size
-
-    def get(self, key: bytes, placement: Placement | None = None) -> bytes | None:
-        got = self.read_record(key, placement)
-        if got is None:
-            return None
-        header, body = got
-        return bytes(decode_payload(header, body))
-
-    def read_into(self, key: bytes, placement: Placement, out) -> RecordHeader | None:
-        """Read and verify a block into `out`; its header (payload length, layout), or None."""
-        dst = memoryview(out).cast("B")
-        if dst.nbytes < placement.payload_len:
-            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
-        got = self.read_record(key, placement, dst)
-        if got is None:
-            return None
-        header, body = got
-        if header.codec is not Codec.RAW:
-            data = decode_payload(header, body)
-            dst[: len(data)] = data
-        return header
-
-    def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
-        header = self.read_into(key, placement, out)
-        return None if header is None else header.raw_len
-
-    def drop_page_cache(self) -> None:
-        """Evict this tier's files from the OS page cache (cold-read benchmarks)."""
-        for sid in self.segment_ids():
-            fd = os.open(self.path(sid), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
     # ---------------------------------------------------------------- namespaces
     def save_namespaces(self, descriptors: dict[str, dict]) -> None:
         """Keep namespace descriptors beside the data, so a rebuilt index knows them."""
-        path = os.path.join(self.root, "namespaces.json")
-        tmp = path + ".tmp"
-        try:          # whole or not at all: the old file stays until the new one is on disk
-            with open(tmp, "w") as f:
-                json.dump(descriptors, f, sort_keys=True, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            self._fsync_dir()
+        try:
+            namespace_file.save(self.root, descriptors)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise _tier_error(e, self.root) from e
 
     def load_namespaces(self) -> dict[str, dict]:
-        """Descriptors saved beside the data; anything malformed is skipped with an error log."""
-        try:
-            with open(os.path.join(self.root, "namespaces.json")) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (ValueError, OSError) as e:
-            log.error("namespaces.json in %s is unreadable (%s); register namespaces again", self.root, e)
-            return {}
-        if not isinstance(raw, dict):
-            log.error("namespaces.json in %s is not an object; register namespaces again", self.root)
-            return {}
-        return {k: v for k, v in raw.items() if isinstance(v, dict)}
+        return namespace_file.load(self.root)
 
     # ---------------------------------------------------------------- misc
     def delete(self, key: bytes, placement: Placement | None = None) -> None:
@@ -484,13 +372,6 @@ class NvmeTier(BlockTier):
         self.readers.close_all()
         if self._staging is not None:
             self._staging.close()
-
-
-def _file_size(path: str, missing: int = 0) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return missing
 
 
 def _tier_error(e: OSError, root: str) -> StoreError:
