@@ -6,6 +6,7 @@
                         evict from the head (skipping pinned and leased blocks)
                         └─> on_evict(dirty blocks): the store demotes them to NVMe
                             *before* their chunk is reused (write-back)
+    (the eviction policy: dram_eviction.py)
 
 Landings (dram_landings.py): the daemon's bulk upload receives payloads straight into free
 chunks, and put() adopts them instead of copying.
@@ -25,7 +26,6 @@ full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is avai
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -33,11 +33,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kvcache.kvstore.errors import TierFullError
 from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
+from kvcache.tiering.dram_eviction import DramEviction, EvictCallback, EvictedBlock  # noqa: F401 (re-exported)
 from kvcache.tiering.dram_landings import DramLandings, address
 from kvcache.tiering.slab import SlabAllocator
 
@@ -88,19 +88,10 @@ class _Entry:
     doomed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class EvictedBlock:
-    key: bytes
-    dirty: bool
-    write: BlockWrite  # payload is a view into the arena, valid only during on_evict
 
 
-EvictCallback = Callable[[list[EvictedBlock]], None]
-
-
-class DramTier(DramLandings, BlockTier):
+class DramTier(DramEviction, DramLandings, BlockTier):
     kind = Tier.DRAM
-    MAX_EVICT_PER_ALLOC = 256
 
     def __init__(self, config: DramConfig, on_evict: EvictCallback | None = None,
                  clock: Callable[[], float] = time.time):
@@ -149,93 +140,6 @@ class DramTier(DramLandings, BlockTier):
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
-
-    def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
-        """A chunk for `nbytes`, evicting if needed: first the least recently used block whose
-        chunk this one fits in (of its own size class if one is near the LRU head: one eviction
-        then suffices), else from the LRU head in small batches until a page empties.
-
-        Evicted chunks are freed only after `on_evict` has demoted them, so a batch is
-        finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
-        """
-        off = self._slab.alloc(nbytes)
-        if off is None:
-            off = self._evict_fitting(nbytes, evicted)
-        candidates = iter(list(self._entries)) if off is None else iter(())
-        budget, freed = self.MAX_EVICT_PER_ALLOC, 0
-        while off is None and budget > 0:
-            key = next(candidates, None)
-            if key is None:
-                break
-            freed += self._evict_one(key, evicted)
-            budget -= 1
-            if freed >= nbytes:
-                self._finish_evictions(evicted)
-                off, freed = self._slab.alloc(nbytes), 0
-        if off is None:
-            self._finish_evictions(evicted)
-            off = self._slab.alloc(nbytes)
-        if off is None:
-            raise TierFullError(f"DRAM tier cannot fit a {nbytes}-byte block: the blocks left are pinned or "
-                                "being read; unpin blocks or raise dram.capacity_bytes")
-        return off
-
-    def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock]) -> int | None:
-        """Evict one block near the LRU head whose chunk would hold `nbytes` and allocate there.
-        Without it, a block of a size class that has no page evicted the LRU head (of any
-        class) until a whole page emptied: a small arena of mixed sizes kept a handful."""
-        need, window = self._slab.chunk_size(nbytes), self.MAX_EVICT_PER_ALLOC
-        same = larger = None
-        for key in itertools.islice(self._entries, window):
-            e = self._entries[key]
-            if e.leases or e.pins or e.pin_until > self._clock():
-                continue
-            chunk = self._slab.chunk_at(e.offset)
-            if chunk == need:
-                same = key
-                break
-            if chunk > need and larger is None:
-                larger = key
-        victim = same or larger
-        if victim is None or not self._evict_one(victim, evicted):
-            return None
-        self._finish_evictions(evicted)
-        return self._slab.alloc(nbytes)
-
-    def _evict_to_watermark(self, evicted: list[EvictedBlock]) -> None:
-        cap = self._slab.capacity
-        if self._slab.used_bytes <= self.config.high_watermark * cap:
-            return
-        used = self._slab.used_bytes
-        for key in list(self._entries):
-            if used <= self.config.low_watermark * cap:
-                break
-            used -= self._evict_one(key, evicted)
-
-    def _evict_one(self, key: bytes, evicted: list[EvictedBlock]) -> int:
-        """Unlink one block; its chunk is freed by _finish_evictions, after demotion read it."""
-        e = self._entries.get(key)
-        if e is None or e.leases or e.pins or e.pin_until > self._clock():
-            return 0
-        del self._entries[key]
-        self._unpublish(key)
-        write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created,
-                               e.tenant)
-        evicted.append(EvictedBlock(key, e.dirty, write))
-        self._doomed_offsets.append(e.offset)
-        self.evictions += 1
-        return self._slab.chunk_at(e.offset)
-
-    def _finish_evictions(self, evicted: list[EvictedBlock]) -> None:
-        if evicted and self._on_evict is not None:
-            try:
-                self._on_evict(list(evicted))
-            except Exception:  # demotion failure must not fail the put that caused it
-                log.exception("demoting %d evicted DRAM blocks failed; they are dropped", len(evicted))
-        for off in self._doomed_offsets:
-            self._slab.free(off)
-        self._doomed_offsets.clear()
-        evicted.clear()
 
     # ---------------------------------------------------------------- reads
     def contains(self, key: bytes) -> bool:

@@ -8,8 +8,8 @@ into equal chunks; a page whose chunks are all free goes back to the free-page l
 memory moves between classes as the block-size mix changes. With no page of its class and
 no free page, a block takes a free chunk of the next larger class that has one: an arena of
 a few pages would otherwise hold one size class per page, and each block of another size
-would evict whole pages (3 sizes in 2 pages kept 3 blocks of 3,000). Nothing is allocated per
-block: fresh memory is slow to touch on our VMs (2-3 GB/s against 15 GB/s reused).
+would evict a whole page to get one. Nothing is allocated per block: fresh memory is slow
+to touch on our VMs (2-3 GB/s against 15 GB/s reused).
 Not thread-safe on its own: the DRAM tier serialises calls.
 """
 

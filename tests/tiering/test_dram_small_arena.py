@@ -1,6 +1,6 @@
 """A DRAM tier of a few slab pages with blocks of mixed sizes: blocks of a size class that has
 no page take a free chunk of a larger class, and eviction frees a chunk that fits, so the arena
-keeps about as many blocks as its bytes allow (it kept 3 of 3,000)."""
+keeps about as many blocks as its bytes allow."""
 
 import logging
 import random

@@ -130,8 +130,8 @@ def test_compaction_syncs_its_copies_before_the_index_names_them(tmp_path, monke
 
 def test_a_torn_record_hiding_a_well_formed_one_is_never_indexed(tmp_path):
     """A put torn by a crash whose payload holds a complete record for another block: the
-    rebuild's scan used to look for headers inside the torn record and index the one it held
-    (a far-future creation time even beat the victim's own record)."""
+    rebuild's scan must not look for headers inside the torn record and index the one it holds
+    (with a far-future creation time it would beat the victim's own record)."""
     import shutil
     from kvcache.kvstore.block_format import encode_header
     from kvcache.kvstore.types import raw_layout

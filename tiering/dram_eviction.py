@@ -1,0 +1,128 @@
+"""DRAM eviction: which blocks leave the arena to make room, and when their chunks are freed.
+
+    put needs a chunk ──> a free chunk of its size class (or a larger one: tiering/slab.py)
+                      └─> none: evict one LRU-near block whose chunk fits (same class first)
+                          └─> none: evict from the LRU head in batches until a page empties
+    after each put: above the high watermark, evict from the LRU head down to the low one
+
+Pinned blocks (hard or soft) and leased ones (a reader holds them) are skipped. An evicted
+block is unlinked at once (and leaves the read directory), but its chunk is freed only after
+`on_evict` has seen it: dirty blocks are demoted to NVMe from the arena before it is reused.
+
+`DramEviction` is a mixin of `DramTier` (tiering/dram.py), whose lock the caller holds and
+which provides `_entries`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets` and
+`_unpublish`; it is not meant to be used on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from kvcache.kvstore.errors import TierFullError
+from kvcache.tiering.base import BlockWrite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    key: bytes
+    dirty: bool
+    write: BlockWrite  # payload is a view into the arena, valid only during on_evict
+
+
+EvictCallback = Callable[[list[EvictedBlock]], None]
+
+
+class DramEviction:
+    MAX_EVICT_PER_ALLOC = 256
+
+    def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
+        """A chunk for `nbytes`, evicting if needed: first the least recently used block whose
+        chunk this one fits in (of its own size class if one is near the LRU head: one eviction
+        then suffices), else from the LRU head in small batches until a page empties.
+
+        Evicted chunks are freed only after `on_evict` has demoted them, so a batch is
+        finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
+        """
+        off = self._slab.alloc(nbytes)
+        if off is None:
+            off = self._evict_fitting(nbytes, evicted)
+        candidates = iter(list(self._entries)) if off is None else iter(())
+        budget, freed = self.MAX_EVICT_PER_ALLOC, 0
+        while off is None and budget > 0:
+            key = next(candidates, None)
+            if key is None:
+                break
+            freed += self._evict_one(key, evicted)
+            budget -= 1
+            if freed >= nbytes:
+                self._finish_evictions(evicted)
+                off, freed = self._slab.alloc(nbytes), 0
+        if off is None:
+            self._finish_evictions(evicted)
+            off = self._slab.alloc(nbytes)
+        if off is None:
+            raise TierFullError(f"DRAM tier cannot fit a {nbytes}-byte block: the blocks left are pinned or "
+                                "being read; unpin blocks or raise dram.capacity_bytes")
+        return off
+
+    def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock]) -> int | None:
+        """Evict one block near the LRU head whose chunk would hold `nbytes` and allocate there.
+        Evicting from the LRU head instead (of any class) until a whole page empties would cost
+        a small arena of mixed sizes most of its blocks for each block of a new size."""
+        need, window = self._slab.chunk_size(nbytes), self.MAX_EVICT_PER_ALLOC
+        same = larger = None
+        for key in itertools.islice(self._entries, window):
+            e = self._entries[key]
+            if e.leases or e.pins or e.pin_until > self._clock():
+                continue
+            chunk = self._slab.chunk_at(e.offset)
+            if chunk == need:
+                same = key
+                break
+            if chunk > need and larger is None:
+                larger = key
+        victim = same or larger
+        if victim is None or not self._evict_one(victim, evicted):
+            return None
+        self._finish_evictions(evicted)
+        return self._slab.alloc(nbytes)
+
+    def _evict_to_watermark(self, evicted: list[EvictedBlock]) -> None:
+        cap = self._slab.capacity
+        if self._slab.used_bytes <= self.config.high_watermark * cap:
+            return
+        used = self._slab.used_bytes
+        for key in list(self._entries):
+            if used <= self.config.low_watermark * cap:
+                break
+            used -= self._evict_one(key, evicted)
+
+    def _evict_one(self, key: bytes, evicted: list[EvictedBlock]) -> int:
+        """Unlink one block; its chunk is freed by _finish_evictions, after demotion read it."""
+        e = self._entries.get(key)
+        if e is None or e.leases or e.pins or e.pin_until > self._clock():
+            return 0
+        del self._entries[key]
+        self._unpublish(key)
+        write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created,
+                               e.tenant)
+        evicted.append(EvictedBlock(key, e.dirty, write))
+        self._doomed_offsets.append(e.offset)
+        self.evictions += 1
+        return self._slab.chunk_at(e.offset)
+
+    def _finish_evictions(self, evicted: list[EvictedBlock]) -> None:
+        if evicted and self._on_evict is not None:
+            try:
+                self._on_evict(list(evicted))
+            except Exception:  # demotion failure must not fail the put that caused it
+                log.exception("demoting %d evicted DRAM blocks failed; they are dropped", len(evicted))
+        for off in self._doomed_offsets:
+            self._slab.free(off)
+        self._doomed_offsets.clear()
+        evicted.clear()
