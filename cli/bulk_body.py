@@ -17,14 +17,13 @@ import socket
 import threading
 import time
 
+from kvcache.cli.http_head import LINGER_S, WINDOW
 from kvcache.cli.quota import PendingBytes
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 
 CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (in the upload thread, before the next)
 DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
-WINDOW = 4096                 # one recv for frame headers (and the first bytes of their payload)
-LINGER_S = 2.0                # after an error reply with a body left unread: how long it is dropped
 GROW_FROM = 1 << 20           # a payload received into memory of its own starts this large, then doubles
 
 
@@ -223,8 +222,9 @@ class Body:
     def linger(self) -> None:
         """After a reply with Connection: close and the write side shut: drop what the client
         still sends of its body, for up to LINGER_S, so that closing does not reset the
-        connection before it has read the reply."""
-        self.deadline = min(self.deadline, time.monotonic() + LINGER_S)
+        connection before it has read the reply. A deadline of its own: after a 408 the
+        request's has passed."""
+        self.deadline = time.monotonic() + LINGER_S
         try:
             self._drop(self.remaining)
             self._recv(memoryview(bytearray(1)))   # the client's close, once it has read the reply

@@ -25,8 +25,8 @@ tenant's quota and the daemon-wide server.max_pending_upload_bytes before it is 
 (cli/quota.py).
 
 An error reply keeps the connection when the rest of the body can be skipped (Content-Length
-says how much, up to DRAIN_LIMIT); past that the reply goes out with Connection: close, the
-write side is shut and the body is read and dropped for up to LINGER_S, so that the client
+says how much, up to DRAIN_LIMIT); past that, and after a 408, the reply goes out with
+Connection: close, the write side is shut and the body is read and dropped for up to LINGER_S, so that the client
 reads the answer rather than a reset. A truncated body or a lost client closes it.
 """
 
@@ -41,8 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from kvcache.cli.bulk_body import CHUNK_BYTES, WINDOW, Body, RequestDeadline, StagingPool  # noqa: F401
-from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection, Head, parse_head, reply_head
+from kvcache.cli.bulk_body import CHUNK_BYTES, Body, RequestDeadline, StagingPool  # noqa: F401
+from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection
+from kvcache.cli.http_head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
 from kvcache.cli.put_batch import ingest_puts_blocking
 from kvcache.cli.quota import PendingBytes
 from kvcache.cli.server import (CONFIG, METRICS, QUOTAS, STORE, UNAUTHORIZED, Principal, authenticate, error_for,
@@ -144,7 +145,7 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
         keep = keep and body.skip_rest()
     app[METRICS].observe_request(BULK_PATH, status, time.perf_counter() - t0)
     _respond(sock, status, json.dumps(reply).encode(), close=not keep)
-    if not keep and body.remaining and status != 408:
+    if not keep and body.remaining:     # a 408 too: a reset must not eat the answer
         sock.shutdown(socket.SHUT_WR)
         body.linger()
     return keep, body.leftover() if keep else b""
@@ -178,12 +179,14 @@ def _next_head(sock: socket.socket, buf: bytes, accept) -> tuple[Head | None, by
     sock.settimeout(HOLD_S)
     try:
         while True:
-            at = buf.find(b"\r\n\r\n")
-            if at >= 0:
-                head = parse_head(buf[: at + 4])
+            end = head_end(buf)
+            if end == NOT_PLAIN:
+                return None, buf, True
+            if end > 0:
+                head = parse_head(buf[:end])
                 same = head is not None and wants(head) and accept(head) \
                     and len(head.headers["content-length"]) <= MAX_LENGTH_DIGITS
-                return (head, buf[at + 4:], True) if same else (None, buf, True)
+                return (head, buf[end:], True) if same else (None, buf, True)
             if len(buf) > HEAD_LIMIT:
                 return None, buf, True
             more = sock.recv(WINDOW)

@@ -39,14 +39,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kvcache.cli.http_head import Head, parse_head, reply_head  # noqa: F401  (parse_head: the front's API)
+from kvcache.cli.http_head import (LINGER_S, NOT_PLAIN, WINDOW, Head, head_end, parse_head,  # noqa: F401
+                                   reply_head)                       # (parse_head: the front's API)
 
 log = logging.getLogger(__name__)
 HEAD_LIMIT = 16 << 10          # request line + headers; larger heads go to aiohttp (which answers 431)
-WINDOW = 4096                  # what one recv into the head buffer asks for (see get_buffer)
 BUFFER_BYTES = 2 * WINDOW      # the head buffer a connection starts (and shrinks back) to
 MAX_BUFFER_BYTES = HEAD_LIMIT + 2 * WINDOW   # what it grows to while a head is incomplete
-LINGER_S = 1.0                 # a refused connection stays open this long for its reply to get out
 
 
 class FrontConnection(asyncio.BufferedProtocol):
@@ -112,9 +111,11 @@ class FrontConnection(asyncio.BufferedProtocol):
         timer = loop.call_later(front.keepalive_s if waiting else front.header_timeout_s, self._idle_out)
         try:
             while True:
-                at = self._buf.find(b"\r\n\r\n", self._start, self._end)
-                if at >= 0:
-                    return bytes(self._buf[self._start: at + 4])
+                end = head_end(self._buf, self._start, self._end)
+                if end == NOT_PLAIN:
+                    return b""          # not a plain CRLF head: aiohttp answers it
+                if end > 0:
+                    return bytes(self._buf[self._start: end])
                 if self._end - self._start > HEAD_LIMIT:
                     return b""          # too large: aiohttp answers it
                 if self._eof or self._lost:

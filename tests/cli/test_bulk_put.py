@@ -245,3 +245,32 @@ def test_parse_head():
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n") is None
     assert parse_head(b"POST / HTTP/1.1\r\nno colon\r\n\r\n") is None
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length : 5\r\n\r\n") is None   # aiohttp's to refuse
+
+
+def test_parse_head_leaves_anything_but_plain_crlf_lines_to_aiohttp():
+    from kvcache.cli.http_head import NOT_PLAIN, head_end
+    for line in (b"X-A: b\nTransfer-Encoding: chunked", b"X-A: b\rc", b"X-A: b\x00c"):
+        assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n" + line + b"\r\n\r\n") is None, line
+    assert head_end(b"POST / HTTP/1.1\r\nHost: x\r\n\r\nbody") == 28
+    assert head_end(b"POST / HTTP/1.1\r\nHost: x\r\n") == -1
+    assert head_end(b"POST / HTTP/1.1\nHost: x\n\n") == NOT_PLAIN          # bare LF: never CRLF CRLF
+    assert head_end(b"POST / HTTP/1.1\r\nHost: x\n\r\n") == NOT_PLAIN
+
+
+async def test_smuggled_and_bare_lf_heads_are_answered_by_aiohttp(daemon):
+    """A header line hiding a bare LF is not served by its Content-Length, and a head with
+    bare-LF line endings is answered at once, not at the header timeout."""
+    await (await registered(daemon)).close()
+    body = batch_body([50])
+    smuggle = (f"POST /v1/blocks/batch_put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+               f"X-A: b\nTransfer-Encoding: chunked\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    bare = (f"POST /v1/blocks/batch_put HTTP/1.1\nHost: x\nAuthorization: Bearer {ALICE}\n"
+            f"Content-Length: {len(body)}\n\n").encode()
+    for raw in (smuggle, bare):
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
+        writer.write(raw + body)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 2)
+        assert line.split()[1] == b"400", (raw, line)
+        writer.close()
+    assert daemon["store"].get(tenant_key("alice", KEYS[50])) is None

@@ -144,6 +144,34 @@ async def test_a_trickled_upload_is_cut_off_at_the_request_deadline(daemon):
         writer.close()
 
 
+async def test_a_408_lingers_so_a_client_still_sending_reads_it(daemon):
+    """After its 408 the native path shuts its write side and keeps reading and dropping the body
+    for a linger: a client still sending gets no reset that would eat the answer."""
+    import socket
+    d = await daemon(request_timeout_s=0.5)
+    c = AsyncKVClient(d["url"], ALICE, retries=0, shared_memory="off")
+    await c.register_namespace(NS)
+    await c.close()
+
+    def client() -> bytes:
+        body = wire.stream_header(1) + frame_head(8, 1 << 20)
+        with socket.create_connection(("127.0.0.1", d["port"])) as s:
+            s.settimeout(3)
+            s.sendall(head(ALICE, len(body) + (1 << 20)) + body)
+            got = b""
+            while b"}" not in got:
+                got += s.recv(4096)
+            for _ in range(10):              # the rest of the body, after the answer
+                s.sendall(bytes(20_000))
+                time.sleep(0.03)
+            s.shutdown(socket.SHUT_WR)
+            while more := s.recv(4096):
+                got += more
+            return got
+    got = await asyncio.wait_for(asyncio.to_thread(client), 10)
+    assert got.startswith(b"HTTP/1.1 408") and b"connection: close" in got.lower()
+
+
 async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
     d = await daemon(header_timeout_s=0.5)
     reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
