@@ -22,7 +22,8 @@ by the loop at all, so a fast client never makes the daemon buffer more than it 
 What a connection costs the daemon before it has shown a token: an 8 KiB head buffer (grown
 to HEAD_LIMIT only while a long head arrives, shrunk after), for at most header_timeout_s per
 head; a batch_put head is admitted on the loop (cli/bulk_put.py `admit`) and a stranger gets
-its 401 there, the body unread. Past server.max_connections new connections are closed at once.
+its 401 there, the body unread. At server.max_connections a new connection closes the oldest
+that has completed no request and is idle, or is closed at once when there is none.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ class FrontConnection(asyncio.BufferedProtocol):
     # ------------------------------------------------------------ transport callbacks
     def connection_made(self, transport) -> None:
         self.transport = transport
-        if self.front.full():       # refused before anything is read or allocated for it
-            self.front.warn_full()
+        if self.front.full() and not self.front.drop_oldest_idle():
+            self.front.warn_full()   # refused before anything is read or allocated for it
             transport.abort()
             return
-        self.front.connections.add(self)
+        self.front.connections[self] = None
         self._task = asyncio.get_running_loop().create_task(self._serve())
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -97,7 +98,7 @@ class FrontConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self._lost = True
-        self.front.connections.discard(self)
+        self.front.connections.pop(self, None)
         self._wakeup()
 
     # ------------------------------------------------------------ reading
@@ -186,6 +187,10 @@ class FrontConnection(asyncio.BufferedProtocol):
             self._paused = False
             self.transport.resume_reading()
 
+    def droppable(self) -> bool:
+        """Idle and yet to complete a request: what a flood of connections is made of."""
+        return not (self.served or self.busy or self._lent or self._handed or self._refused or self._lost)
+
     def _idle_out(self) -> None:
         if not self.busy and self.transport is not None:
             self.transport.close()
@@ -267,7 +272,7 @@ class FrontConnection(asyncio.BufferedProtocol):
         if self._lost:
             return
         self._handed = True
-        self.front.connections.discard(self)
+        self.front.connections.pop(self, None)
         data = bytes(self._buf[self._start: self._end])
         self._resume()
         proto = self.front.aiohttp_factory()
@@ -292,7 +297,7 @@ class Front:
     max_connections: int | None = None
     max_uploads_per_tenant: int | None = None
     closing: bool = False
-    connections: set = field(default_factory=set)
+    connections: dict = field(default_factory=dict)   # front-owned, oldest first (values unused)
     uploads: Counter = field(default_factory=Counter)   # upload threads in use, per tenant
     warned_full_at: float = float("-inf")
 
@@ -312,6 +317,18 @@ class Front:
 
     def full(self) -> bool:
         return self.open_count() >= self.max_connections
+
+    def drop_oldest_idle(self) -> bool:
+        """Make room at max_connections by closing the oldest front-owned connection that has
+        completed no request and is not inside one (as the shared-memory socket drops its oldest
+        connection without HELLO): a peer holding idle connections cannot lock others out.
+        False when there is none (connections aiohttp serves are never dropped here)."""
+        for c in self.connections:
+            if c.droppable():
+                del self.connections[c]
+                c.transport.abort()
+                return True
+        return False
 
     def warn_full(self) -> None:
         """Once a minute at most: a flood of connections must not flood the log as well."""

@@ -187,10 +187,28 @@ async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
     writer.close()
 
 
-async def test_connections_past_max_connections_are_closed(daemon):
+async def test_at_max_connections_a_new_connection_drops_the_oldest_idle_one(daemon):
+    """A peer holding max_connections idle connections locks nobody out: each new connection
+    closes the oldest that has completed no request."""
     d = await daemon(max_connections=5)
     held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
     await asyncio.sleep(0.1)
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 2))[0] == 200
+    assert await asyncio.wait_for(held[0][0].read(), 2) == b""          # the oldest idle one
+    assert d["front"].open_count() == 5
+    writer.close()
+    for _, w in held:
+        w.close()
+
+
+async def test_connections_past_max_connections_are_closed_when_none_is_idle(daemon):
+    d = await daemon(max_connections=5)
+    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
+    for r, w in held:                                # each has completed a request (aiohttp serves it)
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await read_response(r))[0] == 200
     reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
     try:
         assert await asyncio.wait_for(reader.read(), 2) == b""
