@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvcache.cli import tenancy
+from kvcache.cli.batch_get import GetBudget, GetStream, stream_blocks
 from kvcache.cli.metrics import Metrics
 from kvcache.cli.quota import PendingBytes, Quotas, put_within_quota
 from kvcache.cli.server_config import ServerConfig
@@ -46,7 +47,7 @@ QUOTA = web.RequestKey("quota", object)
 SHM = web.RequestKey("shm", bool)
 METRICS_ONLY = web.RequestKey("metrics_only", bool)
 METRICS_PATHS = ("/metrics", "/healthz")   # all a metrics token may read
-GET_GROUP_BYTES = 8 << 20     # batch_get reads at most this much (or one block) per store call
+GET_BUDGET = web.AppKey("get_budget", GetBudget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,39 +252,15 @@ async def batch_put(request: web.Request) -> web.Response:
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
-    """Frames stream out in groups (at most 32 blocks and GET_GROUP_BYTES, bounded memory): the
-    group's sizes from the index, then one get_many_into into one buffer; no per-block allocation."""
+    """Frames stream out in groups within a daemon-wide byte budget and a write deadline
+    (cli/batch_get.py): a client that never reads holds little, briefly."""
     keys, body = await _keys(request)
-    store = request.app[STORE]
-    if len(keys) > request.app[CONFIG].max_batch_blocks:
-        raise wire.FrameLimitError(f"at most {request.app[CONFIG].max_batch_blocks} blocks per batch_get")
-    sent = [bytes.fromhex(k) for k in body["keys"]]
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
-    await resp.prepare(request)
-    await resp.write(wire.stream_header(len(keys)))
-    i = 0
-    while i < len(keys):
-        sizes = await _call(request, store.sizes_tiered, keys[i: i + 32])
-        n, nbytes = 0, 0
-        while n < len(sizes) and (n == 0 or nbytes + (sizes[n] or (0,))[0] <= GET_GROUP_BYTES):
-            nbytes, n = nbytes + (sizes[n] or (0,))[0], n + 1
-        buf, pos, slots = memoryview(bytearray(nbytes)), 0, []
-        for s in sizes[:n]:
-            slots.append(None if s is None else buf[pos: pos + s[0]])
-            pos += s[0] if s else 0
-        want = [j for j, v in enumerate(slots) if v is not None]
-        got = await _call(request, store.get_many_into, [keys[i + j] for j in want], [slots[j] for j in want])
-        for j, length in zip(want, got):
-            if length is None:            # gone since sizes_tiered (deleted, expired): a miss
-                slots[j] = None
-        frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(n)]
-        request.app[METRICS].count_gets(frames)
-        for client_key, (payload, tier) in zip(sent[i: i + n], frames):
-            for part in wire.encode_get_frame(client_key, payload, tier):
-                await resp.write(part)
-        i += n
-    await resp.write_eof()
-    return resp
+    app = request.app
+    if len(keys) > app[CONFIG].max_batch_blocks:
+        raise wire.FrameLimitError(f"at most {app[CONFIG].max_batch_blocks} blocks per batch_get")
+    s = GetStream(app[STORE], functools.partial(_call, request), app[METRICS], app[GET_BUDGET],
+                  app[CONFIG].request_timeout_s)
+    return await stream_blocks(request, s, keys, [bytes.fromhex(k) for k in body["keys"]])
 
 
 async def lookup(request: web.Request) -> web.Response:
@@ -360,6 +337,7 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
     app[QUOTAS] = Quotas()
+    app[GET_BUDGET] = GetBudget(config.max_batch_get_bytes)
     from kvcache.cli.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
     app[STAGING] = StagingPool()
     app[UPLOADS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="kvcache-upload")

@@ -65,11 +65,12 @@ class ServerConfig:
     max_connections: int = 4096      # open client connections; more are closed at once
     max_pending_upload_bytes: int = 1 << 30   # payload bytes being received, daemon-wide; past it: 503
     max_uploads_per_tenant: int = 16  # upload threads one tenant holds; its further uploads go to aiohttp
+    max_batch_get_bytes: int = 256 << 20   # batch_get group buffers held at once, daemon-wide; past it: 503
     max_namespaces_per_tenant: int = 256  # namespaces one tenant may register (each rewrites namespaces.json)
 
     def __post_init__(self) -> None:
         for name in ("port", "max_block_bytes", "max_batch_blocks", "max_keys", "max_shm_leases", "workers",
-                     "max_connections", "max_pending_upload_bytes", "max_uploads_per_tenant",
+                     "max_connections", "max_pending_upload_bytes", "max_uploads_per_tenant", "max_batch_get_bytes",
                      "max_namespaces_per_tenant"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -1,9 +1,10 @@
 """What the daemon answers when a request fails, and what it logs about it.
 
-    handler raises ─> error_for(exc) ─┬─ a client's mistake (bad input, a limit, an unknown
-                                      │  namespace, a full tier): 4xx/5xx JSON {"error","message"},
-                                      │  nothing logged
-                                      └─ anything else (a bug): 500, logged with its traceback
+    handler raises ─┬─ the client hung up (client_gone): logged at DEBUG, nothing to answer
+                    └─ error_for(exc) ─┬─ a client's mistake (bad input, a limit, an unknown
+                                       │  namespace, a full tier): 4xx/5xx JSON {"error","message"},
+                                       │  nothing logged
+                                       └─ anything else (a bug): 500, logged with its traceback
 
 A client's bytes are parsed where they enter (parse_json, cli/server.py's _layout,
 kvstore/wire.py's frames) so that each mistake gets a message that says what to send instead;
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import struct
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -28,13 +28,13 @@ from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, Store
 
 log = logging.getLogger("kvcache.cli.server")
 
-# Beyond ValueError, what a request's own bytes can raise while they are parsed: a number too
-# large for a float or a C integer (OverflowError, struct.error), JSON nested past the
-# interpreter's recursion limit (RecursionError). Never a bare Exception: a bug stays a 500.
+# The parsers turn what a request's own bytes can raise (a TypeError from a field of the wrong
+# type, an OverflowError from a number no float holds, a RecursionError from JSON nested too
+# deeply) into BlockFormatError or ValueError where they parse, so the net stops there: a
+# struct.error, KeyError or TypeError from deeper down is damage or a bug, a logged 500.
 _ERRORS = ((UnknownNamespaceError, 422, "unknown_namespace"), (wire.FrameLimitError, 413, "request_entity_too_large"),
-           (BlockFormatError, 400, "bad_request"), (ValueError, 400, "bad_request"), (KeyError, 400, "bad_request"),
-           (TypeError, 400, "bad_request"), (OverflowError, 400, "bad_request"), (RecursionError, 400, "bad_request"),
-           (struct.error, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
+           (BlockFormatError, 400, "bad_request"), (ValueError, 400, "bad_request"),
+           (web.RequestPayloadError, 400, "bad_request"), (asyncio.IncompleteReadError, 400, "truncated_body"),
            (TierFullError, 507, "insufficient_storage"), (QuotaExceeded, 507, "quota_exceeded"),
            (NamespaceLimitError, 429, "too_many_namespaces"),
            (StoreError, 503, "store_unavailable"))
@@ -67,11 +67,22 @@ async def error_middleware(request: web.Request, handler):
             raise
         return error_response(*error_for(e))
     except Exception as e:
+        if client_gone(request, e):     # nobody left to answer: the reply only ends the request
+            log.debug("client closed the connection during %s %s: %r", request.method, request.path, e)
+            return error_response(400, "client_closed_request", "the connection closed before the answer")
         known = error_for(e)
         if known is not None:
             return error_response(*known)
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal", "internal error; see the daemon log")
+
+
+def client_gone(request: web.Request, exc: BaseException) -> bool:
+    """True when `exc` comes from the client hanging up (a reset, a body cut short by the close,
+    a write to its closed socket), not from the daemon: its connection is closed or closing."""
+    transport = request.transport
+    closed = transport is None or transport.is_closing()
+    return closed and isinstance(exc, (ConnectionError, web.RequestPayloadError, asyncio.IncompleteReadError))
 
 
 def parse_json(raw: bytes | str, what: str):

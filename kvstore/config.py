@@ -70,6 +70,10 @@ class StoreConfig:
         d.pop("server", None)  # read by `kvcache serve`
         if d:
             raise ValueError(f"unknown config sections {sorted(d)}")
+        nested = sorted(set(store) & {"dram", "nvme", "object_store", "retention"})
+        if nested:      # they would reach the constructor twice
+            raise ValueError(f"[store] holds the store's own settings; {nested} are sections of their own "
+                             "([dram], [nvme], [object], [retention])")
         dd = data_dir or store.pop("data_dir", None)
         store.pop("data_dir", None)
         if not dd:

@@ -154,6 +154,9 @@ class Namespace:
         if unknown:
             raise ValueError(f"unknown namespace fields {sorted(unknown)} (known: {sorted(cls.__dataclass_fields__)}); "
                              "written by a newer kvcache?")
+        missing = [f for f in ("model_fingerprint", "kv_layout", "block_size") if f not in d]
+        if missing:
+            raise ValueError(f"a namespace needs {missing}")
         return cls(**d)
 
 

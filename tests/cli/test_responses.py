@@ -5,13 +5,15 @@ and a batch_get its client never reads holds bounded memory for a bounded time."
 import asyncio
 import json
 import logging
+import os
 import socket
+import struct
 import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.server import build_app
+from kvcache.cli.server import GET_BUDGET, STORE, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
@@ -26,6 +28,15 @@ def no_errors_logged(caplog) -> None:
     assert not bad, [(r.name, r.getMessage()[:200]) for r in bad]
 
 
+class DaemonLikeServer(TestServer):
+    """A TestServer that, like the daemon's AppRunner (cli/http_front.py), lets a handler run on
+    after its client hangs up instead of cancelling it (aiohttp's test default)."""
+
+    async def _make_runner(self, **kwargs):
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)
+
+
 @pytest.fixture
 async def make_client(tmp_path):
     """A client of an app built with these [server] settings; clients and stores close after."""
@@ -37,7 +48,7 @@ async def make_client(tmp_path):
                                        nvme=NvmeConfig(segment_bytes=8 << 20)))
         cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"), TokenInfo(BOB, "bob"), TokenInfo(ADMIN, "ops", True)),
                            **{"max_block_bytes": 4 << 20, "max_keys": 100, **settings})
-        c = TestClient(TestServer(build_app(store, cfg)))
+        c = TestClient(DaemonLikeServer(build_app(store, cfg)))
         await c.start_server()
         opened.append((c, store))
         return c
@@ -72,3 +83,113 @@ async def test_namespace_ids_are_hex_digits_only(client):  # noqa: F811
     spaced = " ".join(NS.id.hex()[i: i + 2] for i in range(0, 32, 2))
     r = await put(client, 0, ns=spaced)
     assert r.status == 400 and "32 hex digits" in (await r.json())["message"], await r.text()
+
+
+def raw_post(port: int, path: str, body: bytes, declared: int | None = None, rcvbuf: int | None = None,
+             token: str = ALICE) -> socket.socket:
+    """A socket that sent a POST's head and `body` (of `declared` bytes, if more), and reads nothing."""
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {declared or len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+async def until(check, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def disconnect_records(caplog) -> list:
+    return [r for r in caplog.records if "client closed the connection" in r.getMessage()]
+
+
+@pytest.mark.parametrize("path", ["/v1/exists", "/v1/lookup", "/v1/blocks/batch_get"])
+async def test_a_client_that_closes_mid_body_is_logged_at_debug(make_client, caplog, path):
+    client = await make_client()
+    caplog.set_level(logging.DEBUG, logger="kvcache.cli.server")
+    s = raw_post(client.server.port, path, b'{"keys": ["', declared=1000)
+    await asyncio.sleep(0.2)
+    s.close()
+    await until(lambda: disconnect_records(caplog))
+    no_errors_logged(caplog)
+    assert (await client.post("/v1/exists", json={"keys": []}, headers=auth(ALICE))).status == 200
+
+
+async def test_a_put_closed_mid_body_is_logged_at_debug(make_client, caplog):
+    client = await make_client()
+    caplog.set_level(logging.DEBUG, logger="kvcache.cli.server")
+    await register(client)
+    s = socket.create_connection(("127.0.0.1", client.server.port))
+    s.sendall(f"PUT /v1/blocks/{KEYS[0].hex()} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+              f"X-KVCache-Namespace: {NS.id.hex()}\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 5000)
+    await asyncio.sleep(0.2)
+    s.close()
+    await until(lambda: disconnect_records(caplog))
+    no_errors_logged(caplog)
+
+
+@pytest.mark.parametrize("damage", [struct.error("unpack requires a buffer of 8 bytes"), KeyError("tier"),
+                                    TypeError("'NoneType' object is not subscriptable")])
+async def test_damage_below_the_parsers_is_a_logged_500(client, caplog, monkeypatch, damage):  # noqa: F811
+    def exists_many(keys):
+        raise damage
+    monkeypatch.setattr(client.server.app[STORE], "exists_many", exists_many)
+    r = await client.post("/v1/exists", json={"keys": [KEYS[0].hex()]}, headers=auth(ALICE))
+    assert r.status == 500 and (await r.json())["error"] == "internal"
+    assert any(r.levelno == logging.ERROR and "unhandled error" in r.getMessage() for r in caplog.records)
+
+
+def drain(s: socket.socket) -> int:
+    """Read `s` until the daemon closed it (EOF or a reset); the bytes that came."""
+    s.settimeout(5)
+    n = 0
+    try:
+        while chunk := s.recv(1 << 20):
+            n += len(chunk)
+    except ConnectionResetError:
+        pass
+    s.close()
+    return n
+
+
+async def put_blocks(c, n: int, size: int) -> list[str]:
+    await register(c)
+    keys = [os.urandom(16).hex() for _ in range(n)]
+    for i, k in enumerate(keys):
+        r = await c.put(f"/v1/blocks/{k}", data=bytes([i]) * size,
+                        headers={**auth(ALICE), "X-KVCache-Namespace": NS.id.hex()})
+        assert r.status == 200, await r.text()
+    return keys
+
+
+def write_buffers(c) -> list[int]:
+    """What each of the server's connections holds in its socket's send buffer (not yet sent)."""
+    return [h.transport.get_write_buffer_size() for h in c.server.runner.server.connections if h.transport]
+
+
+async def test_a_batch_get_never_read_holds_bounded_memory_for_a_bounded_time(make_client, caplog):
+    from kvcache.cli.batch_get import WRITE_SLICE
+    c = await make_client(request_timeout_s=1.5, max_batch_get_bytes=24 << 20)
+    size = (1 << 20) - 4096
+    keys = await put_blocks(c, 12, size)         # a group of 8 blocks (8 MiB at most), then one of 4
+    budget = c.server.app[GET_BUDGET]
+    body = json.dumps({"keys": keys}).encode()
+    stalled = [raw_post(c.server.port, "/v1/blocks/batch_get", body, rcvbuf=4096) for _ in range(3)]
+    await until(lambda: budget.held == 3 * 8 * size)         # three groups in flight: no room for a fourth
+    assert max(write_buffers(c)) <= WRITE_SLICE + (64 << 10)  # one slice per connection, not a group's copy
+    r = await c.post("/v1/blocks/batch_get", json={"keys": keys}, headers=auth(ALICE))
+    assert r.status == 503 and r.headers["Retry-After"] == "1", r.status    # no room: before the stream starts
+    assert "max_batch_get_bytes" in (await r.json())["message"]
+    t0 = time.monotonic()
+    await until(lambda: budget.held == 0)                    # past request_timeout_s: aborted, buffers dropped
+    assert time.monotonic() - t0 < 5
+    for s in stalled:                    # each stream was cut short: the connection is gone
+        assert drain(s) < 12 << 20
+    r = await c.post("/v1/blocks/batch_get", json={"keys": keys[:2]}, headers=auth(ALICE))
+    assert r.status == 200 and len(await r.read()) > 2 * size
+    no_errors_logged(caplog)

@@ -1,0 +1,162 @@
+"""batch_get's response stream: bounded memory for a bounded time, however slowly the client reads.
+
+    keys ─> group (at most 32 blocks and GROUP_BYTES, or one larger block)
+        ─> GetBudget.take(group bytes)      daemon-wide: server.max_batch_get_bytes
+        ─> get_many_into(one buffer)        no per-block allocation
+        ─> write the frames, WRITE_SLICE at a time, within server.request_timeout_s
+        ─> GetBudget.give                   the buffer is dropped
+
+A client that never reads cannot hold more than one group per connection, nor longer than the
+deadline: past it the connection is aborted, which drops the socket's copy of the unsent bytes
+too. Writing in slices keeps that copy (asyncio's transport copies what the kernel did not take)
+to one slice per connection instead of a second copy of the group. When the budget has no room
+for the first group the answer is 503 (Retry-After: 1) before the stream starts; for a later
+group the stream waits for room within the same deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from aiohttp import web
+
+from kvcache.cli.metrics import Metrics
+from kvcache.kvstore import wire
+from kvcache.kvstore.errors import StoreError
+from kvcache.kvstore.store import BlockStore
+
+GROUP_BYTES = 8 << 20      # a group reads at most this much (or one block) per store call
+GROUP_BLOCKS = 32
+WRITE_SLICE = 256 << 10    # the most the socket's send buffer copies per connection
+FIRST_WAIT_S = 1.0         # how long the first group waits for room before the 503
+
+
+class BatchGetBusy(StoreError):
+    """batch_get groups in flight hold server.max_batch_get_bytes (HTTP 503: retry)."""
+
+
+class ClientTooSlow(ConnectionResetError):
+    """The client did not take a group within server.request_timeout_s; its connection is aborted."""
+
+
+class GetBudget:
+    """Bytes held by batch_get group buffers, daemon-wide. Runs on the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def take(self, n: int, wait_s: float) -> int:
+        """Reserve `n` bytes (a group larger than the whole budget takes all of it), waiting up
+        to `wait_s` for room; TimeoutError past it. Answers what was reserved, for give()."""
+        n = min(n, self.limit)
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(wait_s):
+            while self.held + n > self.limit:
+                waiter = loop.create_future()
+                self._waiters.append(waiter)
+                try:
+                    await waiter
+                finally:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
+        self.held += n
+        return n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        while self._waiters:          # each waiter checks again whether its group fits
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class GetStream:
+    """What one batch_get stream works with."""
+    store: BlockStore
+    call: Callable[..., Awaitable]         # runs a blocking store call in the store's thread pool
+    metrics: Metrics
+    budget: GetBudget
+    deadline_s: float                      # server.request_timeout_s, per group
+
+
+async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes],
+                        sent: Sequence[bytes]) -> web.StreamResponse:
+    """The KVB1 stream of `keys` (stored keys), framed with `sent` (the client's keys)."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
+    i = 0
+    while i < len(keys):
+        sizes = await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
+        n, nbytes = _group(sizes)
+        held = await _take(request, s, nbytes, first=not resp.prepared)
+        try:
+            frames = await _read_group(s, keys[i: i + n], sizes[:n], nbytes)
+            s.metrics.count_gets(frames)
+            if not resp.prepared:
+                await resp.prepare(request)
+                await resp.write(wire.stream_header(len(keys)))
+            await _write_group(request, resp, s.deadline_s, zip(sent[i: i + n], frames))
+        finally:
+            s.budget.give(held)
+        i += n
+    if not resp.prepared:              # no keys
+        await resp.prepare(request)
+        await resp.write(wire.stream_header(0))
+    await resp.write_eof()
+    return resp
+
+
+def _group(sizes) -> tuple[int, int]:
+    """How many of `sizes` the next group takes, and their bytes."""
+    n, nbytes = 0, 0
+    while n < len(sizes) and (n == 0 or nbytes + (sizes[n] or (0,))[0] <= GROUP_BYTES):
+        nbytes, n = nbytes + (sizes[n] or (0,))[0], n + 1
+    return n, nbytes
+
+
+async def _take(request: web.Request, s: GetStream, nbytes: int, first: bool) -> int:
+    try:
+        return await s.budget.take(nbytes, FIRST_WAIT_S if first else s.deadline_s)
+    except TimeoutError:
+        if first:
+            raise BatchGetBusy(f"batch_get streams hold {s.budget.held} bytes (server.max_batch_get_bytes = "
+                               f"{s.budget.limit}); retry shortly") from None
+        _abort(request)                    # the stream has started: no answer can follow
+        raise ClientTooSlow("no room for the next batch_get group within server.request_timeout_s") from None
+
+
+async def _read_group(s: GetStream, keys, sizes, nbytes: int) -> list:
+    """[(payload view or None, tier)] for one group, read into one buffer."""
+    buf, pos, slots = memoryview(bytearray(nbytes)), 0, []
+    for size in sizes:
+        slots.append(None if size is None else buf[pos: pos + size[0]])
+        pos += size[0] if size else 0
+    want = [j for j, v in enumerate(slots) if v is not None]
+    got = await s.call(s.store.get_many_into, [keys[j] for j in want], [slots[j] for j in want])
+    for j, length in zip(want, got):
+        if length is None:            # gone since sizes_tiered (deleted, expired): a miss
+            slots[j] = None
+    return [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
+
+
+async def _write_group(request: web.Request, resp: web.StreamResponse, deadline_s: float, frames) -> None:
+    """Write the group's frames, or abort the connection when they take past `deadline_s`."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            for client_key, (payload, tier) in frames:
+                for part in wire.encode_get_frame(client_key, payload, tier):
+                    view = memoryview(part)
+                    for at in range(0, len(view), WRITE_SLICE):
+                        await resp.write(view[at: at + WRITE_SLICE])
+    except TimeoutError:
+        _abort(request)
+        raise ClientTooSlow("the client did not read a batch_get group within server.request_timeout_s") from None
+
+
+def _abort(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()      # drops the unsent bytes now, not when the peer goes
