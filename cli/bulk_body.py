@@ -18,13 +18,13 @@ import threading
 import time
 
 from kvcache.cli.http_head import LINGER_S, WINDOW
+from kvcache.cli.put_batch import GrowingPayload
 from kvcache.cli.quota import PendingBytes
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 
 CHUNK_BYTES = 4 << 20          # stored per put_many call on this path (in the upload thread, before the next)
 DRAIN_LIMIT = 64 << 20        # an error reply skips at most this much unread body, else closes
-GROW_FROM = 1 << 20           # a payload received into memory of its own starts this large, then doubles
 
 
 class RequestDeadline(TimeoutError):
@@ -168,25 +168,14 @@ class Body:
             self.pending.add(n)
 
     def _receive_growing(self, n: int) -> memoryview:
-        """n bytes into memory of their own that grows (doubling) as they arrive: a client that
-        declares a large payload and stalls holds what it sent, not what it declared."""
+        """n bytes into memory of their own that grows as they arrive (put_batch.GrowingPayload)."""
+        payload = GrowingPayload(n, self._count)
         have = min(n, self.end - self.start)
-        size = min(n, max(GROW_FROM, have))
-        self._count(size)
-        buf = bytearray(size)
-        buf[:have] = self.buf[self.start: self.start + have]
+        payload.write(self.buf[self.start: self.start + have])
         self._consume(have)
-        pos = have
-        while pos < n:
-            if pos == len(buf):
-                more = min(n, 2 * len(buf)) - len(buf)
-                self._count(more)
-                buf += bytes(more)
-            with memoryview(buf) as view:
-                got = self._recv(view[pos:])
-            pos += got
-            self.remaining -= got
-        return memoryview(buf)
+        while not payload.done:
+            self.remaining -= payload.receive(self._recv)
+        return memoryview(payload.buf)
 
     def _recv_into(self, view: memoryview) -> None:
         while view.nbytes:

@@ -8,6 +8,8 @@ Two drivers share `PutBatch`: `ingest_puts` (async; aiohttp's handler, any HTTP 
     wait for chunk k, start k+1 ────┘       at most one chunk in flight; quota held per chunk
 
 (the blocking driver stores each chunk in its own thread, see there).
+A payload that lands in no DRAM chunk or staging buffer is received into a `GrowingPayload`
+(on aiohttp's path, every payload): its memory grows with the bytes that arrive, counted as pending first.
 `next_chunk()` is called when a chunk has been handed to the store: payload buffers of the chunk
 before it may be reused from then on. DRAM landings (payloads received straight into reserved
 arena chunks) that put_many did not adopt are released by `put_within_quota`.
@@ -16,6 +18,8 @@ arena chunks) that put_many did not adopt are released by `put_within_quota`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Callable, Iterator
 from typing import Mapping
 
 from aiohttp import web
@@ -65,23 +69,51 @@ class PutBatch:
         return {"stored": self.stored, "already_present": self.present, "durable": self.durable}
 
 
-def _limited(next_frame, limit: int):
-    """next_frame(limit), its 413 naming the setting that sets the limit."""
-    def call():
-        try:
-            return next_frame(limit)
-        except wire.FrameLimitError as e:
-            raise wire.FrameLimitError(f"{e} (the daemon's server.max_block_bytes)") from None
-    return call
+@contextlib.contextmanager
+def _naming_max_block_bytes() -> Iterator[None]:
+    """A frame's 413 names the setting that sets its limit."""
+    try:
+        yield
+    except wire.FrameLimitError as e:
+        raise wire.FrameLimitError(f"{e} (the daemon's server.max_block_bytes)") from None
 
 
-def _limited_async(next_frame, limit: int):
-    async def call():
-        try:
-            return await next_frame(limit)
-        except wire.FrameLimitError as e:
-            raise wire.FrameLimitError(f"{e} (the daemon's server.max_block_bytes)") from None
-    return call
+class GrowingPayload:
+    """n payload bytes received into memory of their own that grows as they arrive (from
+    GROW_FROM, doubling), each growth counted (as pending, cli/quota.py) before it is reserved:
+    a client that declares a large payload and stalls holds what it sent, not what it declared.
+    Both upload paths use it: aiohttp's `write`s the chunks it reads, the native one receives."""
+
+    def __init__(self, n: int, count: Callable[[int], None]):
+        self.n, self.count, self.buf, self.pos = n, count, bytearray(0), 0
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= self.n
+
+    def room(self) -> int:
+        """Bytes it takes before it must grow again; grown (counted first) when full."""
+        if self.pos == len(self.buf):
+            more = min(self.n, max(GROW_FROM, 2 * len(self.buf))) - len(self.buf)
+            self.count(more)
+            self.buf += bytes(more)
+        return len(self.buf) - self.pos
+
+    def write(self, data) -> None:
+        data = memoryview(data)
+        while data.nbytes:
+            k = min(self.room(), data.nbytes)
+            self.buf[self.pos: self.pos + k] = data[:k]
+            self.pos += k
+            data = data[k:]
+
+    def receive(self, recv_into: Callable[[memoryview], int]) -> int:
+        """One recv_into its free room; the bytes it got."""
+        self.room()
+        with memoryview(self.buf) as view:      # released before the buffer grows again
+            got = recv_into(view[self.pos:])
+        self.pos += got
+        return got
 
 
 async def ingest_puts(app: web.Application, who: Principal, read, next_frame, next_chunk=None,
@@ -92,7 +124,6 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
     cfg, store, loop = app[CONFIG], app[STORE], asyncio.get_running_loop()
     count = await wire.read_stream_header(read, cfg.max_batch_blocks)
     batch, storing = PutBatch(who, chunk_limit, store.namespaces), None
-    frame = _limited_async(next_frame, cfg.max_block_bytes)
 
     async def flush() -> None:
         nonlocal storing
@@ -106,7 +137,9 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
                 next_chunk()
     try:
         for _ in range(count):
-            if batch.add(await frame()):
+            with _naming_max_block_bytes():
+                frame = await next_frame(cfg.max_block_bytes)
+            if batch.add(frame):
                 await flush()
         await flush()
         await flush()
@@ -124,7 +157,7 @@ def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame,
     durable puts gained nothing from the overlap either)."""
     cfg, store = app[CONFIG], app[STORE]
     count = wire.parse_stream_header(read(wire.STREAM_HEADER_BYTES), cfg.max_batch_blocks)
-    batch, frame = PutBatch(who, chunk_limit, store.namespaces), _limited(next_frame, cfg.max_block_bytes)
+    batch = PutBatch(who, chunk_limit, store.namespaces)
 
     def flush() -> None:
         items, _ = batch.take()
@@ -133,7 +166,9 @@ def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame,
             if next_chunk is not None:
                 next_chunk()
     for _ in range(count):
-        if batch.add(frame()):
+        with _naming_max_block_bytes():
+            frame = next_frame(cfg.max_block_bytes)
+        if batch.add(frame):
             flush()
     flush()
     return batch.reply(app)
@@ -147,18 +182,13 @@ async def ingest_request(app: web.Application, who: Principal, content) -> dict:
     pending = PendingBytes(app[QUOTAS], app[STORE], who, cfg.max_pending_upload_bytes)
 
     async def read_payload(n: int) -> bytearray:   # one copy out of the socket's chunks, no join
-        buf, pos = bytearray(0), 0
-        while pos < n:
-            if pos == len(buf):
-                more = min(n, max(GROW_FROM, 2 * len(buf))) - len(buf)
-                pending.add(more)
-                buf += bytes(more)
-            chunk = await content.read(len(buf) - pos)
+        payload = GrowingPayload(n, pending.add)
+        while not payload.done:
+            chunk = await content.read(payload.room())
             if not chunk:
                 raise asyncio.IncompleteReadError(b"", n)
-            buf[pos: pos + len(chunk)] = chunk
-            pos += len(chunk)
-        return buf
+            payload.write(chunk)
+        return payload.buf
     read = content.readexactly
     try:
         async with asyncio.timeout(cfg.request_timeout_s):

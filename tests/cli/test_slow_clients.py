@@ -99,8 +99,8 @@ async def trickle(writer, data: bytes, every_s: float) -> None:
 
 async def test_slow_strangers_do_not_starve_uploads(daemon):
     """40 connections without a token, each announcing a 60 MB batch_put and trickling a byte a
-    second, hold no upload thread (today's 32 would all be drained slowly): an authenticated
-    put_many completes at once."""
+    second, hold no upload thread (each gets its 401 on the event loop, its body unread): an
+    authenticated put_many completes at once."""
     d = await daemon()
     conns = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(40)]
     for _, w in conns:
@@ -224,7 +224,8 @@ async def test_connections_past_max_connections_are_closed_when_none_is_idle(dae
 
 
 async def test_idle_connections_cost_a_small_buffer(daemon):
-    """Before: every connection allocated a 256 KiB buffer up front (300 idle ones: ~75 MiB)."""
+    """An idle connection holds a head buffer of BUFFER_BYTES: 300 of them cost well under
+    64 KiB each."""
     d = await daemon()
     before = rss_bytes()
     conns = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(300)]
@@ -238,10 +239,9 @@ async def test_idle_connections_cost_a_small_buffer(daemon):
 
 
 async def test_stalled_large_uploads_hold_what_they_sent(daemon):
-    """16 uploads each declaring a 64 MiB payload and stalling after 100 kB: before, the daemon
-    allocated (and zeroed) the 64 MiB of each as the frame arrived, +1 GiB; now a payload's
-    memory grows with its bytes, on both upload paths, and no staging buffer is taken for a
-    payload that cannot use it (~1 MiB each, measured 18 MiB in all)."""
+    """16 uploads each declaring a 64 MiB payload and stalling after 100 kB hold what they sent,
+    not what they declared: a payload's memory grows with its bytes, on both upload paths, and no
+    staging buffer is taken for a payload that cannot use it (~1 MiB each, measured 18 MiB in all)."""
     d = await daemon(max_block_bytes=64 << 20)
     before = rss_bytes()
     conns = []
@@ -291,8 +291,7 @@ async def test_pending_upload_bytes_are_bounded_and_counted_against_the_quota(da
 
 
 async def test_a_huge_content_length_is_answered(daemon):
-    """A 5,000-digit Content-Length (int() refuses it) used to drop the connection unanswered
-    and log a traceback at ERROR."""
+    """A 5,000-digit Content-Length (more than int() takes) is a 413 that says so."""
     d = await daemon()
     reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
     writer.write(b"POST /v1/blocks/batch_put HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n")
@@ -393,8 +392,8 @@ async def test_without_tokens_uploads_are_not_capped_per_tenant(daemon):
 
 
 async def test_a_block_over_max_block_bytes_is_one_clear_413(daemon):
-    """An 80 MiB block (more than the 64 MiB the daemon drains) used to close the connection
-    unanswered: KVClient saw ConnectionResetError and re-sent the 80 MiB four times."""
+    """An 80 MiB block (more than the 64 MiB the daemon drains) gets its 413 as an answer the
+    blocking client reads, sent once: no reset, no re-sending."""
     d = await daemon(max_block_bytes=1 << 20)
     big = np.zeros(80 << 20, dtype=np.uint8)
 
@@ -421,8 +420,8 @@ def process_rss(pid: int) -> int:
 
 @pytest.mark.slow
 def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
-    """The real `kvcache serve`: 400 connections that never send a byte. Before, each cost
-    ~256 KiB (+100 MiB) and stayed 75 s; now a few KiB, and they close at header_timeout_s."""
+    """The real `kvcache serve`: 400 connections that never send a byte cost a few KiB each
+    and close at header_timeout_s."""
     import socket
 
     from tests.cli.test_serve_process import Daemon
@@ -469,8 +468,8 @@ async def test_each_upload_on_a_connection_gets_its_own_deadline(daemon):
 
 
 def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
-    """A connection aiohttp serves (any request but a bulk upload) used to stay open an hour
-    when idle (aiohttp's own default under an AppRunner); now server.keepalive_s."""
+    """A connection aiohttp serves (any request but a bulk upload) closes when idle for
+    server.keepalive_s (aiohttp's own default under an AppRunner is an hour)."""
     import socket
 
     from tests.cli.test_serve_process import Daemon
