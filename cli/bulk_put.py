@@ -18,8 +18,9 @@ file flags never change, and the loop does not touch the connection until it is 
 
 Admission happens on the event loop, before a thread is lent (`admit`): a request without a
 known token gets its 401 there and the connection closes unread, so strangers' bytes never
-reach an upload thread; a tenant holding server.max_uploads_per_tenant threads has its further
-uploads served by aiohttp. An upload must end within server.request_timeout_s (408 after),
+reach an upload thread; an upload that finds no thread free (all UPLOAD_THREADS in use, or,
+with tokens, its tenant holding server.max_uploads_per_tenant) is served by aiohttp, never
+queued for a thread. An upload must end within server.request_timeout_s (408 after),
 and its payload memory grows with the bytes that arrive, counted as pending against the
 tenant's quota and the daemon-wide server.max_pending_upload_bytes before it is reserved
 (cli/quota.py).
@@ -52,7 +53,7 @@ from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
 BULK_PATH = "/v1/blocks/batch_put"
-UPLOAD_THREADS = 32           # uploads received at once; more wait for a thread
+UPLOAD_THREADS = 32           # uploads received at once; one that finds no thread free goes to aiohttp
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 MAX_LENGTH_DIGITS = 18        # a Content-Length longer than this is refused (int() takes 4300 digits)
 REFUSED = object()            # admit(): answered on the loop, the connection closes
