@@ -88,6 +88,16 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
                         sent: Sequence[bytes]) -> web.StreamResponse:
     """The KVB1 stream of `keys` (stored keys), framed with `sent` (the client's keys)."""
     resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
+    try:
+        await _stream(request, s, resp, keys, sent)
+    except Exception:
+        if resp.prepared:      # no answer can follow a started stream (it would land inside it): cut it short
+            _abort(request)
+        raise
+    return resp
+
+
+async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent) -> None:
     i = 0
     while i < len(keys):
         sizes = await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
@@ -107,7 +117,6 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
         await resp.prepare(request)
         await resp.write(wire.stream_header(0))
     await resp.write_eof()
-    return resp
 
 
 def _group(sizes) -> tuple[int, int]:

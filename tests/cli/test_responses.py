@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvcache.cli.server import GET_BUDGET, STORE, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
@@ -193,3 +194,35 @@ async def test_a_batch_get_never_read_holds_bounded_memory_for_a_bounded_time(ma
     r = await c.post("/v1/blocks/batch_get", json={"keys": keys[:2]}, headers=auth(ALICE))
     assert r.status == 200 and len(await r.read()) > 2 * size
     no_errors_logged(caplog)
+
+
+@pytest.mark.parametrize("failure", [StoreError("the index cannot be read"), RuntimeError("a bug")])
+async def test_a_failure_after_the_stream_started_cuts_it_short(make_client, monkeypatch, failure):
+    c = await make_client()
+    size = (1 << 20) - 4096
+    keys = await put_blocks(c, 12, size)               # two groups: the second one fails
+    store, calls = c.server.app[STORE], []
+    real = store.get_many_into
+
+    def get_many_into(ks, outs):
+        calls.append(len(ks))
+        if len(calls) == 2:
+            raise failure
+        return real(ks, outs)
+    monkeypatch.setattr(store, "get_many_into", get_many_into)
+    s = raw_post(c.server.port, "/v1/blocks/batch_get", json.dumps({"keys": keys}).encode())
+    got = await asyncio.get_running_loop().run_in_executor(None, recv_all, s)
+    assert got.count(b"HTTP/1.1 ") == 1, got[-300:]     # no error answer inside the stream
+    assert got.startswith(b"HTTP/1.1 200") and 8 * size < len(got) < 12 * size
+
+
+def recv_all(s: socket.socket) -> bytes:
+    s.settimeout(10)
+    out = bytearray()
+    try:
+        while chunk := s.recv(1 << 20):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    s.close()
+    return bytes(out)
