@@ -322,11 +322,18 @@ class Front:
         """Make room at max_connections by closing the oldest front-owned connection that has
         completed no request and is not inside one (as the shared-memory socket drops its oldest
         connection without HELLO): a peer holding idle connections cannot lock others out.
-        False when there is none (connections aiohttp serves are never dropped here)."""
+        Next, the oldest connection aiohttp serves that sits between requests (a /healthz needs
+        no token, so a stranger can make one of those too). False when there is neither."""
         for c in self.connections:
             if c.droppable():
                 del self.connections[c]
                 c.transport.abort()
+                return True
+        for handler in getattr(self.aiohttp_factory, "connections", ()):
+            # aiohttp's RequestHandler: no handler running, no request queued. Read defensively
+            # (private fields): where they are missing, nothing is dropped.
+            if not getattr(handler, "_request_in_progress", True) and not getattr(handler, "_messages", True):
+                handler.force_close()
                 return True
         return False
 

@@ -203,12 +203,30 @@ async def test_at_max_connections_a_new_connection_drops_the_oldest_idle_one(dae
         w.close()
 
 
-async def test_connections_past_max_connections_are_closed_when_none_is_idle(daemon):
+async def test_at_max_connections_idle_aiohttp_connections_are_dropped_too(daemon):
+    """/healthz needs no token: a stranger's connections that each served one and idle at
+    keep-alive must not lock others out either."""
     d = await daemon(max_connections=5)
     held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
     for r, w in held:                                # each has completed a request (aiohttp serves it)
         w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await read_response(r))[0] == 200
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await asyncio.wait_for(read_response(reader), 2))[0] == 200
+    assert await asyncio.wait_for(held[0][0].read(), 2) == b""          # the oldest idle one
+    writer.close()
+    for _, w in held:
+        w.close()
+
+
+async def test_connections_past_max_connections_are_closed_when_none_is_idle(daemon):
+    d = await daemon(max_connections=5)
+    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
+    for r, w in held:                                # each inside a request: its body is awaited
+        w.write(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ALICE.encode()
+                + b"\r\nContent-Length: 100\r\n\r\n")
+    await asyncio.sleep(0.3)
     reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
     try:
         assert await asyncio.wait_for(reader.read(), 2) == b""
