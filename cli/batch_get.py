@@ -1,4 +1,5 @@
-"""batch_get's response stream: bounded memory for a bounded time, however slowly the client reads.
+"""Block reads' responses (batch_get streams, GET /v1/blocks/{key}): bounded memory for a bounded
+time, however slowly the client reads.
 
     keys ─> group (at most 32 blocks and GROUP_BYTES, or one larger block)
         ─> GetBudget.take(group bytes)      daemon-wide: server.max_batch_get_bytes
@@ -154,16 +155,41 @@ async def _read_group(s: GetStream, keys, sizes, nbytes: int) -> list:
 
 async def _write_group(request: web.Request, resp: web.StreamResponse, deadline_s: float, frames) -> None:
     """Write the group's frames, or abort the connection when they take past `deadline_s`."""
+    parts = (part for client_key, (payload, tier) in frames
+             for part in wire.encode_get_frame(client_key, payload, tier))
+    await _write_parts(request, resp, deadline_s, parts, "a batch_get group")
+
+
+async def _write_parts(request: web.Request, resp: web.StreamResponse, deadline_s: float, parts, what: str) -> None:
     try:
         async with asyncio.timeout(deadline_s):
-            for client_key, (payload, tier) in frames:
-                for part in wire.encode_get_frame(client_key, payload, tier):
-                    view = memoryview(part)
-                    for at in range(0, len(view), WRITE_SLICE):
-                        await resp.write(view[at: at + WRITE_SLICE])
+            for part in parts:
+                view = memoryview(part)
+                for at in range(0, len(view), WRITE_SLICE):
+                    await resp.write(view[at: at + WRITE_SLICE])
     except TimeoutError:
         _abort(request)
-        raise ClientTooSlow("the client did not read a batch_get group within server.request_timeout_s") from None
+        raise ClientTooSlow(f"the client did not read {what} within server.request_timeout_s") from None
+
+
+async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.StreamResponse:
+    """GET /v1/blocks/{key}: one block (up to max_block_bytes) under the same budget, slices and
+    deadline as a batch_get group, so clients that never read hold no more than batch_get's."""
+    [size] = await s.call(s.store.sizes_tiered, [key])
+    held = await _take(request, s, size[0], first=True) if size is not None else 0
+    try:
+        [(payload, tier)] = await _read_group(s, [key], [size], size[0]) if size is not None else [(None, None)]
+        s.metrics.count_gets([(payload, tier)])
+        if payload is None:
+            raise web.HTTPNotFound(text="no such block")
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-KVCache-Tier": tier.label})
+        resp.content_length = len(payload)
+        await resp.prepare(request)
+        await _write_parts(request, resp, s.deadline_s, [payload], "a block")
+        await resp.write_eof()
+        return resp
+    finally:
+        s.budget.give(held)
 
 
 def _abort(request: web.Request) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvcache.cli import tenancy
-from kvcache.cli.batch_get import GetBudget, GetStream, stream_blocks
+from kvcache.cli.batch_get import GetBudget, GetStream, send_block, stream_blocks
 from kvcache.cli.metrics import Metrics
 from kvcache.cli.quota import PendingBytes, Quotas, put_within_quota
 from kvcache.cli.server_config import ServerConfig
@@ -231,14 +231,14 @@ def _put_json(r) -> dict:
     return {"stored": r.stored, "already_present": r.already_present, "durable": r.durable}
 
 
-async def get_block(request: web.Request) -> web.Response:
-    key = _key(request, request.match_info["key"])
-    [(payload, tier)] = await _call(request, request.app[STORE].get_many_tiered, [key])
-    request.app[METRICS].count_gets([(payload, tier)])
-    if payload is None:
-        raise web.HTTPNotFound(text="no such block")
-    return web.Response(body=payload, content_type="application/octet-stream",
-                        headers={"X-KVCache-Tier": tier.label})
+async def get_block(request: web.Request) -> web.StreamResponse:
+    return await send_block(request, _get_stream(request), _key(request, request.match_info["key"]))
+
+
+def _get_stream(request: web.Request) -> GetStream:
+    app = request.app
+    return GetStream(app[STORE], functools.partial(_call, request), app[METRICS], app[GET_BUDGET],
+                     app[CONFIG].request_timeout_s)
 
 
 async def head_block(request: web.Request) -> web.Response:
@@ -258,9 +258,7 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     app = request.app
     if len(keys) > app[CONFIG].max_batch_blocks:
         raise wire.FrameLimitError(f"at most {app[CONFIG].max_batch_blocks} blocks per batch_get")
-    s = GetStream(app[STORE], functools.partial(_call, request), app[METRICS], app[GET_BUDGET],
-                  app[CONFIG].request_timeout_s)
-    return await stream_blocks(request, s, keys, [bytes.fromhex(k) for k in body["keys"]])
+    return await stream_blocks(request, _get_stream(request), keys, [bytes.fromhex(k) for k in body["keys"]])
 
 
 async def lookup(request: web.Request) -> web.Response:

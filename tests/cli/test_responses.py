@@ -226,3 +226,33 @@ def recv_all(s: socket.socket) -> bytes:
         pass
     s.close()
     return bytes(out)
+
+
+def raw_get(port: int, path: str, rcvbuf: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n\r\n".encode())
+    return s
+
+
+async def test_a_block_get_never_read_holds_the_budget_for_a_bounded_time(make_client, caplog):
+    """A single GET of a large block goes through batch_get's budget, slices and deadline: a
+    client that never reads holds one slice in the socket for request_timeout_s, not the block."""
+    from kvcache.cli.batch_get import WRITE_SLICE
+    c = await make_client(request_timeout_s=1.5, max_batch_get_bytes=10 << 20)
+    size = 3 << 20
+    [key] = await put_blocks(c, 1, size)
+    budget = c.server.app[GET_BUDGET]
+    stalled = [raw_get(c.server.port, f"/v1/blocks/{key}", rcvbuf=4096) for _ in range(3)]
+    await until(lambda: budget.held == 3 * size)
+    assert max(write_buffers(c)) <= WRITE_SLICE + (64 << 10)
+    r = await c.get(f"/v1/blocks/{key}", headers=auth(ALICE))
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    await until(lambda: budget.held == 0)                 # past request_timeout_s: aborted
+    for s in stalled:
+        assert drain(s) < size
+    r = await c.get(f"/v1/blocks/{key}", headers=auth(ALICE))
+    assert r.status == 200 and len(await r.read()) == size and r.headers["X-KVCache-Tier"]
+    assert (await c.get(f"/v1/blocks/{'00' * 16}", headers=auth(ALICE))).status == 404
+    no_errors_logged(caplog)
