@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
             events.close()
     app.on_cleanup.append(close_store)
     print(describe(store_cfg, server_cfg), flush=True)
-    from kvcache.cli.http_front import run
+    from kvcache.cli.http_site import run
     run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s)
     print("kvcache: stopped cleanly", flush=True)
     return 0

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvcache.cli.http_front import Front, FrontSite, parse_head
+from kvcache.cli.http_front import Front, parse_head
+from kvcache.cli.http_site import FrontSite
 from kvcache.cli.server import build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire

@@ -31,7 +31,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.cli.http_front import Front, FrontSite
+from kvcache.cli.http_front import Front
+from kvcache.cli.http_site import FrontSite
 from kvcache.cli.server import CONFIG, STORE, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire

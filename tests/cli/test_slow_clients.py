@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvcache.cli.http_front import BUFFER_BYTES, Front, FrontSite
+from kvcache.cli.http_front import Front
+from kvcache.cli.http_site import FrontSite
 from kvcache.cli.server import METRICS, QUOTAS, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
@@ -170,90 +171,6 @@ async def test_a_408_lingers_so_a_client_still_sending_reads_it(daemon):
             return got
     got = await asyncio.wait_for(asyncio.to_thread(client), 10)
     assert got.startswith(b"HTTP/1.1 408") and b"connection: close" in got.lower()
-
-
-async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
-    d = await daemon(header_timeout_s=0.5)
-    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
-    t0 = time.monotonic()
-    slow = asyncio.create_task(trickle(writer, head(ALICE, 10), 0.1))
-    assert await asyncio.wait_for(reader.read(), 3) == b""
-    assert time.monotonic() - t0 < 1.5
-    slow.cancel()
-    writer.close()
-    # a connection that never sends a byte is closed as soon, not after the 75 s keep-alive
-    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
-    assert await asyncio.wait_for(reader.read(), 3) == b""
-    writer.close()
-
-
-async def test_at_max_connections_a_new_connection_drops_the_oldest_idle_one(daemon):
-    """A peer holding max_connections idle connections locks nobody out: each new connection
-    closes the oldest that has completed no request."""
-    d = await daemon(max_connections=5)
-    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
-    await asyncio.sleep(0.1)
-    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await asyncio.wait_for(read_response(reader), 2))[0] == 200
-    assert await asyncio.wait_for(held[0][0].read(), 2) == b""          # the oldest idle one
-    assert d["front"].open_count() == 5
-    writer.close()
-    for _, w in held:
-        w.close()
-
-
-async def test_at_max_connections_idle_aiohttp_connections_are_dropped_too(daemon):
-    """/healthz needs no token: a stranger's connections that each served one and idle at
-    keep-alive must not lock others out either."""
-    d = await daemon(max_connections=5)
-    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
-    for r, w in held:                                # each has completed a request (aiohttp serves it)
-        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert (await read_response(r))[0] == 200
-    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await asyncio.wait_for(read_response(reader), 2))[0] == 200
-    assert await asyncio.wait_for(held[0][0].read(), 2) == b""          # the oldest idle one
-    writer.close()
-    for _, w in held:
-        w.close()
-
-
-async def test_connections_past_max_connections_are_closed_when_none_is_idle(daemon):
-    d = await daemon(max_connections=5)
-    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
-    for r, w in held:                                # each inside a request: its body is awaited
-        w.write(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ALICE.encode()
-                + b"\r\nContent-Length: 100\r\n\r\n")
-    await asyncio.sleep(0.3)
-    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
-    try:
-        assert await asyncio.wait_for(reader.read(), 2) == b""
-    except ConnectionResetError:
-        pass
-    writer.close()
-    for _, w in held:
-        w.close()
-    await asyncio.sleep(0.1)
-    c = AsyncKVClient(d["url"], ALICE, retries=0, shared_memory="off")
-    assert await c.healthz() == {"status": "ok"}       # room again once they closed
-    await c.close()
-
-
-async def test_idle_connections_cost_a_small_buffer(daemon):
-    """An idle connection holds a head buffer of BUFFER_BYTES: 300 of them cost well under
-    64 KiB each."""
-    d = await daemon()
-    before = rss_bytes()
-    conns = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(300)]
-    await asyncio.sleep(0.2)
-    grown = rss_bytes() - before
-    assert len(d["front"].connections) >= 300
-    assert all(len(c._buf) <= BUFFER_BYTES for c in d["front"].connections)
-    assert grown < 300 * (64 << 10), grown
-    for _, w in conns:
-        w.close()
 
 
 async def test_stalled_large_uploads_hold_what_they_sent(daemon):
@@ -431,38 +348,6 @@ async def test_a_block_over_max_block_bytes_is_one_clear_413(daemon):
     assert sent is not None and float(sent.group(1)) == 1           # sent once
 
 
-def process_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) << 10
-
-
-@pytest.mark.slow
-def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
-    """The real `kvcache serve`: 400 connections that never send a byte cost a few KiB each
-    and close at header_timeout_s."""
-    import socket
-
-    from tests.cli.test_serve_process import Daemon
-    (tmp_path / "kvcache.toml").write_text("[server]\nheader_timeout_s = 3.0\n")
-    d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
-    try:
-        d.wait_ready()
-        before = process_rss(d.proc.pid)
-        socks = [socket.create_connection(("127.0.0.1", d.port)) for _ in range(400)]
-        time.sleep(0.5)
-        grown = process_rss(d.proc.pid) - before
-        assert grown < 400 * (48 << 10), grown
-        t0 = time.monotonic()
-        for s in socks:                                  # closed by the daemon at the header timeout
-            s.settimeout(6)
-            assert s.recv(1) == b""
-            s.close()
-        assert time.monotonic() - t0 < 5
-    finally:
-        d.proc.kill()
-        d.proc.wait()
-
-
 async def test_each_upload_on_a_connection_gets_its_own_deadline(daemon):
     """A request near its deadline shortens the socket's read timeout; the next upload on the
     same connection starts with the whole timeout again (a pause of 0.8 s within its 1.5 s)."""
@@ -483,26 +368,3 @@ async def test_each_upload_on_a_connection_gets_its_own_deadline(daemon):
         status, _, reply = await asyncio.wait_for(read_response(reader), 3)
         assert status == 200 and reply["stored"] == 1, (i, reply)
     writer.close()
-
-
-def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
-    """A connection aiohttp serves (any request but a bulk upload) closes when idle for
-    server.keepalive_s (aiohttp's own default under an AppRunner is an hour)."""
-    import socket
-
-    from tests.cli.test_serve_process import Daemon
-    (tmp_path / "kvcache.toml").write_text("[server]\nkeepalive_s = 1.0\n")
-    d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
-    try:
-        d.wait_ready()
-        s = socket.create_connection(("127.0.0.1", d.port))
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        s.settimeout(5)
-        t0, got = time.monotonic(), b""
-        while chunk := s.recv(4096):                 # the reply, then the daemon's close
-            got += chunk
-        assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 4
-        s.close()
-    finally:
-        d.proc.kill()
-        d.proc.wait()

@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.http_front import Front, FrontSite
+from kvcache.cli.http_front import Front
+from kvcache.cli.http_site import FrontSite
 from kvcache.cli.reconfigure import CONFIG_FILE
 from kvcache.cli.server import STORE, authenticate, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo, parse_env_tokens
