@@ -33,7 +33,7 @@ class Daemon:
              "--port", str(self.port), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def wait_ready(self, timeout=30.0) -> None:
+    def wait_ready(self, timeout=90.0) -> None:   # a loaded machine prefaults 1 GiB of DRAM slowly
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
