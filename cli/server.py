@@ -157,8 +157,9 @@ async def register_namespace(request: web.Request) -> web.Response:
     """The tenant's own namespace (cli/tenancy.py), registered or renamed; answers the id the
     client computes. A new one past server.max_namespaces_per_tenant is a 429."""
     ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
+    cfg = request.app[CONFIG]         # without tokens there is one trust domain: no per-tenant limit
     before = await _call(request, request.app[STORE].save_namespace, ns,
-                         request.app[CONFIG].max_namespaces_per_tenant)
+                         cfg.max_namespaces_per_tenant if cfg.auth_required else None)
     return web.json_response(tenancy.registration_reply(ns, before))
 
 

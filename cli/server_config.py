@@ -45,6 +45,9 @@ class TokenInfo:
                              'reads /metrics sets metrics = true (KVCACHE_TOKENS="token::metrics")')
 
 
+MAX_SECONDS = 1e9     # ~31 years: any longer timeout is a typo, and asyncio's timers overflow past floats
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -77,8 +80,10 @@ class ServerConfig:
         for name in ("shm_lease_s", "shutdown_timeout_s", "header_timeout_s", "request_timeout_s",
                      "keepalive_s"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
-                raise ValueError(f"server.{name} must be a positive number of seconds, got {v!r}")
+            # bounded, not only finite: 10**400 passes `< inf` as an int, then every timer overflows
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_SECONDS):
+                raise ValueError(f"server.{name} must be a positive number of seconds up to {MAX_SECONDS:g}, "
+                                 f"got {v!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be 1-65535, got {self.port}")
         if self.shm_lease_s <= 0 or self.max_shm_leases < 1:

@@ -306,3 +306,10 @@ async def test_a_reconfigure_with_a_string_flag_changes_nothing(serve):
 def test_a_token_listed_in_the_file_and_the_environment_is_named_so():
     with pytest.raises(ValueError, match="KVCACHE_TOKENS together"):
         ServerConfig.from_dict({"tokens": [{"token": CAROL, "tenant": "carol"}]}, env={"KVCACHE_TOKENS": f"{CAROL}:c"})
+
+
+@pytest.mark.parametrize("name", ["shm_lease_s", "request_timeout_s", "header_timeout_s", "keepalive_s"])
+def test_a_timeout_too_large_for_the_timers_is_refused(name):
+    """10**400 is below float('inf') as an int, and then every timer built from it overflows."""
+    with pytest.raises(ValueError, match=f"server.{name} must be a positive number of seconds up to"):
+        ServerConfig(**{name: 10 ** 400})
