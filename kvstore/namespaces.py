@@ -11,13 +11,15 @@ tries again; at worst namespaces.json holds what the index lacks (a new namespac
 name), which a rebuilt index takes from there.
 
 Retention overrides are keyed by name (gc/retention.py), so a rename can change a namespace's
-rule. The DRAM read directory's entries carry deadlines from the old rule; when the rule changes
-they are all withdrawn (clients take a lease once, which publishes the new deadlines), as a
-reconfigure of retention does.
+rule. The DRAM read directory's entries carry deadlines from the old rule; when the new rule can
+end a block sooner, the entries of that namespace's blocks are withdrawn (clients take a lease
+once, which publishes the new deadlines). Other namespaces' entries stay: the directory is
+shared by every tenant, and one tenant's rename must not cost the others their reads.
 """
 
 from __future__ import annotations
 
+from kvcache.gc.retention import RetentionRule
 from kvcache.kvstore.errors import NamespaceLimitError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
 
@@ -43,8 +45,9 @@ class StoreNamespaces:
             if before is None and max_per_owner is not None:
                 _check_room(self.namespaces.values(), ns.owner, max_per_owner)
             self._persist_namespace(ns)
-            if before is not None and self._rule_of(before) != self._rule_of(ns) and self.dram is not None:
-                self.dram.unpublish_all()
+            if (before is not None and self.dram is not None
+                    and _ends_sooner(self._rule_of(ns), self._rule_of(before))):
+                self.dram.unpublish_namespace(ns.id)
             return before
 
     def _persist_namespace(self, ns: Namespace) -> None:
@@ -67,6 +70,14 @@ class StoreNamespaces:
             raise UnknownNamespaceError(f"namespace {namespace_id.hex()} is not registered with this store; "
                                         "call register_namespace() first")
         return ns
+
+
+def _ends_sooner(new: RetentionRule, old: RetentionRule) -> bool:
+    """Whether `new` can expire some block before `old` did: only then can a published deadline
+    outlive the block (a longer rule keeps every deadline safe, merely early)."""
+    if new.ttl_s < old.ttl_s:
+        return True
+    return new.max_age_s is not None and (old.max_age_s is None or new.max_age_s < old.max_age_s)
 
 
 def _check_room(registered, owner: str, limit: int) -> None:

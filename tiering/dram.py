@@ -231,6 +231,17 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             with self._lock:
                 self.directory.clear()
 
+    def unpublish_namespace(self, namespace_id: bytes) -> int:
+        """Withdraw the directory entries of one namespace's blocks (its rule got shorter: their
+        times may outlive it), leaving every other namespace's; how many blocks it looked at."""
+        if self.directory is None:
+            return 0
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if e.namespace_id == namespace_id]
+            for k in keys:
+                self.directory.remove(k)
+        return len(keys)
+
     def touch(self, keys: Sequence[bytes]) -> list[int | None]:
         """A read that needed no lease (the directory): refresh recency; each block's size or None."""
         with self._lock:

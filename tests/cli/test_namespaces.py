@@ -116,6 +116,31 @@ def test_a_rename_that_changes_the_rule_withdraws_published_deadlines(tmp_path):
         assert s.get(KEYS[0]) == payload(0)             # still stored: only the directory forgot it
 
 
+def test_a_rename_withdraws_only_its_own_namespaces_entries_and_only_when_its_rule_gets_shorter(tmp_path):
+    """The read directory is shared by every tenant: bob renaming his namespace back and forth
+    between a long and a short rule must not cost alice her published entries."""
+    retention = RetentionPolicy(namespaces={"scratch": RetentionRule(ttl_s=60.0)})
+    cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=64 << 10, prefault=False,
+                                                     pin_memory="off", shared_memory=True),
+                      nvme=NvmeConfig(segment_bytes=1 << 20), retention=retention)
+    bobs = Namespace(**{**NS.to_dict(), "model_fingerprint": "other@1", "name": "x", "owner": "bob"})
+    with BlockStore(cfg) as s:
+        s.register_namespace(named("prod"))
+        s.register_namespace(bobs)
+        s.put(KEYS[0], payload(0), NS.id, tenant="alice")
+        s.put(KEYS[1], payload(1), bobs.id, tenant="bob")
+        reader = DirectoryReader(s.dram.directory_arena.view)
+        published = lambda key: reader.find(key, time.time()) is not None   # noqa: E731
+        assert published(KEYS[0]) and published(KEYS[1])
+        for _ in range(3):
+            s.save_namespace(Namespace(**{**bobs.to_dict(), "name": "scratch"}), 256)    # shorter: withdrawn
+            assert published(KEYS[0]) and not published(KEYS[1])
+            s.dram.publish([KEYS[1]], [time.time() + 60.0])          # a lease publishes the new deadline
+            s.save_namespace(bobs, 256)                                      # longer: still safe
+            assert published(KEYS[0]) and published(KEYS[1])
+        assert s.get(KEYS[0]) == payload(0) and s.get(KEYS[1]) == payload(1)
+
+
 # ---------------------------------------------------------------- how many a tenant registers
 async def test_a_tenant_registers_at_most_max_namespaces_per_tenant(serve):
     c = await serve(ServerConfig(tokens=TOKENS, max_namespaces_per_tenant=2))
