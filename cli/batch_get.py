@@ -44,31 +44,43 @@ class ClientTooSlow(ConnectionResetError):
 
 
 class GetBudget:
-    """Bytes held by batch_get group buffers, daemon-wide. Runs on the event loop only."""
+    """Bytes held by block reads' response buffers, daemon-wide. Runs on the event loop only.
+
+    A stream that has started (its later groups) goes before one that has not (its first group
+    or a single GET): streams that began are never cut short because new ones keep taking the
+    room; a new one that finds none within FIRST_WAIT_S is a 503 it can retry."""
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._started_waiting = 0         # later groups waiting: first groups let them go first
 
-    async def take(self, n: int, wait_s: float) -> int:
+    async def take(self, n: int, wait_s: float, first: bool = False) -> int:
         """Reserve `n` bytes (a group larger than the whole budget takes all of it), waiting up
         to `wait_s` for room; TimeoutError past it. Answers what was reserved, for give()."""
         n = min(n, self.limit)
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(wait_s):
-            while self.held + n > self.limit:
+            while self.held + n > self.limit or (first and self._started_waiting):
                 waiter = loop.create_future()
                 self._waiters.append(waiter)
+                self._started_waiting += not first
                 try:
                     await waiter
                 finally:
+                    self._started_waiting -= not first
                     if waiter in self._waiters:
                         self._waiters.remove(waiter)
+                    if not first and not self._started_waiting:
+                        self._wake()          # first groups held back for it look again
         self.held += n
         return n
 
     def give(self, n: int) -> None:
         self.held -= n
+        self._wake()
+
+    def _wake(self) -> None:
         while self._waiters:          # each waiter checks again whether its group fits
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -130,7 +142,7 @@ def _group(sizes) -> tuple[int, int]:
 
 async def _take(request: web.Request, s: GetStream, nbytes: int, first: bool) -> int:
     try:
-        return await s.budget.take(nbytes, FIRST_WAIT_S if first else s.deadline_s)
+        return await s.budget.take(nbytes, FIRST_WAIT_S if first else s.deadline_s, first)
     except TimeoutError:
         if first:
             raise BatchGetBusy(f"batch_get streams hold {s.budget.held} bytes (server.max_batch_get_bytes = "

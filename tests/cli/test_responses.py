@@ -256,3 +256,21 @@ async def test_a_block_get_never_read_holds_the_budget_for_a_bounded_time(make_c
     assert r.status == 200 and len(await r.read()) == size and r.headers["X-KVCache-Tier"]
     assert (await c.get(f"/v1/blocks/{'00' * 16}", headers=auth(ALICE))).status == 404
     no_errors_logged(caplog)
+
+
+async def test_a_started_stream_gets_room_before_new_ones():
+    """New reads must not keep a started stream from its next group (it would be cut short
+    mid-stream although its client reads promptly): room given back goes to it first."""
+    from kvcache.cli.batch_get import GetBudget
+    budget = GetBudget(10)
+    await budget.take(10, 1.0, first=True)
+    newcomer = asyncio.ensure_future(budget.take(6, 1.0, first=True))
+    await asyncio.sleep(0.01)
+    started = asyncio.ensure_future(budget.take(6, 1.0))
+    await asyncio.sleep(0.01)
+    budget.give(10)
+    assert await started == 6
+    await asyncio.sleep(0.01)
+    assert not newcomer.done()                 # no room until the started stream gives it back
+    budget.give(6)
+    assert await newcomer == 6 and budget.held == 6
