@@ -322,8 +322,10 @@ class Front:
         """Make room at max_connections by closing the oldest front-owned connection that has
         completed no request and is not inside one (as the shared-memory socket drops its oldest
         connection without HELLO): a peer holding idle connections cannot lock others out.
-        Next, the oldest connection aiohttp serves that sits between requests (a /healthz needs
-        no token, so a stranger can make one of those too). False when there is neither."""
+        Next, the oldest connection aiohttp serves that sits between requests and has shown no
+        valid token (a /healthz needs none, so a stranger can make those too; a tenant's pooled
+        connections are not torn down for a stranger's). False when there is neither."""
+        from kvcache.cli.server import TOKENED
         for c in self.connections:
             if c.droppable():
                 del self.connections[c]
@@ -332,6 +334,8 @@ class Front:
         for handler in getattr(self.aiohttp_factory, "connections", ()):
             # aiohttp's RequestHandler: no handler running, no request queued. Read defensively
             # (private fields): where they are missing, nothing is dropped.
+            if getattr(handler, "transport", None) in self.app[TOKENED]:
+                continue
             if not getattr(handler, "_request_in_progress", True) and not getattr(handler, "_messages", True):
                 handler.force_close()
                 return True

@@ -17,6 +17,7 @@ import logging
 import re
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ SHM = web.RequestKey("shm", bool)
 METRICS_ONLY = web.RequestKey("metrics_only", bool)
 METRICS_PATHS = ("/metrics", "/healthz")   # all a metrics token may read
 GET_BUDGET = web.AppKey("get_budget", GetBudget)
+TOKENED = web.AppKey("tokened_transports", weakref.WeakSet)   # connections that showed a valid token
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,8 @@ async def auth_middleware(request: web.Request, handler):
         return _error(403, "forbidden", "this is a metrics token: it reads /metrics only")
     request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = who.tenant, who.admin, who.quota, who.shm
     request[METRICS_ONLY] = who.metrics_only
+    if who is not NOBODY and request.transport is not None:   # a token's connection: never dropped for room
+        request.app[TOKENED].add(request.transport)
     return await handler(request)
 
 
@@ -337,6 +341,7 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app[METRICS] = Metrics(store)
     app[QUOTAS] = Quotas()
     app[GET_BUDGET] = GetBudget(config.max_batch_get_bytes)
+    app[TOKENED] = weakref.WeakSet()
     from kvcache.cli.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
     app[STAGING] = StagingPool()
     app[UPLOADS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="kvcache-upload")

@@ -150,3 +150,25 @@ def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
     finally:
         d.proc.kill()
         d.proc.wait()
+
+
+async def test_at_max_connections_a_tenants_idle_connections_are_kept(daemon):
+    """Room is made from strangers' connections only: a tenant's pooled keep-alive connections
+    are never torn down because someone without a token keeps connecting."""
+    d = await daemon(max_connections=5)
+    held = [await asyncio.open_connection("127.0.0.1", d["port"]) for _ in range(5)]
+    body = b'{"keys": []}'
+    for r, w in held:
+        w.write(b"POST /v1/lookup HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + ALICE.encode()
+                + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert (await read_response(r))[0] == 200
+    reader, writer = await asyncio.open_connection("127.0.0.1", d["port"])
+    try:
+        assert await asyncio.wait_for(reader.read(), 2) == b""        # the stranger is refused
+    except ConnectionResetError:
+        pass
+    for r, w in held:                                                 # and alice's pool still serves
+        w.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(read_response(r), 2))[0] == 200
+        w.close()
+    writer.close()
