@@ -184,3 +184,11 @@ async def test_an_unknown_namespace_is_named_by_the_id_the_client_sent(serve):
     r = await c.post("/v1/blocks/batch_put", data=b"".join(bytes(f) for f in frames), headers=auth(ALICE))
     body = await r.json()
     assert r.status == 422 and NS.id.hex() in body["message"] and stored not in body["message"]
+
+
+async def test_a_daemon_without_tokens_has_no_namespace_limit(serve):
+    """One trust domain: the per-tenant limit would only stop its one tenant."""
+    c = await serve(ServerConfig(max_namespaces_per_tenant=1))
+    for i in range(3):
+        r = await c.post("/v1/namespaces", json=Namespace(f"model-{i}@1", "raw/v1", 16).to_dict())
+        assert r.status == 200, await r.text()
