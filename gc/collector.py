@@ -23,7 +23,7 @@ from kvcache.kvstore.errors import CorruptBlockError, TierFullError
 from kvcache.kvstore.events import Event
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.segment import ScannedRecord, read_head, scan
+from kvcache.tiering.segment import ScannedRecord, align_up, read_head, scan
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,15 @@ class Collector:
         approximately-LRU blocks, then compact the sparsest sealed segment even if it is
         above `compact_below` (dead bytes must go before the disk fills).
 
-        On a disk too full to hold that segment's live records a second time, its unpinned
-        blocks are evicted instead, so it is dropped with (almost) nothing to copy:
+        On a disk too full to hold that segment's live records a second time, a segment's
+        unpinned blocks are evicted instead, so it is dropped with (almost) nothing to copy:
 
             segments 60% live, free 0 ──copy──> ENOSPC: 507 on every put, deletes only add
                                                 dead bytes (the store stays wedged)
             segments 60% live, free 0 ──evict its blocks──> unlink ──> a segment's room back
+
+        The segment is the sparsest one whose pinned blocks (which stay) fit in the free space,
+        checked before anything is evicted (see _full_disk_victim).
         """
         r = GcReport()
         self._evict_for_capacity(r)
@@ -172,12 +175,12 @@ class Collector:
             if store.dram is not None:
                 store.dram.delete(key)
 
-    def _evict_segment(self, sid: int, r: GcReport) -> None:
-        """Evict the unpinned live blocks of sealed segment `sid`, whatever their age: the disk
-        has no room to copy them forward, and the segment is worth its whole size once dropped."""
+    def _evict_segment(self, sid: int, records: list[ScannedRecord], r: GcReport) -> None:
+        """Evict the unpinned live blocks of sealed segment `sid` (its scanned `records`), whatever
+        their age: the disk has no room to copy them forward, and the segment is worth its whole
+        size once dropped."""
         store, now, n = self.store, self.store.clock(), 0
-        here = [(item.header.key, item.offset) for item in scan(store.nvme.path(sid), verify_payloads=False)
-                if isinstance(item, ScannedRecord) and not item.header.is_tombstone]
+        here = [(item.header.key, item.offset) for item in records if not item.header.is_tombstone]
         with store._lock:
             for (key, off), meta in zip(here, store.index.get_many([k for k, _ in here])):
                 if (meta is not None and Tier.NVME in meta.residency and not meta.is_pinned(now)
@@ -197,26 +200,27 @@ class Collector:
     def _compact_one(self, r: GcReport, force: bool = False) -> None:
         store, nvme = self.store, self.store.nvme
         usage = store.index.segments()
-        best, best_ratio = None, 0.999 if force else nvme.config.compact_below
-        for sid in nvme.segment_ids():
-            if sid >= nvme.active_segment:
-                continue
-            size = _size(nvme.path(sid))
-            u = usage.get(sid)
-            ratio = (u.live_bytes / size) if (u and size) else 0.0
-            if ratio < best_ratio or (u is None or u.live_blocks == 0):
-                best, best_ratio = sid, ratio
-                if ratio == 0.0:
-                    break
-        if best is None:
+        ranked = self._ranked(usage)
+        if not ranked:
+            return
+        ratio, best = ranked[0]
+        u = usage.get(best)
+        live = u.live_bytes if u is not None else _size(nvme.path(best))   # no usage row: assume all live
+        if force and live + _COPY_SLACK > nvme.free_bytes():
+            victim = self._full_disk_victim([sid for _, sid in ranked], usage)
+            if victim is None:
+                log.info("the disk under %s is full and no sealed segment's pinned blocks fit in its free "
+                         "space: nothing evicted", nvme.root)
+                return
+            best, records = victim
+            u = usage.get(best)
+            self._evict_segment(best, records, r)
+            self._copy_live_or_spend_reserve(best)
+        elif ratio < (0.999 if force else nvme.config.compact_below) or u is None or u.live_blocks == 0:
+            self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
+        else:
             return
         size = _size(nvme.path(best))
-        u = usage.get(best)
-        if force and u is not None and u.live_bytes + _COPY_SLACK > nvme.free_bytes():
-            self._evict_segment(best, r)
-            self._copy_live_or_spend_reserve(best)
-        else:
-            self._copy_live(best)  # also carries tombstones forward, even from a segment with no live blocks
         if u is not None and u.live_blocks:
             r.segments_compacted += 1
         # the copies and the index entries naming them durable before the old file goes, whatever
@@ -232,6 +236,48 @@ class Collector:
             nvme.remove_segment(best)
         r.segments_removed += 1
         r.bytes_reclaimed += size
+
+    def _ranked(self, usage: dict) -> list[tuple[float, int]]:
+        """Sealed segments as (live ratio, id), sparsest first; one without a usage row or live
+        blocks ranks as empty (ties keep segment order)."""
+        nvme, out = self.store.nvme, []
+        for sid in nvme.segment_ids():
+            if sid >= nvme.active_segment:
+                continue
+            size, u = _size(nvme.path(sid)), usage.get(sid)
+            out.append(((u.live_bytes / size) if (u and u.live_blocks and size) else 0.0, sid))
+        return sorted(out, key=lambda rs: rs[0])
+
+    def _full_disk_victim(self, ranked: list[int], usage: dict) -> tuple[int, list[ScannedRecord]] | None:
+        """The segment to drop on a disk with no room to compact, and its records: the sparsest of
+        the first few whose pinned blocks and tombstones (what stays once its unpinned blocks are
+        evicted) fit in the free space, or in it and the delete reserve where spending that is
+        allowed. Checked before anything is evicted: a mostly pinned segment would lose its other
+        blocks and still not be dropped, while a segment of unpinned blocks gives its whole size.
+        A segment without a readable usage row is skipped: what it holds is unknown."""
+        nvme, now = self.store.nvme, self.store.clock()
+        free = max(0, nvme.free_bytes())
+        for sid in ranked[:_FULL_DISK_TRIES]:
+            if usage.get(sid) is None:
+                continue
+            records = [item for item in scan(nvme.path(sid), verify_payloads=False)
+                       if isinstance(item, ScannedRecord)]
+            carried = self._carried_bytes(sid, records, now)
+            spendable = nvme.reserve.held and 2 * carried <= _size(nvme.path(sid))
+            if carried <= free + (nvme.reserve.nbytes if spendable else 0):
+                return sid, records
+        return None
+
+    def _carried_bytes(self, sid: int, records: list[ScannedRecord], now: float) -> int:
+        """What segment `sid` copies forward once its unpinned blocks are evicted: its pinned live
+        blocks and (at most) its tombstones, as written in the active segment."""
+        align = self.store.nvme.align
+        blocks = [item for item in records if not item.header.is_tombstone]
+        metas = self.store.index.get_many([item.header.key for item in blocks])
+        pinned = sum(align_up(m.record_len, align) for item, m in zip(blocks, metas)
+                     if m is not None and Tier.NVME in m.residency and m.is_pinned(now)
+                     and (m.segment_id, m.offset) == (sid, item.offset))
+        return pinned + sum(align_up(item.header.record_len, align) for item in records if item.header.is_tombstone)
 
     def _copy_live_or_spend_reserve(self, sid: int) -> None:
         """Copy what an emptied segment still carries (pinned blocks, tombstones) on a full disk:
@@ -290,6 +336,8 @@ class Collector:
 
 # room for the tombstones and the pinned blocks a segment emptied by eviction still carries forward
 _COPY_SLACK = 1 << 20
+# segments a full disk's make_room scans for one to drop (each scan reads a segment's headers)
+_FULL_DISK_TRIES = 8
 
 
 def _placement(meta: BlockMeta) -> Placement:

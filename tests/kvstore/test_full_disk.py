@@ -199,3 +199,25 @@ def test_puts_find_room_again_on_a_full_disk_whose_segments_are_partly_dead(smal
     assert all(s.get(key_for(i)) == payload_for(i, 32 << 10) for i in range(2, 300, 5))
     assert all(s.get(key_for(i)) in (None, payload_for(i, 32 << 10)) for i in range(300))
     s.close()
+
+
+def test_a_full_disk_drops_an_unpinned_segment_rather_than_a_mostly_pinned_sparser_one(small_fs):
+    """The sparsest segment is mostly pinned, and its pinned blocks do not fit in the free space:
+    GC leaves it alone (evicting its unpinned blocks would lose them and gain nothing) and drops
+    the next candidate, whose blocks are all unpinned."""
+    s = _open(small_fs / "d")
+    _put(s, range(100))
+    by_segment: dict[int, list[int]] = {}
+    for i in range(100):
+        by_segment.setdefault(s.index.get(key_for(i)).segment_id, []).append(i)
+    first, second = (by_segment[sid] for sid in sorted(by_segment)[:2])
+    pinned, unpinned = first[:20], first[20:]
+    s.pin([key_for(i) for i in pinned])
+    assert s.delete([key_for(i) for i in unpinned[2:]]) == len(unpinned) - 2   # the sparsest segment
+    assert s.nvme.reserve.held
+    _fill_disk(small_fs / "filler")
+    _put(s, [1000])                                      # was a 507, after evicting unpinned[:2]
+    assert s.get(key_for(1000)) == payload_for(1000, 32 << 10)
+    assert all(s.get(key_for(i)) == payload_for(i, 32 << 10) for i in pinned + unpinned[:2])
+    assert all(s.get(key_for(i)) is None for i in second)   # the segment dropped instead
+    s.close()
