@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
                     "and serves it over HTTP (docs/api.md). With no arguments it uses an embedded default:\n"
                     f"{default_data_dir()}, 1 GiB of DRAM, 64 GiB of NVMe, 127.0.0.1:8790, no auth.\n"
                     "Binding beyond loopback requires tokens ([server] tokens or KVCACHE_TOKENS).\n"
-                    "SIGTERM/SIGINT drain in-flight requests and flush write-back blocks before exit.",
+                    "SIGTERM/SIGINT drain in-flight requests and flush write-back blocks before exit.\n"
+                    "Everything it creates is its OS user's alone (umask 077); run it as a user of its\n"
+                    "own, with tokens in the config file (docs/security.md: threat model, systemd unit).",
         epilog="examples:\n  kvcache serve\n  kvcache serve --config configs/store.toml\n"
                "  KVCACHE_TOKENS=$(openssl rand -hex 24):acme kvcache serve --host 0.0.0.0")
     p.add_argument("--config", metavar="FILE.toml", help="store and [server] settings (see configs/)")
