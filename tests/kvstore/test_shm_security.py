@@ -384,7 +384,8 @@ _FRAMES = st.lists(st.tuples(st.sampled_from([w.HELLO, w.LEASE, w.RELEASE, w.FOR
                    max_size=8)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=_FRAMES, hello=st.sampled_from([None, ALICE, PLAIN]), cut=st.integers(0, 7))
 def test_any_frames_leave_no_error_and_the_daemon_serving(daemon, caplog, frames, hello, cut):
     """Whatever a local process sends, with or without a token, and wherever it hangs up: no
