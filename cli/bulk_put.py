@@ -47,8 +47,9 @@ from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection
 from kvcache.cli.http_head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
 from kvcache.cli.put_batch import ingest_puts_blocking
 from kvcache.cli.quota import PendingBytes
-from kvcache.cli.server import (CONFIG, METRICS, QUOTAS, STORE, UNAUTHORIZED, Principal, authenticate, error_for,
-                               identify)
+from kvcache.cli.server import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED, Principal,
+                               authenticate, identify)
+from kvcache.cli.server_errors import error_for
 from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,6 @@ UPLOAD_THREADS = 32           # uploads received at once; one that finds no thre
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 MAX_LENGTH_DIGITS = 18        # a Content-Length longer than this is refused (int() takes 4300 digits)
 REFUSED = object()            # admit(): answered on the loop, the connection closes
-METRICS_FORBIDDEN = (403, "forbidden", "this is a metrics token: it reads /metrics only")
 
 
 def _is_count(text: str) -> bool:
@@ -90,7 +90,7 @@ def admit(conn: FrontConnection, head: Head):
         app[METRICS].observe_request(BULK_PATH, UNAUTHORIZED[0], 0.0)
         conn.refuse(*UNAUTHORIZED)
         return REFUSED
-    if authenticate(cfg, head.headers.get("authorization", ""), BULK_PATH) is None:   # a metrics token
+    if who.metrics_only:        # it has no tenant: never near the data
         app[METRICS].observe_request(BULK_PATH, METRICS_FORBIDDEN[0], 0.0)
         conn.refuse(*METRICS_FORBIDDEN)
         return REFUSED

@@ -293,7 +293,6 @@ class Front:
     keepalive_s: float | None = None         # an idle connection, between requests
     read_timeout_s: float | None = None      # one socket read of an upload
     header_timeout_s: float | None = None    # a request head, from its first byte
-    request_timeout_s: float | None = None   # a whole upload, head to reply
     max_connections: int | None = None
     max_uploads_per_tenant: int | None = None
     closing: bool = False
@@ -304,12 +303,12 @@ class Front:
     def __post_init__(self) -> None:
         from kvcache.cli.server import CONFIG
         cfg = self.app[CONFIG]
-        for name in ("keepalive_s", "header_timeout_s", "request_timeout_s", "max_connections",
+        for name in ("keepalive_s", "header_timeout_s", "max_connections",
                      "max_uploads_per_tenant"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(cfg, name))
         if self.read_timeout_s is None:
-            self.read_timeout_s = self.request_timeout_s
+            self.read_timeout_s = cfg.request_timeout_s
 
     def open_count(self) -> int:
         """Connections open: front-owned ones and those aiohttp serves."""

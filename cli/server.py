@@ -15,7 +15,6 @@ import asyncio
 import functools
 import logging
 import re
-import sys
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +27,13 @@ from kvcache.cli.batch_get import GetBudget, GetStream, send_block, stream_block
 from kvcache.cli.metrics import Metrics
 from kvcache.cli.quota import PendingBytes, Quotas, put_within_quota
 from kvcache.cli.server_config import ServerConfig
-from kvcache.cli.server_errors import error_for, error_middleware, parse_json, quiet_bad_requests
+from kvcache.cli.server_errors import error_middleware, parse_json, quiet_bad_requests
 from kvcache.cli.server_errors import error_response as _error
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import BlockStore, PutItem
-from kvcache.kvstore.types import TensorSpec
+from kvcache.kvstore.types import TensorSpec, is_real
 
 log = logging.getLogger(__name__)
 STORE = web.AppKey("store", BlockStore)
@@ -88,6 +87,7 @@ def identify(cfg: ServerConfig, authorization: str, path: str) -> Principal | No
     return Principal(match.tenant, match.admin, match.quota_bytes, match.admin or match.shared_memory, match.metrics)
 
 
+METRICS_FORBIDDEN = (403, "forbidden", "this is a metrics token: it reads /metrics only")
 UNAUTHORIZED = (401, "unauthorized", "missing or unknown bearer token (Authorization: Bearer <token>)")
 
 
@@ -97,7 +97,7 @@ async def auth_middleware(request: web.Request, handler):
     if who is None:
         return _error(*UNAUTHORIZED)
     if who.metrics_only and request.path not in METRICS_PATHS:   # it has no tenant: never near the data
-        return _error(403, "forbidden", "this is a metrics token: it reads /metrics only")
+        return _error(*METRICS_FORBIDDEN)
     request[TENANT], request[ADMIN], request[QUOTA], request[SHM] = who.tenant, who.admin, who.quota, who.shm
     request[METRICS_ONLY] = who.metrics_only
     if who is not NOBODY and request.transport is not None:   # a token's connection: never dropped for room
@@ -285,8 +285,7 @@ async def exists(request: web.Request) -> web.Response:
 async def pin(request: web.Request) -> web.Response:
     keys, body = await _keys(request)
     ttl = body.get("ttl_s")
-    if ttl is not None and not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool)
-                                and 0 < ttl <= sys.float_info.max):     # a 400-digit int is no float
+    if ttl is not None and not (is_real(ttl) and ttl > 0):      # a 400-digit int is no float
         raise BlockFormatError("ttl_s must be a positive, finite number of seconds")
     return web.json_response({"changed": await _call(request, request.app[STORE].pin, keys, ttl)})
 

@@ -119,17 +119,6 @@ class ControlSession:
         self.leases.drop_owner(self.owned)   # a dead client's leases end now, not at expiry
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, pos = memoryview(buf), 0
-    while pos < n:
-        got = conn.recv_into(view[pos:])
-        if got == 0:
-            raise ConnectionError("closed")
-        pos += got
-    return bytes(buf)
-
-
 class ControlServer:
     def __init__(self, app, path: str):
         self.app, self.path = app, path
@@ -185,12 +174,12 @@ class ControlServer:
         while True:
             accepted = session.tenant is not None
             conn.settimeout(None if accepted else max(1e-3, hello_by - time.monotonic()))
-            n, op = w.split_head(_recv_exact(conn, w.HEAD_BYTES))
+            n, op = w.split_head(w.recv_exact(conn, w.HEAD_BYTES))
             if not accepted and n > MAX_HELLO_BODY:
                 raise w.ShmProtocolError(f"a {n}-byte frame before HELLO")
             if accepted:
                 conn.settimeout(FRAME_S)   # the body and our answer: a stalled peer is dropped
-            body = _recv_exact(conn, n)
+            body = w.recv_exact(conn, n)
             try:
                 reply = session.handle(op, body)
             except (w.ShmProtocolError, ValueError) as e:

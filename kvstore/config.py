@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from kvcache.gc.retention import RetentionPolicy
+from kvcache.kvstore.types import is_real
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 from kvcache.tiering.object_config import ObjectConfig
@@ -115,17 +115,12 @@ def _retention(section: dict[str, Any]) -> RetentionPolicy:
             rules[f"{group}.{who}"] = _table(f"[retention.{group}.{who}]", rule)
     for where, rule in rules.items():
         for k, v in rule.items():
-            if k in ("ttl_hours", "max_age_hours") and not _is_number(v):
+            if k in ("ttl_hours", "max_age_hours") and not is_real(v):
                 raise ValueError(f"retention {where}.{k} must be a finite number of hours, got {v!r}"[:160])
     return RetentionPolicy.from_dict(section)
 
 
-def _is_number(v: Any) -> bool:
-    """A finite int or float (not a bool; not an int past what a float holds, 1e400 as digits)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and -sys.float_info.max <= v <= sys.float_info.max
-
-
-_SCALARS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "float": _is_number,
+_SCALARS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "float": is_real,
             "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
             "dict": lambda v: isinstance(v, Mapping), "None": lambda v: v is None}
 
@@ -150,7 +145,7 @@ def _sized(klass, section: Mapping[str, Any]) -> dict[str, Any]:
     for k, v in section.items():
         for suffix, mult in (("_gib", 1 << 30), ("_mib", 1 << 20)):
             if k.endswith(suffix) and k[: -len(suffix)] + "_bytes" in names:
-                if not _is_number(v) or not 0 <= v <= 1 << 30:
+                if not is_real(v) or not 0 <= v <= 1 << 30:
                     raise ValueError(f"{klass.__name__}.{k} must be a number of {suffix[1:].upper()}, got {v!r}"[:160])
                 k, v = k[: -len(suffix)] + "_bytes", int(float(v) * mult)
         if k not in names:

@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from kvcache.kvstore.types import utf8_len
+
 SCHEME_VERSION = 1
 _U32 = struct.Struct("<I")
 ExtraKey = bytes | str | int
@@ -70,15 +72,6 @@ def _extra_bytes(extra: Iterable[ExtraKey]) -> bytes:
 MAX_BLOCK_SIZE = 0xFFFFFFFF
 
 
-def _encodes(text: str) -> bool:
-    """True when `text` has a UTF-8 form (a lone surrogate from JSON's \\ud800 has none)."""
-    try:
-        text.encode()
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
 @dataclass(frozen=True)
 class Namespace:
     """Everything a block key depends on besides the tokens.
@@ -107,7 +100,7 @@ class Namespace:
     def __post_init__(self) -> None:
         for field in ("model_fingerprint", "kv_layout", "tenant_salt", "name", "owner"):
             value = getattr(self, field)       # persisted and used as dict keys: never a list
-            if not isinstance(value, str) or not _encodes(value):
+            if utf8_len(value) < 0:
                 raise ValueError(f"namespace {field} must be a UTF-8 string, got {value!r}"[:200])
         if not self.model_fingerprint or not self.kv_layout:
             raise ValueError("a namespace needs a model_fingerprint and a kv_layout")

@@ -34,17 +34,6 @@ def _refused(status: int, body: bytes) -> ArenaUnavailable:
     return cls(f"shared-memory lease refused ({status}): {body.decode(errors='replace')}")
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, pos = memoryview(buf), 0
-    while pos < n:
-        got = sock.recv_into(view[pos:])
-        if not got:
-            raise ConnectionError("the daemon closed the shared-memory control socket")
-        pos += got
-    return bytes(buf)
-
-
 def _hello(path: str, token: str, timeout_s: float) -> tuple[socket.socket, str, list[int]]:
     """Connect and say HELLO (blocking): the socket, the tenant's name and the fds that came with
     the answer (the caller owns them). ArenaUnavailable when refused or unanswered."""
@@ -60,7 +49,7 @@ def _hello(path: str, token: str, timeout_s: float) -> tuple[socket.socket, str,
         sock.sendall(w.frame(w.HELLO, token.encode()))
         head, fds = w.recv_head_with_fds(sock)
         n, status = w.split_head(head)
-        body = _recv_exact(sock, n)
+        body = w.recv_exact(sock, n)
     except (OSError, w.ShmProtocolError) as e:      # a timeout, a reset, a malformed answer
         w.close_fds(fds)
         sock.close()
@@ -172,8 +161,8 @@ class BlockingShmControl:
             return self._reply()
 
     def _reply(self) -> tuple[int, bytes]:
-        n, status = w.split_head(self._recv(w.HEAD_BYTES))
-        return status, self._recv(n)
+        n, status = w.split_head(w.recv_exact(self._sock, w.HEAD_BYTES))
+        return status, w.recv_exact(self._sock, n)
 
     # pipelined leases (the caller holds `self.lock` across them: replies come back in order)
     def send_lease(self, keys: list[bytes]) -> None:
@@ -184,9 +173,6 @@ class BlockingShmControl:
         if status:
             raise _refused(status, body)
         return w.decode_slots(body)
-
-    def _recv(self, n: int) -> bytes:
-        return _recv_exact(self._sock, n)
 
     def release(self, lease_id: int) -> bool:
         """Under the caller's lock (see read_leased_blocking)."""

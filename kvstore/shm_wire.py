@@ -78,6 +78,18 @@ def recv_head_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
     return head, fds
 
 
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly `n` bytes from `sock` (ConnectionError when the peer closes first)."""
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = sock.recv_into(view[pos:])
+        if not got:
+            raise ConnectionError("the peer closed the shared-memory control socket")
+        pos += got
+    return bytes(buf)
+
+
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import struct
+import sys
 from dataclasses import dataclass, field
 
 
@@ -60,7 +61,7 @@ class TensorSpec:
     def __post_init__(self) -> None:
         # layouts arrive from clients (a header, frame metadata) and are stored as u64 dims
         # (kvstore/block_format.py): anything else is refused here, not when it is packed
-        if not 1 <= _utf8_len(self.name) <= 255:
+        if not 1 <= utf8_len(self.name) <= 255:
             raise ValueError(f"tensor name must be a string of 1-255 UTF-8 bytes, got {self.name!r}"[:200])
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_SIZES:
             raise ValueError(f"unknown dtype {str(self.dtype)[:40]!r}; known: {sorted(DTYPE_SIZES)}")
@@ -76,7 +77,12 @@ class TensorSpec:
         return n
 
 
-def _utf8_len(text) -> int:
+def is_real(v) -> bool:
+    """A finite int or float, not a bool: what a float holds (a 400-digit int is too large)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and -sys.float_info.max <= v <= sys.float_info.max
+
+
+def utf8_len(text) -> int:
     """Bytes of `text` in UTF-8; -1 for what is no string or cannot be encoded (a lone surrogate)."""
     try:
         return len(text.encode()) if isinstance(text, str) else -1

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from kvcache.kvstore.errors import BlockFormatError
-from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.kvstore.types import TensorSpec, Tier, is_real
 
 MAGIC = b"KVB1"
 
@@ -203,6 +202,6 @@ def _meta_ttl(ttl) -> float | None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):   # float(True) would be a 1-second TTL
         raise TypeError(f"ttl_s is a number of seconds, not a boolean or a string, got {ttl!r}"[:120])
-    if not -sys.float_info.max <= ttl <= sys.float_info.max:      # a 400-digit integer is no float
+    if not is_real(ttl):                                           # a 400-digit integer is no float
         raise ValueError(f"ttl_s must be a finite number of seconds, got {ttl!r}"[:120])
     return float(ttl)
