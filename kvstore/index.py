@@ -284,9 +284,11 @@ class Index:
                 usage.put_usage_row(txn, self._segments, sid, b, n)
 
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
-        """(payload bytes, blocks) that `tenant` holds in the index."""
-        c = self.counters()
-        return c.get(TENANT_BYTES + tenant, 0), c.get(TENANT_BLOCKS + tenant, 0)
+        """(payload bytes, blocks) that `tenant` holds in the index: two point reads (it runs per
+        payload of an upload, for the quota), not a scan of every tenant's counters."""
+        with self._read() as txn:
+            return (usage.read_counter(txn, self._counters, TENANT_BYTES + tenant),
+                    usage.read_counter(txn, self._counters, TENANT_BLOCKS + tenant))
 
     def set_counters(self, values: dict[str, int], prefixes: tuple[str, ...] = ()) -> None:
         """Overwrite counters; counters under `prefixes` not in `values` are zeroed (recounts)."""

@@ -127,14 +127,17 @@ def read_counters(txn, db) -> dict[str, int]:
     return out
 
 
+def read_counter(txn, db, name: str) -> int:
+    """One counter; 0 when absent or damaged."""
+    raw = txn.get(name.encode(), db=db)
+    return (_counter_value(name.encode(), raw) or 0) if raw is not None else 0
+
+
 def bump_counters(txn, db, deltas: dict[str, int]) -> None:
     """Add each delta to its counter; a damaged counter starts from 0."""
     for name, delta in deltas.items():
-        if not delta:
-            continue
-        raw = txn.get(name.encode(), db=db)
-        cur = _counter_value(name.encode(), raw) if raw is not None else 0
-        txn.put(name.encode(), _I64.pack((cur or 0) + delta), db=db)
+        if delta:
+            txn.put(name.encode(), _I64.pack(read_counter(txn, db, name) + delta), db=db)
 
 
 def set_counters(txn, db, values: dict[str, int], prefixes: tuple[str, ...]) -> None:
