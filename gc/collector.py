@@ -183,8 +183,7 @@ class Collector:
         here = [(item.header.key, item.offset) for item in records if not item.header.is_tombstone]
         with store._lock:
             for (key, off), meta in zip(here, store.index.get_many([k for k, _ in here])):
-                if (meta is not None and Tier.NVME in meta.residency and not meta.is_pinned(now)
-                        and (meta.segment_id, meta.offset) == (sid, off)):
+                if _lives_at(meta, sid, off) and not meta.is_pinned(now):
                     self._evict_locked(key, meta)
                     n += 1
         r.evicted += n
@@ -206,8 +205,9 @@ class Collector:
         ratio, best = ranked[0]
         u = usage.get(best)
         live = u.live_bytes if u is not None else _size(nvme.path(best))   # no usage row: assume all live
-        if force and live + _COPY_SLACK > nvme.free_bytes():
-            victim = self._full_disk_victim([sid for _, sid in ranked], usage)
+        free = nvme.free_bytes()        # -1: statvfs failed, room unknown: compact as usual
+        if force and 0 <= free < live + _COPY_SLACK:
+            victim = self._full_disk_victim([sid for _, sid in ranked], usage, free)
             if victim is None:
                 log.info("the disk under %s is full and no sealed segment's pinned blocks fit in its free "
                          "space: nothing evicted", nvme.root)
@@ -248,22 +248,24 @@ class Collector:
             out.append(((u.live_bytes / size) if (u and u.live_blocks and size) else 0.0, sid))
         return sorted(out, key=lambda rs: rs[0])
 
-    def _full_disk_victim(self, ranked: list[int], usage: dict) -> tuple[int, list[ScannedRecord]] | None:
+    def _full_disk_victim(self, ranked: list[int], usage: dict,
+                          free: int) -> tuple[int, list[ScannedRecord]] | None:
         """The segment to drop on a disk with no room to compact, and its records: the sparsest of
         the first few whose pinned blocks and tombstones (what stays once its unpinned blocks are
         evicted) fit in the free space, or in it and the delete reserve where spending that is
         allowed. Checked before anything is evicted: a mostly pinned segment would lose its other
         blocks and still not be dropped, while a segment of unpinned blocks gives its whole size.
-        A segment without a readable usage row is skipped: what it holds is unknown."""
+        A segment without a readable usage row is skipped: what it holds is unknown. `free` is
+        the filesystem's free bytes, as the caller read them."""
         nvme, now = self.store.nvme, self.store.clock()
-        free = max(0, nvme.free_bytes())
+        free = max(0, free)
         for sid in ranked[:_FULL_DISK_TRIES]:
             if usage.get(sid) is None:
                 continue
             records = [item for item in scan(nvme.path(sid), verify_payloads=False)
                        if isinstance(item, ScannedRecord)]
             carried = self._carried_bytes(sid, records, now)
-            spendable = nvme.reserve.held and 2 * carried <= _size(nvme.path(sid))
+            spendable = nvme.reserve.held and _worth_the_reserve(carried, nvme.path(sid))
             if carried <= free + (nvme.reserve.nbytes if spendable else 0):
                 return sid, records
         return None
@@ -275,8 +277,7 @@ class Collector:
         blocks = [item for item in records if not item.header.is_tombstone]
         metas = self.store.index.get_many([item.header.key for item in blocks])
         pinned = sum(align_up(m.record_len, align) for item, m in zip(blocks, metas)
-                     if m is not None and Tier.NVME in m.residency and m.is_pinned(now)
-                     and (m.segment_id, m.offset) == (sid, item.offset))
+                     if _lives_at(m, sid, item.offset) and m.is_pinned(now))
         return pinned + sum(align_up(item.header.record_len, align) for item in records if item.header.is_tombstone)
 
     def _copy_live_or_spend_reserve(self, sid: int) -> None:
@@ -289,7 +290,7 @@ class Collector:
             store = self.store
             with store._lock:
                 left = store.index.segments().get(sid)
-                worth = left is None or 2 * left.live_bytes <= _size(store.nvme.path(sid))
+                worth = left is None or _worth_the_reserve(left.live_bytes, store.nvme.path(sid))
                 if not (worth and store.nvme.reserve.release()):
                     raise
             self._copy_live(sid)
@@ -311,7 +312,7 @@ class Collector:
                     tombstones.append((h.key, h.created))
                 continue
             meta = store.index.get(h.key)
-            if meta is None or Tier.NVME not in meta.residency or (meta.segment_id, meta.offset) != (sid, item.offset):
+            if not _lives_at(meta, sid, item.offset):
                 continue
             payload = nvme.get(h.key, _placement(meta))
             if payload is not None:
@@ -322,7 +323,7 @@ class Collector:
             # re-check under the lock: a delete or a re-put may have raced the copy
             current = store.index.get_many(list(moved))
             todo = [(k, w, m) for (k, (off, w)), m in zip(moved.items(), current)
-                    if m is not None and Tier.NVME in m.residency and (m.segment_id, m.offset) == (sid, off)]
+                    if _lives_at(m, sid, off)]
             if not todo:
                 return
             placements = nvme.put([w for _, w, _ in todo])
@@ -342,6 +343,18 @@ _FULL_DISK_TRIES = 8
 
 def _placement(meta: BlockMeta) -> Placement:
     return Placement(meta.segment_id, meta.offset, meta.record_len, meta.payload_len)
+
+
+def _lives_at(m: BlockMeta | None, sid: int, off: int) -> bool:
+    """The index record is still the live NVMe copy at (segment `sid`, offset `off`): not deleted,
+    evicted from NVMe, re-put or already copied elsewhere."""
+    return m is not None and Tier.NVME in m.residency and (m.segment_id, m.offset) == (sid, off)
+
+
+def _worth_the_reserve(carried: int, path: str) -> bool:
+    """Spending the delete reserve on copying `carried` bytes out of the segment at `path` is
+    worth it: dropping the segment gives at least twice that back."""
+    return 2 * carried <= _size(path)
 
 
 def _size(path: str) -> int:

@@ -237,22 +237,22 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
                 return self._delete(keys)    # tombstones written twice are harmless
 
     def _delete(self, keys: list[bytes]) -> int:
-        """Tombstones first, then the index: a rebuild after a crash never resurrects a block."""
-        with self._lock:
-            stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
-            if stored and self.nvme is not None:
-                segments = self.nvme.put_tombstones(stored, self.clock())
-                if self.object is not None:  # so a rebuild from packs does not resurrect them
-                    self._best_effort(self.object.put_tombstones, stored, self.clock())
-            else:
-                segments = set()
-            self.index.commit(deletes=stored, new_segments=segments)
-            gone = set(stored)
-            for k in keys:
-                if self._dram_meta.pop(k, None) is not None:
-                    gone.add(k)
-                if self.dram is not None:
-                    self.dram.delete(k)
+        """Tombstones first, then the index: a rebuild after a crash never resurrects a block.
+        The caller (delete) holds self._lock."""
+        stored = [k for k, m in zip(keys, self.index.get_many(keys)) if m is not None]
+        if stored and self.nvme is not None:
+            segments = self.nvme.put_tombstones(stored, self.clock())
+            if self.object is not None:  # so a rebuild from packs does not resurrect them
+                self._best_effort(self.object.put_tombstones, stored, self.clock())
+        else:
+            segments = set()
+        self.index.commit(deletes=stored, new_segments=segments)
+        gone = set(stored)
+        for k in keys:
+            if self._dram_meta.pop(k, None) is not None:
+                gone.add(k)
+            if self.dram is not None:
+                self.dram.delete(k)
         return len(gone)
 
     def drop_copies(self, keys: Iterable[bytes], tiers: Tier) -> int:

@@ -23,7 +23,7 @@ from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.errors import BlockFormatError, TierFullError
 from kvcache.kvstore.types import BlockMeta, PutResult, TensorSpec, Tier
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.dram import EvictedBlock
+from kvcache.tiering.dram_eviction import EvictedBlock
 from kvcache.kvstore.events import Event
 
 log = logging.getLogger(__name__)

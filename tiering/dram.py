@@ -37,7 +37,7 @@ from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
-from kvcache.tiering.dram_eviction import DramEviction, EvictCallback, EvictedBlock  # noqa: F401 (re-exported)
+from kvcache.tiering.dram_eviction import DramEviction, EvictCallback, EvictedBlock
 from kvcache.tiering.dram_landings import DramLandings, address
 from kvcache.tiering.slab import SlabAllocator
 
@@ -86,8 +86,6 @@ class _Entry:
     pins: int = 0
     pin_until: float = 0.0
     doomed: bool = False
-
-
 
 
 class DramTier(DramEviction, DramLandings, BlockTier):

@@ -37,6 +37,11 @@ class EvictedBlock:
 EvictCallback = Callable[[list[EvictedBlock]], None]
 
 
+def _evictable(e, now: float) -> bool:
+    """A DRAM entry may be evicted at `now`: no reader holds a lease on it and it is not pinned."""
+    return not (e.leases or e.pins or e.pin_until > now)
+
+
 class DramEviction:
     MAX_EVICT_PER_ALLOC = 256
 
@@ -49,15 +54,16 @@ class DramEviction:
         finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
         """
         off = self._slab.alloc(nbytes)
+        now = self._clock() if off is None else 0.0     # one clock read for all the candidates
         if off is None:
-            off = self._evict_fitting(nbytes, evicted)
+            off = self._evict_fitting(nbytes, evicted, now)
         candidates = iter(list(self._entries)) if off is None else iter(())
         budget, freed = self.MAX_EVICT_PER_ALLOC, 0
         while off is None and budget > 0:
             key = next(candidates, None)
             if key is None:
                 break
-            freed += self._evict_one(key, evicted)
+            freed += self._evict_one(key, evicted, now)
             budget -= 1
             if freed >= nbytes:
                 self._finish_evictions(evicted)
@@ -70,7 +76,7 @@ class DramEviction:
                                 "being read; unpin blocks or raise dram.capacity_bytes")
         return off
 
-    def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock]) -> int | None:
+    def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock], now: float) -> int | None:
         """Evict one block near the LRU head whose chunk would hold `nbytes` and allocate there.
         Evicting from the LRU head instead (of any class) until a whole page empties would cost
         a small arena of mixed sizes most of its blocks for each block of a new size."""
@@ -78,7 +84,7 @@ class DramEviction:
         same = larger = None
         for key in itertools.islice(self._entries, window):
             e = self._entries[key]
-            if e.leases or e.pins or e.pin_until > self._clock():
+            if not _evictable(e, now):
                 continue
             chunk = self._slab.chunk_at(e.offset)
             if chunk == need:
@@ -87,7 +93,7 @@ class DramEviction:
             if chunk > need and larger is None:
                 larger = key
         victim = same or larger
-        if victim is None or not self._evict_one(victim, evicted):
+        if victim is None or not self._evict_one(victim, evicted, now):
             return None
         self._finish_evictions(evicted)
         return self._slab.alloc(nbytes)
@@ -96,16 +102,17 @@ class DramEviction:
         cap = self._slab.capacity
         if self._slab.used_bytes <= self.config.high_watermark * cap:
             return
-        used = self._slab.used_bytes
+        used, now = self._slab.used_bytes, self._clock()
         for key in list(self._entries):
             if used <= self.config.low_watermark * cap:
                 break
-            used -= self._evict_one(key, evicted)
+            used -= self._evict_one(key, evicted, now)
 
-    def _evict_one(self, key: bytes, evicted: list[EvictedBlock]) -> int:
-        """Unlink one block; its chunk is freed by _finish_evictions, after demotion read it."""
+    def _evict_one(self, key: bytes, evicted: list[EvictedBlock], now: float) -> int:
+        """Unlink one block unless it is pinned or being read at `now`; its chunk is freed by
+        _finish_evictions, after demotion read it."""
         e = self._entries.get(key)
-        if e is None or e.leases or e.pins or e.pin_until > self._clock():
+        if e is None or not _evictable(e, now):
             return 0
         del self._entries[key]
         self._unpublish(key)

@@ -114,7 +114,7 @@ class NvmeTier(NvmeReads, BlockTier):
         self._sealed_bytes = sum(file_size(self.path(i)) for i in ids)
         self._sealed_sizes: dict[int, int] = {}     # segment id -> size, for holds_extent
         self.reserve = SpaceReserve(os.path.join(root, "reserve.bin"), config.reserve_bytes)
-        self.capacity_bytes()          # allocates the delete reserve if the disk is low already
+        self._keep_reserve(self.free_bytes())   # allocates the delete reserve if the disk is low already
         self._last_sync = clock()
         self._unsynced = False
 
@@ -345,12 +345,20 @@ class NvmeTier(NvmeReads, BlockTier):
 
     def capacity_bytes(self) -> int:
         """The bound eviction works against: nvme.capacity_bytes, or less when the filesystem
-        cannot hold that much (the index and other files share it). One statvfs, ~1 us."""
-        free = self.free_bytes()
+        cannot hold that much (the index and other files share it). One statvfs, ~1 us; a pure
+        getter (stats and usage call it): the delete reserve is kept by is_over_watermark."""
+        return self._capacity_from(self.free_bytes())
+
+    def _capacity_from(self, free: int) -> int:
+        """capacity_bytes given the filesystem's free bytes (-1: unknown, the configured bound)."""
         if free < 0:
             return self.config.capacity_bytes
-        self.reserve.keep(free)
         return max(0, min(self.config.capacity_bytes, self.disk_bytes() + free))
+
+    def _keep_reserve(self, free: int) -> None:
+        """Allocate the delete reserve if the disk is low (free < 0: statvfs failed, leave it)."""
+        if free >= 0:
+            self.reserve.keep(free)
 
     def free_bytes(self) -> int:
         """What the filesystem under the tier can still take (-1: statvfs failed)."""
@@ -361,7 +369,11 @@ class NvmeTier(NvmeReads, BlockTier):
         return st.f_bavail * st.f_frsize
 
     def is_over_watermark(self) -> bool:
-        return self.disk_bytes() > self.config.high_watermark * self.capacity_bytes()
+        """Checked on each put: keeps the delete reserve and compares against the capacity,
+        from one statvfs."""
+        free = self.free_bytes()
+        self._keep_reserve(free)
+        return self.disk_bytes() > self.config.high_watermark * self._capacity_from(free)
 
     def usage(self) -> TierUsage:
         return TierUsage(Tier.NVME, -1, self.disk_bytes(), self.capacity_bytes())

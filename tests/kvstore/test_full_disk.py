@@ -221,3 +221,22 @@ def test_a_full_disk_drops_an_unpinned_segment_rather_than_a_mostly_pinned_spars
     assert all(s.get(key_for(i)) == payload_for(i, 32 << 10) for i in pinned + unpinned[:2])
     assert all(s.get(key_for(i)) is None for i in second)   # the segment dropped instead
     s.close()
+
+
+def test_a_forced_compaction_copies_when_the_free_space_is_unknown(tmp_path, monkeypatch):
+    """statvfs failing (free_bytes -1) is not a full disk: make_room compacts the sparsest segment
+    by copying its live blocks forward, and evicts none of them."""
+    from kvcache.gc.collector import Collector
+    s = _open(tmp_path / "d")
+    _put(s, range(100))                                  # ~3 MiB in 1 MiB segments
+    first = s.index.get(key_for(0)).segment_id
+    in_first = [i for i in range(100) if s.index.get(key_for(i)).segment_id == first]
+    assert s.delete([key_for(i) for i in in_first[::2]]) == len(in_first[::2])   # the sparsest segment
+    kept = [i for i in range(100) if i not in in_first[::2]]
+    monkeypatch.setattr(s.nvme, "free_bytes", lambda: -1)
+    r = Collector(s).make_room()
+    assert r.evicted == 0 and r.segments_compacted == 1 and r.segments_removed == 1
+    assert first not in s.nvme.segment_ids()
+    assert all(s.get(key_for(i)) == payload_for(i, 32 << 10) for i in kept)
+    assert s.stats_counters.get("evictions_nvme", 0) == 0
+    s.close()
