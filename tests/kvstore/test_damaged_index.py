@@ -30,13 +30,18 @@ def _flip(field: str, bit: int):
                                        ("record_len", 16), ("offset", 36)])
 def test_a_flipped_size_in_the_index_is_a_miss_not_an_allocation(tmp_path, field, bit):
     s = open_store(tmp_path / "d", dram=False)
-    fill(s, range(3))
+    fill(s, range(4))
     _rewrite(s, key_for(0), _flip(field, bit))
+    _rewrite(s, key_for(3), _flip(field, bit))
+    # key_for(3) is first met by get_many_tiered: its own size check, not sizes_tiered's quarantine
+    assert s.get_many_tiered([key_for(3), key_for(1)]) == [(None, Tier.NONE), (payload_for(1), Tier.NVME)]
+    assert s.index.get(key_for(3)) is None
     assert s.sizes_tiered([key_for(0)]) == [None]
     assert s.get_many_tiered([key_for(0), key_for(1)]) == [(None, Tier.NONE), (payload_for(1), Tier.NVME)]
     assert s.get(key_for(0)) is None
     assert s.index.get(key_for(0)) is None                  # quarantined: forgotten, never served
-    assert s.stats_counters["quarantined"] == 1
+    assert s.get(key_for(3)) is None
+    assert s.stats_counters["quarantined"] == 2
     assert s.get(key_for(2)) == payload_for(2)
     s.close()
 
@@ -120,7 +125,12 @@ def test_a_damaged_usage_or_counter_value_is_recounted_not_raised(tmp_path, capl
     fill(s, range(3, 6))                                  # every put commit updates both tables
     assert s.delete([key_for(1)]) == 1
     assert s.get(key_for(3)) == payload_for(3)
-    s.index.segments(), s.index.counters(), s.stats()
+    segments = s.index.segments()                         # the damaged segment's row, written afresh
+    assert s.nvme.active_segment in segments and segments[s.nvme.active_segment].live_blocks > 0
+    counters = s.index.counters()                         # and the tenant rows
+    assert any(k.startswith("tenant_blocks/") for k in counters)
+    assert any(k.startswith("tenant_bytes/") for k in counters)
+    assert s.stats() is not None
     from kvcache.gc.collector import Collector
     Collector(s).run()
     assert [s.get(key_for(i)) for i in range(2, 6)] == [payload_for(i) for i in range(2, 6)]

@@ -241,12 +241,12 @@ def test_a_connection_cannot_release_another_connections_lease(daemon):
 
 # ---------------------------------------------------------------- what a connection without a token costs
 def test_connections_without_hello_are_bounded_and_cannot_lock_clients_out(daemon, monkeypatch):
-    monkeypatch.setattr(shm_control, "HELLO_S", 60.0, raising=False)      # only the pending bound frees slots here
+    monkeypatch.setattr(shm_control, "HELLO_S", 60.0)      # only the pending bound frees slots here
     url, store, path = daemon
     threads = threading.active_count()
     idle = []
     try:
-        for _ in range(getattr(shm_control, "MAX_PENDING", 32) * 3):
+        for _ in range(shm_control.MAX_PENDING * 3):
             s = socket.socket(socket.AF_UNIX)
             s.connect(path)
             idle.append(s)
@@ -258,16 +258,16 @@ def test_connections_without_hello_are_bounded_and_cannot_lock_clients_out(daemo
             assert c.get_many(keys) == [payload_for(k) for k in keys] and c._client._arena is not None
         assert time.monotonic() - t0 < 10
         time.sleep(0.3)
-        assert threading.active_count() - threads <= getattr(shm_control, "MAX_PENDING", 32) + 4
+        assert threading.active_count() - threads <= shm_control.MAX_PENDING + 4
         dropped = sum(1 for s in idle if _closed_by_peer(s, wait_s=0.01))
-        assert dropped >= len(idle) - getattr(shm_control, "MAX_PENDING", 32) - 1
+        assert dropped >= len(idle) - shm_control.MAX_PENDING - 1
     finally:
         for s in idle:
             s.close()
 
 
 def test_a_silent_or_slow_hello_is_dropped_at_its_deadline(daemon, monkeypatch):
-    monkeypatch.setattr(shm_control, "HELLO_S", 0.3, raising=False)
+    monkeypatch.setattr(shm_control, "HELLO_S", 0.3)
     url, store, path = daemon
     silent, trickle = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
     with silent, trickle:
@@ -294,7 +294,7 @@ def test_a_large_frame_before_hello_is_refused_unread(daemon):
 
 
 def test_an_accepted_connection_that_stalls_mid_frame_is_dropped(daemon, monkeypatch):
-    monkeypatch.setattr(shm_control, "FRAME_S", 0.3, raising=False)
+    monkeypatch.setattr(shm_control, "FRAME_S", 0.3)
     url, store, path = daemon
     with connected(path, ALICE) as s:
         time.sleep(0.5)                               # idle between frames: fine
