@@ -134,13 +134,18 @@ async def test_a_bad_token_is_refused_on_the_loop_and_its_body_never_read(daemon
 
 
 async def test_a_metrics_token_is_forbidden_to_upload(daemon):
-    """As on every aiohttp route: a known token without the right is a 403, not a 401."""
+    """As on every aiohttp route: a known token without the right is a 403, not a 401; and it
+    never acts as tenant "" (the raw key space, where the namespace is registered here)."""
+    from kvcache.cli.server import STORE
+    store = daemon["app"][STORE]
+    store.register_namespace(NS)
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
     writer.write(request(batch_body([0]), token=PROM))
     await writer.drain()
     status, headers, reply = await asyncio.wait_for(read_response(reader), 2)
     assert status == 403 and reply["error"] == "forbidden" and "metrics" in reply["message"]
     assert headers["connection"] == "close" and not daemon["front"].uploads
+    assert store.index.get_many([KEYS[0]]) == [None] and not store.exists_many([KEYS[0]])[0]
     writer.close()
 
 

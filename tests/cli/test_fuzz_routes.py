@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from kvcache.cli.http_front import Front
 from kvcache.cli.http_site import FrontSite
-from kvcache.cli.server import CONFIG, STORE, build_app
+from kvcache.cli.server import CONFIG, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig

@@ -2,16 +2,12 @@
 namespaces belong to tenants (renaming and limits: test_namespaces.py), KVCACHE_TOKENS tokens can be revoked, an admin deletes another
 tenant's blocks only when it names the tenant, and a metrics token reads /metrics only."""
 
-import asyncio
 import json
 import time
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.http_front import Front
-from kvcache.cli.http_site import FrontSite
 from kvcache.cli.reconfigure import CONFIG_FILE
 from kvcache.cli.server import STORE, authenticate, build_app
 from kvcache.cli.server_config import ServerConfig, TokenInfo, parse_env_tokens
@@ -248,32 +244,6 @@ async def test_a_metrics_token_gets_no_shared_memory(serve):
     assert session.hello(PROM.encode())[0] == 403 and session.tenant is None
     assert session.hello(ALICE.encode())[0] == 403                  # no shared_memory flag either
     assert session.hello(ADMIN.encode()) == (0, b"ops")            # an admin leases in its own tenant's keys
-
-
-async def test_a_metrics_token_cannot_upload_on_the_native_path(tmp_path):
-    """cli/bulk_put.py authenticates on its own: a metrics token there must not act as tenant ""."""
-    store = BlockStore(store_config(tmp_path))
-    store.register_namespace(NS)                         # the raw space's namespace: the upload's target
-    runner = web.AppRunner(build_app(store, ServerConfig(tokens=TOKENS)), access_log=None)
-    await runner.setup()
-    front = Front(runner.app, runner.server, read_timeout_s=5)
-    site = FrontSite(runner, front, host="127.0.0.1", port=0)
-    await site.start()
-    try:
-        frames = [wire.stream_header(1)] + wire.encode_put_frame(wire.PutFrame(KEYS[0], NS.id, payload(0)))
-        body = b"".join(bytes(f) for f in frames)
-        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
-        writer.write(f"POST /v1/blocks/batch_put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {PROM}\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        await writer.drain()
-        status = int((await asyncio.wait_for(reader.readline(), 10)).split()[1])
-        writer.close()
-        assert status in (401, 403)
-        assert store.index.get_many([KEYS[0]]) == [None] and not store.exists_many([KEYS[0]])[0]
-    finally:
-        await front.drain(5)
-        await runner.cleanup()
-        store.close()
 
 
 def test_healthz_without_a_token_acts_as_nobody():
