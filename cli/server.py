@@ -225,9 +225,9 @@ def _layout(header: str | None) -> tuple[TensorSpec, ...] | None:
         return None
     specs = parse_json(header, "X-KVCache-Layout")
     try:
-        if not isinstance(specs, list) or not all(isinstance(s, list) and len(s) == 3 for s in specs):
-            raise TypeError("each tensor is a [name, dtype, [dims...]] list")
-        return tuple(TensorSpec(n, d, tuple(shape) if isinstance(shape, list) else shape) for n, d, shape in specs)
+        if specs is None:             # a header that is there names a layout
+            raise TypeError("null is no layout")
+        return wire.parse_layout(specs)
     except (ValueError, TypeError) as e:     # TensorSpec checks the names, dtypes and dims (integers)
         raise BlockFormatError(f"X-KVCache-Layout must be a JSON list of [name, dtype, [dims...]] ({e})") from None
 

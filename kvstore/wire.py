@@ -184,12 +184,13 @@ def _parse_meta(raw: bytes) -> dict:
         raise BlockFormatError('frame metadata is a JSON object {"layout": [[name, dtype, [dims...]], ...], '
                                '"ttl_s": seconds}, both optional')
     try:
-        return {"layout": _meta_layout(meta.get("layout")), "ttl_s": _meta_ttl(meta.get("ttl_s"))}
+        return {"layout": parse_layout(meta.get("layout")), "ttl_s": _meta_ttl(meta.get("ttl_s"))}
     except (ValueError, TypeError, OverflowError) as e:
         raise BlockFormatError(f"frame metadata is not valid: {e}") from None
 
 
-def _meta_layout(layout) -> tuple[TensorSpec, ...] | None:
+def parse_layout(layout) -> tuple[TensorSpec, ...] | None:
+    """A layout as JSON sends it (frame metadata, the X-KVCache-Layout header); None for none."""
     if layout is None:
         return None
     if not isinstance(layout, list) or not all(isinstance(t, list) and len(t) == 3 for t in layout):
