@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 import torch
 from safetensors.torch import save_file
@@ -56,10 +57,16 @@ def save_checkpoint(model: torch.nn.Module, config: ModelConfig, out_dir: str, s
         for n, t in shard.items():
             weight_map[n] = fname
             total += t.numel() * t.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    with open(index_path, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f, indent=2)
+    # safetensors writes its files 0600 whatever the umask; give the shards the mode open() gave
+    # the index (the user's umask), so a checkpoint's files are all readable by the same people
+    mode = stat.S_IMODE(os.stat(index_path).st_mode)
+    for fname in files:
+        os.chmod(os.path.join(out_dir, fname), mode)
     return files
 
 

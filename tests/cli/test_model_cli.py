@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -39,6 +41,14 @@ def test_init_is_deterministic_and_logits_match_the_loaded_model(tmp_path):
     tok = load_tokenizer(str(a))
     assert tok.bos_id == 0 and tok.eos_id == 1 and tok.vocab_size <= config.vocab_size
     assert tok.decode(tok.encode("prefix caching")) == "prefix caching"
+
+
+def test_init_gives_every_file_the_mode_of_the_users_umask(tmp_path):
+    # safetensors alone writes the shards 0600: the other files follow the umask
+    subprocess.run([sys.executable, "-m", "kvcache.cli.main", "model", "init", "--config", "v4-tiny", "--out",
+                    str(tmp_path / "m")], check=True, capture_output=True, preexec_fn=lambda: os.umask(0o027))
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
+    assert any(n.endswith(".safetensors") for n in modes) and set(modes.values()) == {0o640}, modes
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
