@@ -24,7 +24,7 @@ from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
 from kvcache.engine.kv_blocks import block_layout, layout_id
 from kvcache.engine.kv_connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
-from kvcache.engine.layers.stacked_experts import device_experts_pay, stack_experts
+from kvcache.kernels.grouped_matmul import device_experts_pay, stack_experts
 from kvcache.engine.prefix_cache import CacheUsage, PrefixCache
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
@@ -44,7 +44,7 @@ class EngineConfig:
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
     compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
     compile_warmup: bool = True      # with compile: compile every phase variant at start, not mid-request
-    # routed experts summed on the device (layers/stacked_experts.py), no host round trip per
+    # routed experts summed on the device (kernels/grouped_matmul.py), no host round trip per
     # layer; None: on for accelerators with grouped matmuls (bf16 on recent PyTorch), off on the
     # CPU (where the host path is faster). It is set on the model: engines sharing a model share it
     device_experts: bool | None = None

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcache.engine.config import ModelConfig
-from kvcache.engine.layers.expert_sum import gathered_sum, grouped_sum, swiglu
+from kvcache.kernels.routed_experts import gathered_sum, grouped_sum, swiglu
 
 SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair (see MoE.routed)
 
@@ -102,7 +102,7 @@ class MoE(nn.Module):
         self.local_experts: set[int] | None = None   # expert parallelism: the experts on this rank
         self.shared_on_this_rank = True
         self.reduce = None                           # sums the ranks' partial outputs (engine/parallel.py)
-        self.stacked = None                          # StackedExperts (layers/stacked_experts.py)
+        self.stacked = None                          # StackedExperts (kernels/grouped_matmul.py)
         self.limit = limit
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:

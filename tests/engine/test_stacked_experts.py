@@ -1,4 +1,4 @@
-"""Routed experts summed on the device (engine/layers/stacked_experts.py): the same sums as the
+"""Routed experts summed on the device (kernels/grouped_matmul.py): the same sums as the
 host path, one copy of the weights, greedy tokens unchanged through the engine, clear refusals."""
 
 import copy
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcache.engine.layers.moe import MoE
-from kvcache.engine.layers.stacked_experts import stack_experts
+from kvcache.kernels.grouped_matmul import stack_experts
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model
@@ -43,7 +43,7 @@ def test_gathered_weights_are_read_in_bounded_chunks(monkeypatch):
     dev = copy.deepcopy(host)
     stack_experts(dev)
     per_expert = dev.stacked.w1s[0].numel() * 4
-    monkeypatch.setattr("kvcache.engine.layers.stacked_experts.GATHER_BYTES", 3 * per_expert)   # 3 pairs a chunk
+    monkeypatch.setattr("kvcache.kernels.grouped_matmul.GATHER_BYTES", 3 * per_expert)   # 3 pairs a chunk
     x = torch.randn(7, host.gate.weight.shape[1])
     torch.testing.assert_close(dev(x), host(x), rtol=1e-5, atol=1e-5)
 
@@ -69,7 +69,7 @@ def test_host_stacks_are_linear_and_a_compiled_token_sums_in_the_graph():
     """Host-path stacks keep nn.Linear's layout (rows along the input dim); a one-token routed
     sum compiled in a graph (gathered_sum: no op call) equals the op's, and so does gathered_sum
     run eagerly on a few tokens (each token's terms in ascending expert id)."""
-    from kvcache.engine.layers.expert_sum import gathered_sum
+    from kvcache.kernels.routed_experts import gathered_sum
     moe = _moe()
     stack_experts(moe, on_device=False)
     s = moe.stacked
@@ -94,7 +94,7 @@ def test_host_stacks_are_linear_and_a_compiled_token_sums_in_the_graph():
 def test_device_experts_are_off_by_default_on_the_cpu():
     """On the CPU the engine stacks the experts (block decode's op reads the stacks) but sums them
     by the host path."""
-    from kvcache.engine.layers.stacked_experts import device_experts_pay
+    from kvcache.kernels.grouped_matmul import device_experts_pay
     model = build_model(v4_config(num_nextn_predict_layers=0))
     assert not device_experts_pay(model)
     LLM(model=model, config=CFG)
@@ -154,7 +154,7 @@ def test_grouped_sum_equals_each_token_summed_alone(dtype):
     rounding: a matmul over several tokens may round unlike one over a token), also with k = 6,
     experts shared by several tokens, no token, and experts held by another rank (expert
     parallelism: theirs add nothing)."""
-    from kvcache.engine.layers.expert_sum import grouped_sum, swiglu
+    from kvcache.kernels.routed_experts import grouped_sum, swiglu
     g = torch.Generator().manual_seed(7)
     E, d, inter, limit = 8, 32, 16, 2.0
     w1, w3 = (torch.randn(E, inter, d, generator=g).to(dtype) for _ in range(2))

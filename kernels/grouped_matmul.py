@@ -29,7 +29,7 @@ class StackedExperts(nn.Module):
         transposed (device sums)  w1s, w3s [E, d, inter], w2s [E, inter, d]   x @ W, grouped matmuls
         linear     (host sums)    w1s, w3s [E, inter, d], w2s [E, d, inter]   nn.Linear's, rows contiguous
 
-    The host path's matmuls and a one-token decode graph's gathered sums (layers/expert_sum.py)
+    The host path's matmuls and a one-token decode graph's gathered sums (kernels/routed_experts.py)
     read rows along the contiguous input dim: a compiled batch-1 sum over the transposed stacks
     ran at ~60% of the speed it reaches on these (v4-small, 2 CPU cores)."""
 
@@ -129,7 +129,7 @@ def stack_experts(model: nn.Module, on_device: bool = True) -> int:
     `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`, transposed
     stacks), else by the host path, which a decode graph reaches through the
     `kvcache::routed_experts` op with the (linear) stacks as its inputs, or at one token sums in
-    the graph (layers/expert_sum.py). Returns how many MoEs. Under expert parallelism
+    the graph (kernels/routed_experts.py). Returns how many MoEs. Under expert parallelism
     (a rank holds some experts only) nothing is stacked, and on_device is refused."""
     from kvcache.engine.layers.moe import MoE
     moes = [m for m in model.modules() if isinstance(m, MoE)]

@@ -3,7 +3,7 @@
 
 MoE.routed runs it between compiled phases; a block-decode step compiled as one graph calls
 it as the opaque op `kvcache::routed_experts` (its inputs: the stacked weights of
-layers/stacked_experts.py, linear layout), so the graph holds no data-dependent Python and the op
+kernels/grouped_matmul.py, linear layout), so the graph holds no data-dependent Python and the op
 reads the chosen ids back on its own.
 
 A compiled batch-1 decode graph sums its one token's experts in the graph instead
