@@ -106,6 +106,7 @@ def _rank(rank: int, world: int, args, params, workdir: str) -> None:
 
 
 def _generate(rank: int, world: int, args, params) -> int:
+    from kvcache.cli.fmt import escape_controls
     from kvcache.engine.llm import LLM, load_checkpoint
     t0 = time.perf_counter()
     if args.compile and rank == 0:
@@ -129,7 +130,7 @@ def _generate(rank: int, world: int, args, params) -> int:
             if out.request is req and engine.tokenizer is not None:
                 upto = printable(req.text, not req.finished, params.stop)
                 if upto > len(shown):
-                    sys.stdout.write(req.text[len(shown):upto])
+                    sys.stdout.write(escape_controls(req.text[len(shown):upto]))   # demo weights emit control bytes
                     sys.stdout.flush()
                     shown = req.text[:upto]
             elif out.request is req:

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from kvcache.cli.fmt import escape_controls
 from kvcache.cli.generate import printable
 from tests.cli.test_model_cli import kv
 
@@ -26,10 +27,18 @@ def test_printable_holds_back_a_partial_character_and_a_possible_stop_string():
     assert printable("ab", True, ("longer",)) == 0
 
 
+def test_control_characters_are_escaped_and_other_text_kept():
+    assert escape_controls("a\x1b[31mb\x07\r") == "a\\x1b[31mb\\x07\\r"
+    assert escape_controls("é 日本\tx\n") == "é 日本\tx\n"                 # any script, tabs, newlines
+    assert escape_controls("\u200b\x00\x7f") == "\\u200b\\x00\\x7f"
+
+
 def test_text_before_a_stop_string_never_reaches_stdout(model_dir):
     base = ("generate", "--model", str(model_dir), "--prompt", "A prefix cache", "--max-tokens", "24", "--ignore-eos")
     free = kv(*base).stdout
     assert len(free) > 12
+    # demo weights emit control bytes (ESC, BEL): they reach the terminal escaped
+    assert "\\x1b" in free and all(c.isprintable() or c in "\n\t" for c in free), repr(free)
     stop = free[6:10]                                            # spans tokens: found only after it is complete
     cut = kv(*base, "--stop", stop)
     assert cut.stdout == free[: free.find(stop)] and "finish: stop" in cut.stderr
