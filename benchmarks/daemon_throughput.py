@@ -6,7 +6,7 @@
 
 The same as `kvcache bench daemon`, except that reports go to benchmarks/results/ beside
 this file wherever it is run from. Needs redis-server (apt-get install redis-server) and
-redis-py (pip install redis). The logic lives in kvcache.cli.bench_daemon
+redis-py (pip install redis). The logic lives in kvcache.benchmarks.daemon
 (importable: `run(sizes, total_bytes, out_dir, repeats, ...) -> dict`).
 """
 
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from kvcache.cli.bench_daemon import EPILOG, add_arguments, run, run_daemon  # noqa: F401  (run: re-exported)
+from kvcache.benchmarks.daemon import EPILOG, add_arguments, run, run_daemon  # noqa: F401  (run: re-exported)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

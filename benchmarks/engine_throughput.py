@@ -5,7 +5,7 @@
     python benchmarks/engine_throughput.py --configs v4-tiny --batches 1,8
 
 The same as `kvcache bench engine`, with reports in benchmarks/results/ beside this file. The logic
-lives in kvcache.engine.bench_engine (`run(configs, batches, out_dir, ...) -> dict`).
+lives in kvcache.benchmarks.engine (`run(configs, batches, out_dir, ...) -> dict`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     python benchmarks/model_forward.py --configs v4-tiny --lengths 128,512
 
 The same as `kvcache bench model`, with reports in benchmarks/results/ beside this file. The
-logic lives in kvcache.engine.bench_model (`run(configs, lengths, out_dir, ...) -> dict`).
+logic lives in kvcache.benchmarks.model (`run(configs, lengths, out_dir, ...) -> dict`).
 """
 
 from __future__ import annotations

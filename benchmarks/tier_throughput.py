@@ -5,7 +5,7 @@
     python benchmarks/tier_throughput.py --sizes 1M --total-mib 64 --index-blocks 100000
 
 The same as `kvcache bench tiers`, except that reports go to benchmarks/results/ beside
-this file wherever it is run from. The logic lives in kvcache.tiering.bench_tiers
+this file wherever it is run from. The logic lives in kvcache.benchmarks.tiers
 (importable: `run(sizes, total_bytes, out_dir, repeats, ...) -> dict`).
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 
 from kvcache.cli.bench import TIERS_EPILOG, add_tiers_arguments, run_tiers
-from kvcache.tiering.bench_tiers import run  # noqa: F401  (re-exported for importers)
+from kvcache.benchmarks.tiers import run  # noqa: F401  (re-exported for importers)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

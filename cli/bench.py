@@ -1,6 +1,6 @@
 """`kvcache bench tiers`: DRAM/NVMe tier throughput against memcpy and raw disk I/O.
 
-The measurement lives in kvcache.tiering.bench_tiers; this module has the options and the
+The measurement lives in kvcache.benchmarks.tiers; this module has the options and the
 printed table. benchmarks/tier_throughput.py is the same command as a script (it reuses
 `add_tiers_arguments` and `run_tiers`).
 """
@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TIERS_EPILOG)
     add_tiers_arguments(t)
     t.set_defaults(func=run_tiers)
-    from kvcache.cli import bench_daemon
+    from kvcache.benchmarks import daemon as bench_daemon
     bench_daemon.add_parser(sub)
     m = sub.add_parser("model", help="V4 prefill/decode speed against transformers; KV bytes per token",
                        description="Prefill tokens/s and decode ms/token of the engine's DeepSeek-V4 against "
@@ -98,8 +98,8 @@ def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = "
 
 
 def run_cold_warm(args) -> int:
-    from kvcache.engine.bench_cold_warm import run
-    from kvcache.engine.bench_cold_warm_report import format_table
+    from kvcache.benchmarks.cold_warm import run
+    from kvcache.benchmarks.cold_warm_report import format_table
     doc = run(args.config, tuple(args.lengths), args.output_tokens,
               args.out_dir, args.seed, progress=not args.no_progress,
               workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
@@ -141,7 +141,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = "ben
 
 
 def run_engine(args) -> int:
-    from kvcache.engine.bench_engine import format_table, run
+    from kvcache.benchmarks.engine import format_table, run
     doc = run(args.configs,
               args.batches, args.out_dir, args.prompt_tokens,
               args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
@@ -153,7 +153,7 @@ def run_engine(args) -> int:
 
 
 def run_codec(args) -> int:
-    from kvcache.engine.bench_kv_codec import run
+    from kvcache.benchmarks.kv_codec import run
     doc = run(args.configs, args.tokens, args.out_dir,
               args.block_tokens)
     print("codec on KV history (bf16): ratio, compress / decompress GB/s")
@@ -185,7 +185,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benc
 
 
 def run_model(args) -> int:
-    from kvcache.engine.bench_model import format_table, run
+    from kvcache.benchmarks.model import format_table, run
     lengths = args.lengths
     doc = run(args.configs, lengths, args.out_dir,
               args.decode_steps, args.baseline_max_tokens, args.seed, progress=not args.no_progress)
@@ -229,7 +229,7 @@ def _counts(text: str) -> list[int]:
 
 
 def add_tiers_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
-    from kvcache.tiering.bench_tiers import DEFAULT_SIZES, parse_sizes
+    from kvcache.benchmarks.tiers import DEFAULT_SIZES, parse_sizes
     count = _checked(int, what="a positive integer")
     p.add_argument("--sizes", type=_checked(parse_sizes, bool), default=parse_sizes(DEFAULT_SIZES),
                    metavar="LIST", help=f"comma-separated block sizes, K/M/G suffixes (default: {DEFAULT_SIZES})")
@@ -254,7 +254,7 @@ def add_tiers_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benc
 def run_tiers(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments. The exit status is 0 even when a target is
     missed: the report says so (targets.*.pass), CI decides what to do with it."""
-    from kvcache.tiering import bench_tiers
+    from kvcache.benchmarks import tiers as bench_tiers
     mib = 1 << 20
     doc = bench_tiers.run(args.sizes, int(args.total_mib * mib), args.out_dir, args.repeats,
                           batch_bytes=int(args.batch_mib * mib), data_dir=args.data_dir,
@@ -272,7 +272,7 @@ def _pct(v) -> str:
 
 def format_table(doc: dict) -> str:
     """The report as aligned text: one row per size and operation, then hashing, lookup, targets."""
-    from kvcache.tiering.bench_tiers import RATIOS, TARGETS
+    from kvcache.benchmarks.tiers import RATIOS, TARGETS
     rows = [("size", "operation", "kvcache GB/s", "baseline", "GB/s", "ratio", "target")]
     for label, r in doc["sizes"].items():
         for name, (what, sec, op, base, bop) in RATIOS.items():

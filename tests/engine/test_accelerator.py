@@ -77,7 +77,7 @@ def test_bf16_on_the_device_is_as_close_to_fp32_as_transformers():
     the fp32 logits, for transformers' V4 as for ours, on the CPU). So the reference is
     transformers' DeepseekV4 in bf16 on the same device: the engine's first-token logits (bf16)
     must be about as close to the fp32 ones as transformers' are."""
-    from kvcache.engine.bench_model import hf_twin
+    from kvcache.benchmarks.model import hf_twin
     config = v4_config(num_nextn_predict_layers=0)
     cpu = randomize(build_model(config), 1).eval()
     hf = hf_twin(cpu, config).to("cuda", torch.bfloat16)

@@ -103,7 +103,7 @@ def measure(blocks: list[bytes], level: int = 1, repeats: int = 3) -> dict:
 
 
 def run(configs: list[str], tokens: int, out_dir: str, block_tokens: int = 256, seed: int = 0) -> dict:
-    from kvcache.tiering.bench_record import machine_info, write_results
+    from kvcache.benchmarks.record import machine_info, write_results
     os.makedirs(out_dir, exist_ok=True)
     results = {}
     for name in configs:

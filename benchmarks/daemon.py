@@ -24,14 +24,14 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from kvcache.cli.bench_servers import (MissingDependency, check_dependencies, daemon_config,  # noqa: F401
+from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,  # noqa: F401
                                        start_daemon, start_redis)
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.shm_client import read_direct
 from kvcache.kvstore.store import PutItem
-from kvcache.tiering.bench_record import load_now, machine_info, write_results
-from kvcache.tiering.bench_baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
-from kvcache.tiering.bench_tiers import parse_sizes, size_label
+from kvcache.benchmarks.record import load_now, machine_info, write_results
+from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
+from kvcache.benchmarks.tiers import parse_sizes, size_label
 
 DEFAULT_SIZES = "256K,1M,4M"
 # ratio -> (operation, measured side, baseline side); top level: worst case over sizes

@@ -5,7 +5,7 @@ import json
 import pytest
 
 pytest.importorskip("transformers")
-from kvcache.engine.bench_model import format_table, run   # noqa: E402
+from kvcache.benchmarks.model import format_table, run   # noqa: E402
 
 
 def test_tiny_run_writes_the_report(tmp_path):
@@ -21,7 +21,7 @@ def test_tiny_run_writes_the_report(tmp_path):
 
 
 def test_codec_benchmark_on_model_kv(tmp_path):
-    from kvcache.engine.bench_kv_codec import run as run_codec
+    from kvcache.benchmarks.kv_codec import run as run_codec
     doc = run_codec(["v4-tiny", "v41-tiny"], 96, str(tmp_path), block_tokens=32)
     for name in ("v4-tiny", "v41-tiny"):
         r = doc["results"][name]
@@ -32,7 +32,7 @@ def test_codec_benchmark_on_model_kv(tmp_path):
 
 
 def test_engine_benchmark_tiny(tmp_path):
-    from kvcache.engine.bench_engine import format_table, run as run_engine
+    from kvcache.benchmarks.engine import format_table, run as run_engine
     doc = run_engine(["v4-tiny"], [1, 2], str(tmp_path), prompt_tokens=16, out_tokens=3, progress=False,
                      compile_=False)     # compiled engines: tests/engine/test_compiled.py
     row = doc["results"]["v4-tiny"]["b2"]
@@ -47,7 +47,7 @@ def test_engine_benchmark_tiny(tmp_path):
 
 def test_roofline_counts_the_experts_a_batch_selects():
     import os
-    from kvcache.engine.bench_model import CONFIG_DIR
+    from kvcache.benchmarks.model import CONFIG_DIR
     from kvcache.engine.config import ModelConfig
     from kvcache.engine.models import build_model
     from kvcache.engine.roofline import ceiling, step_weight_bytes
@@ -66,7 +66,7 @@ def test_roofline_counts_the_experts_a_batch_selects():
 def test_decode_profile_counts_a_steps_ops(tmp_path):
     """benchmarks/decode_profile.py at a tiny size on the CPU: host ops counted per step (no
     launches or device time without a device), the report written and readable."""
-    from kvcache.engine.bench_decode_profile import format_report, run as run_profile
+    from kvcache.benchmarks.decode_profile import format_report, run as run_profile
     doc = run_profile("v4-tiny", "cpu", 2, 3, False, None, str(tmp_path))
     on_disk = json.loads((tmp_path / "decode_profile_cpu-latest.json").read_text())
     r = on_disk["results"]

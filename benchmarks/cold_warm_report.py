@@ -1,5 +1,5 @@
 """The cold-versus-warm benchmark's other workloads (multi-turn chat, many users sharing a system
-prompt) and its Markdown report with a plot (engine/bench_cold_warm.py runs them)."""
+prompt) and its Markdown report with a plot (benchmarks/cold_warm.py runs them)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _greedy(n: int) -> SamplingParams:
 def chat_workload(model, cfg, length: int, out_tokens: int, root: str, seed: int) -> dict:
     """Turn 2 of a chat (turn 1 + its answer + a new message): cold, then warm from the store's
     DRAM after turn 1 ran in another engine (exact mode)."""
-    from kvcache.engine.bench_cold_warm import _store
+    from kvcache.benchmarks.cold_warm import _store
     g = torch.Generator().manual_seed(seed + 1)
     vocab = model.config.vocab_size
     turn1 = torch.randint(3, vocab, (length,), generator=g).tolist()
@@ -46,7 +46,7 @@ def shared_workload(model, cfg, length: int, out_tokens: int, root: str, seed: i
     """`users` requests with one system prompt and different messages, submitted together: cold
     (nothing cached) against warm (the system prompt stored by an earlier engine); the prefix is
     fetched once for all of them."""
-    from kvcache.engine.bench_cold_warm import _store
+    from kvcache.benchmarks.cold_warm import _store
     g = torch.Generator().manual_seed(seed + 2)
     vocab = model.config.vocab_size
     system = torch.randint(3, vocab, (length,), generator=g).tolist()

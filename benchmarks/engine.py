@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from kvcache.engine.bench_model import CONFIG_DIR, hf_twin
+from kvcache.benchmarks.model import CONFIG_DIR, hf_twin
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.device import Placement, select, synchronize
@@ -130,7 +130,7 @@ def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int
         device_experts: bool | None = None, cuda_graphs: bool = False) -> dict:
     """compile_=False: "ours" is the eager engine (no C++ compiler, or a quick look)."""
     from tqdm import tqdm
-    from kvcache.tiering.bench_record import machine_info, write_results
+    from kvcache.benchmarks.record import machine_info, write_results
     os.makedirs(out_dir, exist_ok=True)
     place = select(device)
     started = time.perf_counter()

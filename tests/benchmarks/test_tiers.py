@@ -9,7 +9,7 @@ import platform
 import pytest
 
 from kvcache.cli import bench
-from kvcache.tiering import bench_tiers
+from kvcache.benchmarks import tiers as bench_tiers
 
 MIB = 1 << 20
 RATIOS = ("dram_get_vs_memcpy", "nvme_put_vs_raw_write", "nvme_get_vs_raw_read")

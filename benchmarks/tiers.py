@@ -37,10 +37,10 @@ from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_blocks
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import BlockMeta, Tier, raw_layout
-from kvcache.tiering.bench_baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
+from kvcache.benchmarks.baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
                                              scratch_dir)
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.bench_record import load_now, machine_info, write_results
+from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.tiering.dram import DramConfig, DramTier
 from kvcache.tiering.nvme import NvmeConfig, NvmeTier
 from kvcache.tiering.slab import SlabAllocator

@@ -126,7 +126,7 @@ def kv_bytes() -> dict:
 def run(configs: list[str], lengths: list[int], out_dir: str, decode_steps: int = 16, baseline_max: int = 8192,
         seed: int = 0, progress: bool = True) -> dict:
     from tqdm import tqdm
-    from kvcache.tiering.bench_record import machine_info, write_results
+    from kvcache.benchmarks.record import machine_info, write_results
     torch.manual_seed(seed)
     os.makedirs(out_dir, exist_ok=True)
     started = time.perf_counter()

@@ -4,8 +4,8 @@ tier it claims, warm output equals cold, and the JSON, Markdown and plot are wri
 import json
 import os
 
-from kvcache.engine.bench_cold_warm import run
-from kvcache.engine.bench_cold_warm_report import format_table
+from kvcache.benchmarks.cold_warm import run
+from kvcache.benchmarks.cold_warm_report import format_table
 
 
 def test_cold_warm_benchmark_on_the_tiny_config(tmp_path):

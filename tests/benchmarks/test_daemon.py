@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from kvcache.cli import bench_daemon
+from kvcache.benchmarks import daemon as bench_daemon
 
 HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
 needs_redis = pytest.mark.skipif(not HAVE_REDIS, reason="needs redis-server on PATH (apt-get install redis-server) "
