@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 
 def load_configs(args):
-    from kvcache.cli.server_config import ServerConfig
+    from kvcache.server.config import ServerConfig
     from kvcache.kvstore.config import StoreConfig
     raw = {}
     if args.config:
@@ -81,7 +81,7 @@ def describe(store_cfg, server_cfg) -> str:
 def undumpable() -> bool:
     """prctl(PR_SET_DUMPABLE, 0): processes of the daemon's own user can no longer open
     /proc/<pid>/fd/* or /proc/<pid>/mem, nor ptrace it, and a crash leaves no core with tokens and
-    blocks in it. Local clients get the arena over the control socket instead (cli/shm_control.py).
+    blocks in it. Local clients get the arena over the control socket instead (server/shm_control.py).
     Root (CAP_SYS_PTRACE) still can; /proc/<pid>/environ stays readable to the same user on the
     kernels we run, so KVCACHE_TOKENS is no secret from it. False where there is no prctl."""
     import ctypes
@@ -116,7 +116,7 @@ def warn_if_shared(data_dir: str) -> None:
 def cmd_serve(args) -> int:
     undumpable()   # first: before tokens and blocks are loaded
     private_files()
-    from kvcache.cli.server import build_app
+    from kvcache.server.app import build_app
     from kvcache.kvstore.store import BlockStore
     store_cfg, server_cfg = load_configs(args)
     events = open_event_log(store_cfg)
@@ -128,7 +128,7 @@ def cmd_serve(args) -> int:
         raise
     warn_if_shared(store_cfg.data_dir)
     app = build_app(store, server_cfg)
-    from kvcache.cli.reconfigure import CONFIG_FILE, reload_on_sighup
+    from kvcache.server.reconfigure import CONFIG_FILE, reload_on_sighup
     app[CONFIG_FILE] = os.path.abspath(args.config) if args.config else ""
     reload_on_sighup(app)   # the main thread's loop: signal handlers can only be installed there
 
@@ -138,7 +138,7 @@ def cmd_serve(args) -> int:
             events.close()
     app.on_cleanup.append(close_store)
     print(describe(store_cfg, server_cfg), flush=True)
-    from kvcache.cli.http_site import run
+    from kvcache.server.front.site import run
     run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s)
     print("kvcache: stopped cleanly", flush=True)
     return 0

@@ -215,7 +215,7 @@ def tenant_key(tenant: str, key: bytes) -> bytes:
     pin, delete or detect the other's blocks. The anonymous tenant "" keeps keys as they are.
     The stored key has the length of the sent one (xxh3-128 for 16 bytes, sha256 for 32).
     Only the daemon without tokens (one trust domain) and a store used directly have tenant "":
-    every token names a tenant (cli/server_config.py), so no token reaches the raw key space.
+    every token names a tenant (server/config.py), so no token reaches the raw key space.
     """
     if not tenant:
         return key

@@ -14,7 +14,7 @@
 A leased chunk cannot be evicted, deleted-and-reused or compacted away, so what the client copies is
 exactly the block. "socket" means the block is live but could not be placed in DRAM (it is full
 of pinned blocks): read it over the socket. Leases held across requests are bounded in time by
-the server (cli/server_shm.py), which tells the client at release whether its lease was still valid.
+the server (server/shm_leases.py), which tells the client at release whether its lease was still valid.
 Why a directory read needs no lease: kvstore/shm_directory.py.
 A mixin only to keep store.py readable; it uses BlockStore's state.
 """

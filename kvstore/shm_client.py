@@ -1,5 +1,5 @@
 """The client half of the same-host shared-memory path: map the daemon's DRAM arena read-only
-and copy leased blocks out of it (server half and protocol: cli/server_shm.py, docs/api.md).
+and copy leased blocks out of it (server half and protocol: server/shm_leases.py, docs/api.md).
 
     client                                   daemon
     GET /v1/shm (HTTP) ──────────────────>  {pid, fd, size, inode, lease_s, control_socket}

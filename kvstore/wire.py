@@ -111,7 +111,7 @@ async def read_put_frame(read: ReadExactly, max_payload: int, read_payload: Read
 def parse_put_head(buf, max_payload: int) -> tuple[PutFrame, int, int] | None:
     """A put frame up to its payload, parsed from bytes already at hand: (the frame with an
     empty payload, payload length, header bytes), or None when `buf` ends inside the header. The synchronous twin of
-    read_put_frame, for readers that hold a buffer (cli/bulk_put.py): no await per field."""
+    read_put_frame, for readers that hold a buffer (server/front/bulk_put.py): no await per field."""
     n = len(buf)
     if n < 1:
         return None

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, Tier, wire
 from kvcache.kvstore.client import (AsyncKVClient, AuthError, DaemonError, KVClient, QuotaExceededError,
                                     _split_puts)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig
 from kvcache.kvstore import shm_client, sync_client, wire
 from kvcache.kvstore.client import AsyncKVClient, DaemonError, KVClient
 from kvcache.kvstore.shm_wire import HELLO, LEASE, encode_keys, frame, split_head

@@ -51,7 +51,7 @@ def test_missing_file(tmp_path):
 
 def test_shipped_example_server_section_is_the_defaults():
     import tomllib
-    from kvcache.cli.server_config import ServerConfig
+    from kvcache.server.config import ServerConfig
     with open(EXAMPLE, "rb") as f:
         assert ServerConfig.from_dict(tomllib.load(f)["server"], env={}) == ServerConfig()
 

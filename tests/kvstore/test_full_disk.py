@@ -168,8 +168,8 @@ def test_a_namespace_registered_on_a_full_disk_is_refused_then_registered(small_
 async def test_the_daemon_answers_507_for_a_namespace_on_a_full_disk(tmp_path, monkeypatch):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from kvcache.cli.server import build_app
-    from kvcache.cli.server_config import ServerConfig, TokenInfo
+    from kvcache.server.app import build_app
+    from kvcache.server.config import ServerConfig, TokenInfo
     store = _open(tmp_path / "d")
     cfg = ServerConfig(tokens=(TokenInfo("a" * 32, "alice"),))
     monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
-from kvcache.cli.server_shm import LeaseTable
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo
+from kvcache.server.shm_leases import LeaseTable
 from kvcache.kvstore.client import AsyncKVClient, DaemonError, KVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.leases import SOCKET
@@ -266,7 +266,7 @@ def test_daemon_without_shared_memory_falls_back(tmp_path):
 
 
 def test_real_daemon_serves_local_reads_from_shared_memory(tmp_path):
-    from tests.cli.test_serve_process import Daemon
+    from tests.server.test_serve_process import Daemon
     sock = tmp_path / "kv.sock"
     d = Daemon(tmp_path / "data", "--unix-socket", str(sock))
     try:

@@ -210,7 +210,7 @@ def test_without_direct_reads_clients_lease_every_time(served, monkeypatch):  # 
 def test_real_daemon_readers_never_see_a_reused_chunk(tmp_path):
     """A writer churns a small DRAM tier (evictions free and reuse chunks) while a reader in
     another thread reads published blocks through the table: every byte read must be right."""
-    from tests.cli.test_serve_process import Daemon
+    from tests.server.test_serve_process import Daemon
     cfg = tmp_path / "serve.toml"
     cfg.write_text("[dram]\ncapacity_bytes = 4194304\npage_bytes = 1048576\nprefault = false\n"
                    'eviction = "fifo"\n')   # reads do not save the hot blocks: they are evicted too
@@ -292,7 +292,7 @@ def test_a_dead_daemons_table_is_never_read(tmp_path, monkeypatch):
     serve blocks out of them (a restarted daemon may have lost or deleted them)."""
     import signal
     monkeypatch.setattr(shm_client.BlockingShmControl, "touch", lambda *a: None)   # the check, not TOUCH's EPIPE
-    from tests.cli.test_serve_process import Daemon
+    from tests.server.test_serve_process import Daemon
     sock = tmp_path / "kv.sock"
     d = Daemon(tmp_path / "data", "--unix-socket", str(sock))
     try:

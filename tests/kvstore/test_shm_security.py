@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.cli import shm_control
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server import shm_control
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import shm_wire as w
 from kvcache.kvstore.client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
@@ -335,7 +335,7 @@ def test_the_real_daemon_is_not_dumpable_and_hands_its_arena_only_over_hello(tmp
     """Daemon, probe and witness all run without CAP_SYS_PTRACE (a root process may not inspect
     one with more capabilities than its own either): the witness, an ordinary process, shows the
     probe can open /proc/<pid>/fd/* of its peers, so the daemon's refusal is its non-dumpability."""
-    from tests.cli.test_serve_process import Daemon, free_port
+    from tests.server.test_serve_process import Daemon, free_port
     cfg = tmp_path / "store.toml"
     cfg.write_text("[dram]\ncapacity_mib = 16\nprefault = false\n")
     sock = tmp_path / "kv.sock"

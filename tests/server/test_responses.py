@@ -13,15 +13,15 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.server import GET_BUDGET, STORE, build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.app import GET_BUDGET, STORE, build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 
-from tests.cli.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, client, put, register  # noqa: F401
+from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, client, put, register  # noqa: F401
 
 
 def no_errors_logged(caplog) -> None:
@@ -30,7 +30,7 @@ def no_errors_logged(caplog) -> None:
 
 
 class DaemonLikeServer(TestServer):
-    """A TestServer that, like the daemon's AppRunner (cli/http_front.py), lets a handler run on
+    """A TestServer that, like the daemon's AppRunner (server/front/connection.py), lets a handler run on
     after its client hangs up instead of cancelling it (aiohttp's test default)."""
 
     async def _make_runner(self, **kwargs):
@@ -112,7 +112,7 @@ def disconnect_records(caplog) -> list:
 @pytest.mark.parametrize("path", ["/v1/exists", "/v1/lookup", "/v1/blocks/batch_get"])
 async def test_a_client_that_closes_mid_body_is_logged_at_debug(make_client, caplog, path):
     client = await make_client()
-    caplog.set_level(logging.DEBUG, logger="kvcache.cli.server")
+    caplog.set_level(logging.DEBUG, logger="kvcache.server.app")
     s = raw_post(client.server.port, path, b'{"keys": ["', declared=1000)
     await asyncio.sleep(0.2)
     s.close()
@@ -123,7 +123,7 @@ async def test_a_client_that_closes_mid_body_is_logged_at_debug(make_client, cap
 
 async def test_a_put_closed_mid_body_is_logged_at_debug(make_client, caplog):
     client = await make_client()
-    caplog.set_level(logging.DEBUG, logger="kvcache.cli.server")
+    caplog.set_level(logging.DEBUG, logger="kvcache.server.app")
     await register(client)
     s = socket.create_connection(("127.0.0.1", client.server.port))
     s.sendall(f"PUT /v1/blocks/{KEYS[0].hex()} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
@@ -174,7 +174,7 @@ def write_buffers(c) -> list[int]:
 
 
 async def test_a_batch_get_never_read_holds_bounded_memory_for_a_bounded_time(make_client, caplog):
-    from kvcache.cli.batch_get import WRITE_SLICE
+    from kvcache.server.batch_get import WRITE_SLICE
     c = await make_client(request_timeout_s=1.5, max_batch_get_bytes=24 << 20)
     size = (1 << 20) - 4096
     keys = await put_blocks(c, 12, size)         # a group of 8 blocks (8 MiB at most), then one of 4
@@ -239,7 +239,7 @@ def raw_get(port: int, path: str, rcvbuf: int) -> socket.socket:
 async def test_a_block_get_never_read_holds_the_budget_for_a_bounded_time(make_client, caplog):
     """A single GET of a large block goes through batch_get's budget, slices and deadline: a
     client that never reads holds one slice in the socket for request_timeout_s, not the block."""
-    from kvcache.cli.batch_get import WRITE_SLICE
+    from kvcache.server.batch_get import WRITE_SLICE
     c = await make_client(request_timeout_s=1.5, max_batch_get_bytes=10 << 20)
     size = 3 << 20
     [key] = await put_blocks(c, 1, size)
@@ -261,7 +261,7 @@ async def test_a_block_get_never_read_holds_the_budget_for_a_bounded_time(make_c
 async def test_a_started_stream_gets_room_before_new_ones():
     """New reads must not keep a started stream from its next group (it would be cut short
     mid-stream although its client reads promptly): room given back goes to it first."""
-    from kvcache.cli.batch_get import GetBudget
+    from kvcache.server.batch_get import GetBudget
     budget = GetBudget(10)
     await budget.take(10, 1.0, first=True)
     newcomer = asyncio.ensure_future(budget.take(6, 1.0, first=True))

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from kvcache.cli.metrics import Metrics
+from kvcache.server.metrics import Metrics
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore

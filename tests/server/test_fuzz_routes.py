@@ -1,10 +1,10 @@
 """Property-based fuzzing of every route of a real daemon (hypothesis): bad input is never a 5xx,
 never a traceback at ERROR, and the daemon serves a good request afterwards.
 
-    one daemon per module, in a thread of its own: build_app + the native front (cli/http_front.py)
+    one daemon per module, in a thread of its own: build_app + the native front (server/front/connection.py)
     on a real listening socket, so batch_put reaches both upload paths:
-        Content-Length body   ──> the native path (cli/bulk_put.py, an upload thread)
-        chunked body          ──> aiohttp's batch_put (cli/server.py)
+        Content-Length body   ──> the native path (server/front/bulk_put.py, an upload thread)
+        chunked body          ──> aiohttp's batch_put (server/app.py)
     each example: one request over a fresh connection (http.client); the reply is checked, then
     the log records the example caused
 
@@ -31,10 +31,10 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache.cli.http_front import Front
-from kvcache.cli.http_site import FrontSite
-from kvcache.cli.server import CONFIG, build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.front.connection import Front
+from kvcache.server.front.site import FrontSite
+from kvcache.server.app import CONFIG, build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import Namespace, hash_blocks

@@ -1,9 +1,9 @@
-"""The request body of a native batch_put (cli/bulk_put.py), read by its upload thread from the
+"""The request body of a native batch_put (server/front/bulk_put.py), read by its upload thread from the
 lent socket, and the staging memory payloads land in when no DRAM chunk is free.
 
     socket ──recv_into──> read-ahead buffer (frame headers) ──> parser
            ──recv_into──> payload: a DRAM landing, else staging room, else memory of its own
-                          that grows as the bytes arrive (all counted as pending first, cli/quota.py)
+                          that grows as the bytes arrive (all counted as pending first, server/quota.py)
 
 Every read is bounded by the socket's read timeout and by the request's deadline
 (server.request_timeout_s): a client trickling bytes is cut off at the deadline, whatever the
@@ -17,9 +17,9 @@ import socket
 import threading
 import time
 
-from kvcache.cli.http_head import LINGER_S, WINDOW
-from kvcache.cli.put_batch import GrowingPayload
-from kvcache.cli.quota import PendingBytes
+from kvcache.server.front.head import LINGER_S, WINDOW
+from kvcache.server.put_batch import GrowingPayload
+from kvcache.server.quota import PendingBytes
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from aiohttp import web
 
-from kvcache.cli.server_config import ServerConfig, parse_env_tokens
+from kvcache.server.config import ServerConfig, parse_env_tokens
 
 log = logging.getLogger(__name__)
 HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases",
@@ -53,7 +53,7 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     """Apply `raw` (a parsed config) to the running daemon; what changed and what needs a restart.
     partial (a JSON body): the [server] settings and the sections `raw` leaves out stay as they
     are; else (the config file) `raw` is the whole config, and what it leaves out is the default."""
-    from kvcache.cli import server as srv
+    from kvcache.server import app as srv
     from kvcache.kvstore.config import StoreConfig
     live, store = app[srv.CONFIG], app[srv.STORE]
     old_server, old_store = live.current, store.config
@@ -86,7 +86,7 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     if "retention" in applied and store.dram is not None:
         store.dram.unpublish_all()     # entries were valid until the old retention's deadlines
     if "server.shm_lease_s" in applied or "server.max_shm_leases" in applied:
-        from kvcache.cli.server_shm import LEASES
+        from kvcache.server.shm_leases import LEASES
         app[LEASES].lease_s, app[LEASES].max_leases = hot_server.shm_lease_s, hot_server.max_shm_leases
     log.warning("reconfigured: applied %s; needs a restart to change: %s", applied or "nothing",
                 restart or "nothing")
@@ -124,7 +124,7 @@ def read_config_file(path: str) -> dict:
 
 async def reconfigure_handler(request: web.Request) -> web.Response:
     """Body: a JSON object shaped like the TOML config, or nothing to re-read the --config file."""
-    from kvcache.cli import server as srv
+    from kvcache.server import app as srv
     srv._require_admin(request)
     partial = request.can_read_body          # (False once the body has been read)
     if partial:

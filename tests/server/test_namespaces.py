@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kvcache.cli.server import STORE
-from kvcache.cli.server_config import ServerConfig
+from kvcache.server.app import STORE
+from kvcache.server.config import ServerConfig
 from kvcache.kvstore import Namespace, NamespaceLimitError, wire
 from kvcache.kvstore.client_common import error_from
 from kvcache.kvstore.config import StoreConfig
@@ -20,8 +20,8 @@ from kvcache.kvstore.store import BlockStore
 from kvcache.gc.retention import RetentionPolicy, RetentionRule
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
-from tests.cli.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
-from tests.cli.test_tenancy import TOKENS, register, serve, store_config  # noqa: F401 (fixture)
+from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
+from tests.server.test_tenancy import TOKENS, register, serve, store_config  # noqa: F401 (fixture)
 
 
 def named(name: str, ns: Namespace = NS) -> Namespace:
@@ -51,7 +51,7 @@ async def test_the_owner_renames_its_namespace_and_retention_follows(serve):
 
 async def test_a_rename_survives_a_restart_and_an_index_rebuild(tmp_path):
     from aiohttp.test_utils import TestClient, TestServer
-    from kvcache.cli.server import build_app
+    from kvcache.server.app import build_app
     data, stored = tmp_path / "d", tenant_namespace_id("alice", NS.id)
     for name, before in (("prod", None), ("scratch", "prod")):
         store = BlockStore(store_config(data))

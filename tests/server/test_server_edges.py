@@ -6,13 +6,13 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.tiering.nvme import NvmeConfig
-from tests.cli.test_server import ADMIN, ALICE, KEYS, NS, auth, client, payload, put, register  # noqa: F401
+from tests.server.test_server import ADMIN, ALICE, KEYS, NS, auth, client, payload, put, register  # noqa: F401
 
 
 @pytest.fixture
@@ -127,8 +127,8 @@ def test_put_items_of_infinite_ttl_are_refused(tmp_path):
 
 
 def test_only_an_ascii_content_length_takes_the_native_upload_path():
-    from kvcache.cli.bulk_put import BULK_PATH, wants
-    from kvcache.cli.http_front import Head
+    from kvcache.server.front.bulk_put import BULK_PATH, wants
+    from kvcache.server.front.connection import Head
     head = lambda length: Head("POST", BULK_PATH, "HTTP/1.1", {"content-length": length}, 0)  # noqa: E731
     assert wants(head("12")) and not wants(head("\u00b2")) and not wants(head("1\u0661"))
 

@@ -1,4 +1,4 @@
-"""Connection floods and idle connections against the daemon's front (cli/http_front.py): a head
+"""Connection floods and idle connections against the daemon's front (server/front/connection.py): a head
 must be whole within header_timeout_s, connections past max_connections make room by dropping
 idle ones (strangers' first), an idle connection costs a small buffer, and aiohttp's connections
 close at keepalive_s."""
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvcache.cli.http_front import BUFFER_BYTES
+from kvcache.server.front.connection import BUFFER_BYTES
 from kvcache.kvstore.client import AsyncKVClient
-from tests.cli.test_slow_clients import ALICE, daemon, head, read_response, rss_bytes, start_daemon, trickle  # noqa: F401
+from tests.server.test_slow_clients import ALICE, daemon, head, read_response, rss_bytes, start_daemon, trickle  # noqa: F401
 
 async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
     d = await daemon(header_timeout_s=0.5)
@@ -108,7 +108,7 @@ def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
     and close at header_timeout_s."""
     import socket
 
-    from tests.cli.test_serve_process import Daemon
+    from tests.server.test_serve_process import Daemon
     (tmp_path / "kvcache.toml").write_text("[server]\nheader_timeout_s = 3.0\n")
     d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
     try:
@@ -134,7 +134,7 @@ def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
     server.keepalive_s (aiohttp's own default under an AppRunner is an hour)."""
     import socket
 
-    from tests.cli.test_serve_process import Daemon
+    from tests.server.test_serve_process import Daemon
     (tmp_path / "kvcache.toml").write_text("[server]\nkeepalive_s = 1.0\n")
     d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
     try:

@@ -1,5 +1,5 @@
 """The daemon's listening sockets (TCP, and a unix socket if asked) and its serve loop: every
-accepted connection starts as a FrontConnection (cli/http_front.py), which serves bulk uploads
+accepted connection starts as a FrontConnection (server/front/connection.py), which serves bulk uploads
 itself and hands everything else to aiohttp; SIGTERM/SIGINT drain both before the store closes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from kvcache.cli.http_front import Front, FrontConnection
+from kvcache.server.front.connection import Front, FrontConnection
 
 
 class FrontSite(web.BaseSite):
@@ -43,7 +43,7 @@ def run(app: web.Application, host: str, port: int, unix_socket: str, shutdown_t
     """Serve until SIGTERM/SIGINT, then drain: bulk requests finish, aiohttp's requests finish
     (up to the timeout), the app's cleanup hooks run (flush and close the store)."""
     async def main() -> None:
-        from kvcache.cli.server import CONFIG    # aiohttp's own default keeps an idle connection an hour
+        from kvcache.server.app import CONFIG    # aiohttp's own default keeps an idle connection an hour
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
                                keepalive_timeout=app[CONFIG].keepalive_s)
         await runner.setup()

@@ -1,10 +1,10 @@
-"""The daemon's connections: a front protocol per connection (accepted by cli/http_site.py)
+"""The daemon's connections: a front protocol per connection (accepted by server/front/site.py)
 that serves bulk uploads natively and hands every other request, with the bytes read so far,
 to aiohttp.
 
     accept ─> FrontConnection: read one request head ─┬─ POST /v1/blocks/batch_put, HTTP/1.1,
               (peek, nothing consumed yet)            │  Content-Length body: the connection is
-                                                      │  lent to an upload thread (cli/bulk_put.py)
+                                                      │  lent to an upload thread (server/front/bulk_put.py)
                                                       │  that receives payloads straight into DRAM,
                                                       │  replies and gives it back; then the next head
                                                       └─ anything else: transport.set_protocol(aiohttp's
@@ -22,7 +22,7 @@ by the loop at all, so a fast client never makes the daemon buffer more than it 
 
 What a connection costs the daemon before it has shown a token: an 8 KiB head buffer (grown
 to HEAD_LIMIT only while a long head arrives, shrunk after), for at most header_timeout_s per
-head; a batch_put head is admitted on the loop (cli/bulk_put.py `admit`) and a stranger gets
+head; a batch_put head is admitted on the loop (server/front/bulk_put.py `admit`) and a stranger gets
 its 401 there, the body unread. At server.max_connections a new connection closes the oldest
 that has completed no request and is idle, or is closed at once when there is none.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from kvcache.cli.http_head import (LINGER_S, NOT_PLAIN, WINDOW, Head, head_end, parse_head,  # noqa: F401
+from kvcache.server.front.head import (LINGER_S, NOT_PLAIN, WINDOW, Head, head_end, parse_head,  # noqa: F401
                                    reply_head)                       # (parse_head: the front's API)
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ MAX_BUFFER_BYTES = HEAD_LIMIT + 2 * WINDOW   # what it grows to while a head is 
 
 class FrontConnection(asyncio.BufferedProtocol):
     """One client connection until it is handed to aiohttp: reads request heads into a small
-    buffer; bulk uploads are lent, socket and all, to an upload thread (cli/bulk_put.py)."""
+    buffer; bulk uploads are lent, socket and all, to an upload thread (server/front/bulk_put.py)."""
 
     def __init__(self, front: "Front"):
         self.front = front
@@ -197,7 +197,7 @@ class FrontConnection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ lending to a thread
     def lend(self) -> tuple[socket.socket, bytes]:
-        """The connection for a blocking thread (cli/bulk_put.py): reading paused here, a dup()
+        """The connection for a blocking thread (server/front/bulk_put.py): reading paused here, a dup()
         of the socket with the read timeout (poll + recv: the shared O_NONBLOCK flag stays as
         the loop wants it), and the bytes already read past the head. The loop neither reads
         nor writes the connection until give_back."""
@@ -236,7 +236,7 @@ class FrontConnection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ the request loop
     async def _serve(self) -> None:
-        from kvcache.cli.bulk_put import REFUSED, admit, serve_bulk_put, wants
+        from kvcache.server.front.bulk_put import REFUSED, admit, serve_bulk_put, wants
         try:
             while not self.front.closing:
                 raw = await self.read_head()
@@ -301,7 +301,7 @@ class Front:
     warned_full_at: float = float("-inf")
 
     def __post_init__(self) -> None:
-        from kvcache.cli.server import CONFIG
+        from kvcache.server.app import CONFIG
         cfg = self.app[CONFIG]
         for name in ("keepalive_s", "header_timeout_s", "max_connections",
                      "max_uploads_per_tenant"):
@@ -324,7 +324,7 @@ class Front:
         Next, the oldest connection aiohttp serves that sits between requests and has shown no
         valid token (a /healthz needs none, so a stranger can make those too; a tenant's pooled
         connections are not torn down for a stranger's). False when there is neither."""
-        from kvcache.cli.server import TOKENED
+        from kvcache.server.app import TOKENED
         for c in self.connections:
             if c.droppable():
                 del self.connections[c]

@@ -8,14 +8,14 @@ import re
 import logging
 
 import pytest
-from kvcache.cli.server import STORE
+from kvcache.server.app import STORE
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.types import TensorSpec
 
-from tests.cli.test_bulk_put import daemon, read_response, request  # noqa: F401  (the native front fixture)
-from tests.cli.test_server import ADMIN, ALICE, KEYS, NS, auth, client, put, register  # noqa: F401
+from tests.server.test_bulk_put import daemon, read_response, request  # noqa: F401  (the native front fixture)
+from tests.server.test_server import ADMIN, ALICE, KEYS, NS, auth, client, put, register  # noqa: F401
 
 DEEP = "[" * 5000 + "]" * 5000
 HUGE_INT = "1" + "0" * 400

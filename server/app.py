@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvcache.cli import tenancy
-from kvcache.cli.batch_get import GetBudget, GetStream, send_block, stream_blocks
-from kvcache.cli.metrics import Metrics
-from kvcache.cli.quota import PendingBytes, Quotas, put_within_quota
-from kvcache.cli.server_config import ServerConfig
-from kvcache.cli.server_errors import error_middleware, parse_json, quiet_bad_requests
-from kvcache.cli.server_errors import error_response as _error
+from kvcache.server import tenancy
+from kvcache.server.batch_get import GetBudget, GetStream, send_block, stream_blocks
+from kvcache.server.metrics import Metrics
+from kvcache.server.quota import PendingBytes, Quotas, put_within_quota
+from kvcache.server.config import ServerConfig
+from kvcache.server.errors import error_middleware, parse_json, quiet_bad_requests
+from kvcache.server.errors import error_response as _error
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.hashing import tenant_key
@@ -158,7 +158,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def register_namespace(request: web.Request) -> web.Response:
-    """The tenant's own namespace (cli/tenancy.py), registered or renamed; answers the id the
+    """The tenant's own namespace (server/tenancy.py), registered or renamed; answers the id the
     client computes. A new one past server.max_namespaces_per_tenant is a 429."""
     ns = tenancy.namespace_to_register(await json_body(request), request[TENANT])
     cfg = request.app[CONFIG]         # without tokens there is one trust domain: no per-tenant limit
@@ -252,13 +252,13 @@ async def head_block(request: web.Request) -> web.Response:
 
 
 async def batch_put(request: web.Request) -> web.Response:
-    from kvcache.cli.put_batch import ingest_request   # put_batch imports this module
+    from kvcache.server.put_batch import ingest_request   # put_batch imports this module
     return web.json_response(await ingest_request(request.app, principal(request), request.content))
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
     """Frames stream out in groups within a daemon-wide byte budget and a write deadline
-    (cli/batch_get.py): a client that never reads holds little, briefly."""
+    (server/batch_get.py): a client that never reads holds little, briefly."""
     keys, body = await _keys(request)
     app = request.app
     if len(keys) > app[CONFIG].max_batch_blocks:
@@ -334,14 +334,14 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware, metrics_middleware],
                           client_max_size=config.max_block_bytes + (1 << 20))
     quiet_bad_requests()
-    from kvcache.cli.reconfigure import LiveConfig, reconfigure_handler
+    from kvcache.server.reconfigure import LiveConfig, reconfigure_handler
     app[STORE], app[CONFIG] = store, LiveConfig(config)
     app[POOL] = ThreadPoolExecutor(config.workers, thread_name_prefix="kvcache-store")
     app[METRICS] = Metrics(store)
     app[QUOTAS] = Quotas()
     app[GET_BUDGET] = GetBudget(config.max_batch_get_bytes)
     app[TOKENED] = weakref.WeakSet()
-    from kvcache.cli.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
+    from kvcache.server.front.bulk_put import STAGING, UPLOAD_THREADS, UPLOADS, StagingPool
     app[STAGING] = StagingPool()
     app[UPLOADS] = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="kvcache-upload")
     app.router.add_get("/healthz", healthz)
@@ -357,13 +357,13 @@ def build_app(store: BlockStore, config: ServerConfig) -> web.Application:
     app.router.add_get("/v1/stats", stats)
     app.router.add_post("/v1/admin/reconfigure", reconfigure_handler)
     app.router.add_get("/metrics", metrics)
-    from kvcache.cli import server_shm
-    server_shm.add_routes(app, config)
+    from kvcache.server import shm_leases
+    shm_leases.add_routes(app, config)
     app.on_cleanup.append(_shutdown_pool)
     return app
 
 
 async def _shutdown_pool(app: web.Application) -> None:
-    from kvcache.cli.bulk_put import UPLOADS
+    from kvcache.server.front.bulk_put import UPLOADS
     app[UPLOADS].shutdown(wait=True)
     app[POOL].shutdown(wait=True)

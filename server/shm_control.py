@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 
-from kvcache.cli import server as srv
-from kvcache.cli.server_shm import DENIED, LEASES
+from kvcache.server import app as srv
+from kvcache.server.shm_leases import DENIED, LEASES
 from kvcache.kvstore import shm_wire as w
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.types import Tier

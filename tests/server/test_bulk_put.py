@@ -1,4 +1,4 @@
-"""The native batch_put path (cli/http_front.py + cli/bulk_put.py) on a real listening socket:
+"""The native batch_put path (server/front/connection.py + server/front/bulk_put.py) on a real listening socket:
 the client's bulk connections, raw HTTP/1.1 edge cases, hand-over to aiohttp, limits, auth."""
 
 import asyncio
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvcache.cli.http_front import Front, parse_head
-from kvcache.cli.http_site import FrontSite
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.front.connection import Front, parse_head
+from kvcache.server.front.site import FrontSite
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.client import AsyncKVClient
@@ -136,7 +136,7 @@ async def test_a_bad_token_is_refused_on_the_loop_and_its_body_never_read(daemon
 async def test_a_metrics_token_is_forbidden_to_upload(daemon):
     """As on every aiohttp route: a known token without the right is a 403, not a 401; and it
     never acts as tenant "" (the raw key space, where the namespace is registered here)."""
-    from kvcache.cli.server import STORE
+    from kvcache.server.app import STORE
     store = daemon["app"][STORE]
     store.register_namespace(NS)
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
@@ -154,7 +154,7 @@ async def test_each_upload_on_a_lent_connection_is_authenticated_again(daemon):
     is already streaming uploads with it."""
     import dataclasses
 
-    from kvcache.cli.server import CONFIG
+    from kvcache.server.app import CONFIG
     await (await registered(daemon)).close()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
     writer.write(request(batch_body([60])))
@@ -254,7 +254,7 @@ def test_parse_head():
 
 
 def test_parse_head_leaves_anything_but_plain_crlf_lines_to_aiohttp():
-    from kvcache.cli.http_head import NOT_PLAIN, head_end
+    from kvcache.server.front.head import NOT_PLAIN, head_end
     for line in (b"X-A: b\nTransfer-Encoding: chunked", b"X-A: b\rc", b"X-A: b\x00c"):
         assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\n" + line + b"\r\n\r\n") is None, line
     assert head_end(b"POST / HTTP/1.1\r\nHost: x\r\n\r\nbody") == 28

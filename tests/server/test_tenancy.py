@@ -8,17 +8,17 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.reconfigure import CONFIG_FILE
-from kvcache.cli.server import STORE, authenticate, build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo, parse_env_tokens
-from kvcache.cli.shm_control import ControlSession
+from kvcache.server.reconfigure import CONFIG_FILE
+from kvcache.server.app import STORE, authenticate, build_app
+from kvcache.server.config import ServerConfig, TokenInfo, parse_env_tokens
+from kvcache.server.shm_control import ControlSession
 from kvcache.kvstore import Namespace, wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import BlockStore
 from kvcache.gc.retention import RetentionPolicy, RetentionRule
 from kvcache.tiering.nvme import NvmeConfig
-from tests.cli.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
+from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
 
 CAROL, DAVE, PROM = "d" * 32, "e" * 32, "f" * 32
 TOKENS = (TokenInfo(ALICE, "alice"), TokenInfo(BOB, "bob"), TokenInfo(ADMIN, "ops", admin=True),
@@ -249,7 +249,7 @@ async def test_a_metrics_token_gets_no_shared_memory(serve):
 def test_healthz_without_a_token_acts_as_nobody():
     """/healthz answers anyone, so what it runs as must hold no rights at all (not the
     open, admin principal of a daemon without auth)."""
-    from kvcache.cli.server import identify
+    from kvcache.server.app import identify
     cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"),))
     who = identify(cfg, "", "/healthz")
     assert who is not None and not who.admin and not who.shm and who.metrics_only

@@ -1,5 +1,5 @@
-"""HTTP/1.1 request heads as the daemon's front (cli/http_front.py) reads them, and the heads of
-the replies it and the upload threads (cli/bulk_put.py) write themselves.
+"""HTTP/1.1 request heads as the daemon's front (server/front/connection.py) reads them, and the heads of
+the replies it and the upload threads (server/front/bulk_put.py) write themselves.
 
 Only plain heads are parsed here: every line ends in CRLF and holds no other CR, LF or NUL.
 Anything else (bare-LF line endings, `X-A: b\nTransfer-Encoding: chunked`) goes to aiohttp,

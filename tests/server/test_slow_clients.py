@@ -1,4 +1,4 @@
-"""Slow, stalled and flooding clients against the daemon's front (cli/http_front.py, cli/bulk_put.py)
+"""Slow, stalled and flooding clients against the daemon's front (server/front/connection.py, server/front/bulk_put.py)
 and aiohttp's batch_put: strangers' bytes never reach an upload thread, every request has a
 deadline, a connection or a stalled upload costs little memory, errors arrive as answers."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvcache.cli.http_front import Front
-from kvcache.cli.http_site import FrontSite
-from kvcache.cli.server import METRICS, QUOTAS, build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo
+from kvcache.server.front.connection import Front
+from kvcache.server.front.site import FrontSite
+from kvcache.server.app import METRICS, QUOTAS, build_app
+from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
@@ -282,7 +282,7 @@ async def test_uploads_that_find_no_free_thread_are_served_by_aiohttp(daemon):
     """Two tenants stalling their share of uploads each hold every upload thread between them; a
     third tenant's upload is served by aiohttp at once rather than queued for a thread (where it
     would wait for their request_timeout_s)."""
-    from kvcache.cli.bulk_put import UPLOAD_THREADS
+    from kvcache.server.front.bulk_put import UPLOAD_THREADS
     d = await daemon(max_uploads_per_tenant=UPLOAD_THREADS // 2)
     for token in (ALICE, BOB, SMALL):
         c = AsyncKVClient(d["url"], token, retries=0, shared_memory="off")

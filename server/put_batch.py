@@ -1,7 +1,7 @@
 """One KVB1 upload (POST /v1/blocks/batch_put) turned into store calls, a chunk at a time.
 
 Two drivers share `PutBatch`: `ingest_puts` (async; aiohttp's handler, any HTTP client) and
-`ingest_puts_blocking` (cli/bulk_put.py's thread, the native path). Receiving and storing overlap:
+`ingest_puts_blocking` (server/front/bulk_put.py's thread, the native path). Receiving and storing overlap:
 
     receive chunk k+1 ──────────────┐       (the event loop)
     store chunk k (put_many) ───────┤       (a store worker thread)
@@ -24,9 +24,9 @@ from typing import Mapping
 
 from aiohttp import web
 
-from kvcache.cli.quota import PendingBytes, put_within_quota
-from kvcache.cli.server import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
-from kvcache.cli.tenancy import known_namespace_id
+from kvcache.server.quota import PendingBytes, put_within_quota
+from kvcache.server.app import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
+from kvcache.server.tenancy import known_namespace_id
 from kvcache.kvstore import wire
 from kvcache.kvstore.hashing import Namespace, tenant_key
 from kvcache.kvstore.store import PutItem
@@ -80,7 +80,7 @@ def _naming_max_block_bytes() -> Iterator[None]:
 
 class GrowingPayload:
     """n payload bytes received into memory of their own that grows as they arrive (from
-    GROW_FROM, doubling), each growth counted (as pending, cli/quota.py) before it is reserved:
+    GROW_FROM, doubling), each growth counted (as pending, server/quota.py) before it is reserved:
     a client that declares a large payload and stalls holds what it sent, not what it declared.
     Both upload paths use it: aiohttp's `write`s the chunks it reads, the native one receives."""
 
@@ -120,7 +120,7 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
                       chunk_limit: int = PUT_CHUNK_BYTES, pending: PendingBytes | None = None) -> dict:
     """Store one upload: the stream header is read with `read(n)`, each frame with
     `next_frame(max payload bytes)` (both awaitables). `pending`: the upload's payload bytes
-    were counted as pending as they arrived (cli/quota.py); each stored chunk stops counting."""
+    were counted as pending as they arrived (server/quota.py); each stored chunk stops counting."""
     cfg, store, loop = app[CONFIG], app[STORE], asyncio.get_running_loop()
     count = await wire.read_stream_header(read, cfg.max_batch_blocks)
     batch, storing = PutBatch(who, chunk_limit, store.namespaces), None
@@ -131,7 +131,7 @@ async def ingest_puts(app: web.Application, who: Principal, read, next_frame, ne
             batch.done(await storing)
             storing = None
         items, _ = batch.take()
-        if items:                    # quota held from its check to the end of its put (cli/quota.py)
+        if items:                    # quota held from its check to the end of its put (server/quota.py)
             storing = loop.run_in_executor(app[POOL], put_within_quota, store, app[QUOTAS], who, items, pending)
             if next_chunk is not None:
                 next_chunk()
@@ -177,7 +177,7 @@ def ingest_puts_blocking(app: web.Application, who: Principal, read, next_frame,
 async def ingest_request(app: web.Application, who: Principal, content) -> dict:
     """aiohttp's batch_put body (`content`: its StreamReader) stored, within server.request_timeout_s
     (408 after). Each payload's memory grows as its bytes arrive and is counted as pending first
-    (cli/quota.py): an upload that declares 64 MiB and stalls holds what it sent."""
+    (server/quota.py): an upload that declares 64 MiB and stalls holds what it sent."""
     cfg = app[CONFIG]
     pending = PendingBytes(app[QUOTAS], app[STORE], who, cfg.max_pending_upload_bytes)
 
@@ -194,7 +194,7 @@ async def ingest_request(app: web.Application, who: Principal, content) -> dict:
         async with asyncio.timeout(cfg.request_timeout_s):
             reply = await ingest_puts(app, who, read, lambda limit: wire.read_put_frame(read, limit, read_payload),
                                       pending=pending)
-            if await content.read(1):   # as the native path (cli/bulk_put.py): the frames must end the body
+            if await content.read(1):   # as the native path (server/front/bulk_put.py): the frames must end the body
                 raise wire.BlockFormatError("bytes follow the last frame of the batch")
     except TimeoutError:
         raise web.HTTPRequestTimeout(text="the upload took longer than server.request_timeout_s") from None

@@ -2,7 +2,7 @@
 
     GET /v1/shm (HTTP, authenticated)  -> {pid, fd, size, inode, lease_s, control_socket,
                                            directory: {pid, fd, size, inode} | null}
-    control socket (cli/shm_control.py, framing in kvstore/shm_wire.py):
+    control socket (server/shm_control.py, framing in kvstore/shm_wire.py):
         HELLO token -> the arena's and the directory's fds (SCM_RIGHTS, read-only, sealed)
         then LEASE keys -> slots, RELEASE / FORGET lease, TOUCH keys
     read directory (kvstore/shm_directory.py): leased blocks' places, read again without asking
@@ -37,7 +37,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from kvcache.cli import server as srv
+from kvcache.server import app as srv
 from kvcache.kvstore.leases import DramLease
 
 
@@ -149,7 +149,7 @@ def add_routes(app: web.Application, config) -> None:
 
     async def control(app: web.Application):
         """The control socket while the app runs, and a sweeper for abandoned leases."""
-        from kvcache.cli.shm_control import ControlServer
+        from kvcache.server.shm_control import ControlServer
         server = ControlServer(app, app[CONTROL_PATH]) if _arena_info(store) is not None else None
 
         async def sweep():

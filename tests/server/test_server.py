@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.cli.server import build_app
-from kvcache.cli.server_config import ServerConfig, TokenInfo, parse_env_tokens
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, TokenInfo, parse_env_tokens
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore

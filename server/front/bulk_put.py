@@ -1,8 +1,8 @@
 """The native batch_put: a KVB1 upload received by a thread of its own on a FrontConnection
-(cli/http_front.py) that lends it the socket.
+(server/front/connection.py) that lends it the socket.
 
 Same contract as the aiohttp handler (docs/api.md: auth, tenant keys, quota per chunk, limits,
-the same JSON reply and errors) and the same chunking (cli/put_batch.py); what differs is who
+the same JSON reply and errors) and the same chunking (server/put_batch.py); what differs is who
 moves the bytes and where they land:
 
     event loop: head parsed ──lend socket (reading paused)──> upload thread ──reply, give back──> loop
@@ -23,7 +23,7 @@ with tokens, its tenant holding server.max_uploads_per_tenant) is served by aioh
 queued for a thread. An upload must end within server.request_timeout_s (408 after),
 and its payload memory grows with the bytes that arrive, counted as pending against the
 tenant's quota and the daemon-wide server.max_pending_upload_bytes before it is reserved
-(cli/quota.py).
+(server/quota.py).
 
 An error reply keeps the connection when the rest of the body can be skipped (Content-Length
 says how much, up to DRAIN_LIMIT); past that, and after a 408, the reply goes out with
@@ -42,14 +42,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from kvcache.cli.bulk_body import CHUNK_BYTES, Body, RequestDeadline, StagingPool  # noqa: F401
-from kvcache.cli.http_front import HEAD_LIMIT, FrontConnection
-from kvcache.cli.http_head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
-from kvcache.cli.put_batch import ingest_puts_blocking
-from kvcache.cli.quota import PendingBytes
-from kvcache.cli.server import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED, Principal,
+from kvcache.server.front.bulk_body import CHUNK_BYTES, Body, RequestDeadline, StagingPool  # noqa: F401
+from kvcache.server.front.connection import HEAD_LIMIT, FrontConnection
+from kvcache.server.front.head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
+from kvcache.server.put_batch import ingest_puts_blocking
+from kvcache.server.quota import PendingBytes
+from kvcache.server.app import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED, Principal,
                                authenticate, identify)
-from kvcache.cli.server_errors import error_for
+from kvcache.server.errors import error_for
 from kvcache.kvstore.errors import BlockFormatError
 
 log = logging.getLogger(__name__)
