@@ -15,7 +15,7 @@ def print_table(rows, indent: int = 0) -> None:
     """Two aligned columns: label, value."""
     width = max(len(str(k)) for k, _ in rows)
     for k, v in rows:
-        print(f"{' ' * indent}{str(k):<{width}}  {v}")
+        print(f"{' ' * indent}{str(k):<{width}}  {v}".rstrip())
 
 
 def escape_controls(text: str) -> str:

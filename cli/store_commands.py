@@ -9,6 +9,8 @@ import time
 
 from kvcache.cli.fmt import human_size, print_table
 from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.index_usage import TENANT_BLOCKS, TENANT_BYTES
+from kvcache.kvstore.stats import UNKNOWN
 
 
 def add_parsers(sub) -> None:
@@ -19,6 +21,8 @@ def add_parsers(sub) -> None:
     p.add_argument("data_dir", metavar="DIR", help="the store's data directory")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--quick", action="store_true", help="skip the per-block scan (no histogram)")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="the daemon's store config, for the tiers' capacities; default: built-in defaults")
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("check", formatter_class=fmt, help="verify and reconcile index and data",
@@ -63,22 +67,51 @@ def open_offline_store(args):
 
 def cmd_stats(args) -> int:
     from kvcache.kvstore.stats import offline_stats
-    st = offline_stats(args.data_dir, time.time(), deep=not args.quick)
+    cfg = StoreConfig.load(args.config, args.data_dir) if args.config else None
+    st = offline_stats(args.data_dir, time.time(), deep=not args.quick, config=cfg)
     if args.json:
         print(json.dumps(st.to_dict(), indent=2))
         return 0
-    rows = [("data directory", st.data_dir), ("blocks", f"{st.index_blocks:,}"),
-            ("namespaces", st.namespaces), ("segments", st.segments),
-            ("live bytes", human_size(st.live_bytes))]
-    rows += [(f"{t.tier} disk bytes", human_size(t.used_bytes)) for t in st.tiers]
-    if not args.quick:
-        rows.append(("pinned blocks", f"{st.pinned_blocks:,}"))
-    rows += [(f"total {k}", f"{v:,}") for k, v in sorted(st.persistent_counters.items())]
-    print_table(rows)
-    if st.age_histogram:
-        print("\nidle time since last access")
-        print_table([(k, f"{v:,}") for k, v in st.age_histogram.items()])
+    print_table(_stats_rows(st, args.quick))
     return 0
+
+
+# persistent counter -> what a row says (tenant counters are per tenant: prefix + name)
+COUNTER_LABELS = {"expired": "blocks expired", "evicted_nvme": "blocks evicted from NVMe",
+                  "quarantined": "blocks quarantined (failed verification)"}
+TENANT_LABELS = {TENANT_BLOCKS: "blocks of tenant", TENANT_BYTES: "payload bytes of tenant"}
+
+
+def counter_label(name: str) -> str:
+    for prefix, label in TENANT_LABELS.items():
+        if name.startswith(prefix):
+            return f"{label} {name[len(prefix):] or '(anonymous)'}"
+    return COUNTER_LABELS.get(name, name.replace("_", " "))
+
+
+def _stats_rows(st, quick: bool) -> list[tuple[str, str]]:
+    """One table (one column width) in sections: the directory, the tiers, the totals, idle times."""
+    rows = [("data directory", st.data_dir), ("blocks", f"{st.index_blocks:,}"),
+            ("namespaces", f"{st.namespaces:,}"), ("segments", f"{st.segments:,}"),
+            ("live bytes", human_size(st.live_bytes))]
+    if not quick:
+        rows.append(("pinned blocks", f"{st.pinned_blocks:,}"))
+    rows.append(("", ""))
+    for t in st.tiers:
+        if t.blocks == UNKNOWN:      # offline: a daemon's DRAM holds what it holds
+            rows.append((f"{t.tier} tier", f"{human_size(t.capacity_bytes)} configured (its blocks live in "
+                                           "the daemon's memory: not read offline)"))
+        else:
+            rows.append((f"{t.tier} tier", f"{t.blocks:,} blocks, {human_size(t.used_bytes)} on disk "
+                                           f"of {human_size(t.capacity_bytes)}"))
+    if st.persistent_counters:
+        rows += [("", ""), ("totals since the store was made", "")]
+        rows += [(f"  {counter_label(k)}", human_size(v) if k.startswith(TENANT_BYTES) else f"{v:,}")
+                 for k, v in sorted(st.persistent_counters.items())]
+    if st.age_histogram:
+        rows += [("", ""), ("idle time since last access", "")]
+        rows += [(f"  {k}", f"{v:,} blocks") for k, v in st.age_histogram.items()]
+    return rows
 
 
 def cmd_check(args) -> int:

@@ -1,10 +1,15 @@
-"""Store statistics: live (from an open store) or offline (from a data directory)."""
+"""Store statistics: live (from an open store) or offline (from a data directory).
+
+Offline stats read the index read-only and report the tiers as configured: the capacities
+the daemon would use with that config, and the DRAM tier with its contents unknown (-1),
+since they live in the daemon's memory, not in the directory."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
 
+from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.types import Tier
 from kvcache.tiering.segment import parse_segment_name
@@ -12,11 +17,14 @@ from kvcache.tiering.segment import parse_segment_name
 AGE_BUCKETS_H = (1, 6, 24, 72, 168)
 
 
+UNKNOWN = -1     # a count offline stats cannot know (what a daemon holds in DRAM)
+
+
 @dataclass
 class TierStats:
     tier: str
-    blocks: int
-    used_bytes: int
+    blocks: int              # UNKNOWN offline for DRAM
+    used_bytes: int          # UNKNOWN offline for DRAM
     capacity_bytes: int
 
 
@@ -32,6 +40,7 @@ class StoreStats:
     age_histogram: dict[str, int] = field(default_factory=dict)
     segments: int = 0
     live_bytes: int = 0
+    offline: bool = False     # read from the directory, not from the store that holds it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,32 +63,61 @@ def collect_stats(store) -> StoreStats:
     )
 
 
-def offline_stats(data_dir: str, now: float, deep: bool = True) -> StoreStats:
-    """Stats without opening the store for writing (works while a daemon holds it)."""
+def offline_stats(data_dir: str, now: float, deep: bool = True, config: StoreConfig | None = None) -> StoreStats:
+    """Stats without opening the store for writing (works while a daemon holds it). `config`
+    gives the tiers' capacities (default: the built-in defaults, as `kvcache serve` uses)."""
     index_dir = os.path.join(data_dir, "index")
     if not os.path.exists(os.path.join(index_dir, "data.mdb")):
         raise FileNotFoundError(f"{data_dir} holds no kvcache index (expected {index_dir}/data.mdb)")
+    config = config or StoreConfig(data_dir)
     index = Index(index_dir, readonly=True)
     try:
         seg = index.segments()
-        nvme_dir = os.path.join(data_dir, "nvme")
-        files = [n for n in (os.listdir(nvme_dir) if os.path.isdir(nvme_dir) else []) if parse_segment_name(n)]
-        disk = sum(os.path.getsize(os.path.join(nvme_dir, n)) for n in files)
-        hist: dict[str, int] = {}
-        pinned = 0
-        if deep:
-            hist = {f"<{h}h": 0 for h in AGE_BUCKETS_H} | {f">={AGE_BUCKETS_H[-1]}h": 0}
-            for _, meta in index.iter_all():
-                pinned += meta.is_pinned(now)
-                idle_h = (now - max(meta.last_access, meta.created)) / 3600
-                label = next((f"<{h}h" for h in AGE_BUCKETS_H if idle_h < h), f">={AGE_BUCKETS_H[-1]}h")
-                hist[label] += 1
-        live_blocks = sum(s.live_blocks for s in seg.values())
+        files, disk = _segment_files(os.path.join(data_dir, "nvme"))
+        pinned, hist = _scan_index(index, now) if deep else (0, {})
         return StoreStats(
             data_dir=data_dir, index_blocks=index.count(), namespaces=len(index.namespaces()),
-            tiers=[TierStats(Tier.NVME.label, live_blocks, disk, 0)], counters={},
-            persistent_counters=index.counters(), pinned_blocks=pinned, age_histogram=hist,
-            segments=len(files), live_bytes=sum(s.live_bytes for s in seg.values()),
+            tiers=_configured_tiers(config, data_dir, sum(s.live_blocks for s in seg.values()), disk),
+            counters={}, persistent_counters=index.counters(), pinned_blocks=pinned, age_histogram=hist,
+            segments=len(files), live_bytes=sum(s.live_bytes for s in seg.values()), offline=True,
         )
     finally:
         index.close()
+
+
+def _segment_files(nvme_dir: str) -> tuple[list[str], int]:
+    files = [n for n in (os.listdir(nvme_dir) if os.path.isdir(nvme_dir) else []) if parse_segment_name(n)]
+    return files, sum(os.path.getsize(os.path.join(nvme_dir, n)) for n in files)
+
+
+def _scan_index(index: Index, now: float) -> tuple[int, dict[str, int]]:
+    """Pinned blocks and the idle-time histogram: one pass over every entry."""
+    hist = {f"<{h}h": 0 for h in AGE_BUCKETS_H} | {f">={AGE_BUCKETS_H[-1]}h": 0}
+    pinned = 0
+    for _, meta in index.iter_all():
+        pinned += meta.is_pinned(now)
+        idle_h = (now - max(meta.last_access, meta.created)) / 3600
+        hist[next((f"<{h}h" for h in AGE_BUCKETS_H if idle_h < h), f">={AGE_BUCKETS_H[-1]}h")] += 1
+    return pinned, hist
+
+
+def _configured_tiers(config: StoreConfig, data_dir: str, nvme_blocks: int, nvme_disk: int) -> list[TierStats]:
+    """The tiers as a store opened with `config` reports them (collect_stats)."""
+    tiers = []
+    if config.dram is not None:
+        tiers.append(TierStats(Tier.DRAM.label, UNKNOWN, UNKNOWN, config.dram.capacity_bytes))
+    if config.nvme is not None:
+        tiers.append(TierStats(Tier.NVME.label, nvme_blocks, nvme_disk,
+                               _nvme_bound(config.nvme.capacity_bytes, data_dir, nvme_disk)))
+    return tiers
+
+
+def _nvme_bound(configured: int, data_dir: str, disk: int) -> int:
+    """NvmeTier.capacity_bytes from outside: the configured bound, or less when the filesystem
+    cannot hold that much."""
+    nvme_dir = os.path.join(data_dir, "nvme")
+    try:
+        st = os.statvfs(nvme_dir if os.path.isdir(nvme_dir) else data_dir)
+    except OSError:
+        return configured
+    return max(0, min(configured, disk + st.f_bavail * st.f_frsize))

@@ -44,6 +44,27 @@ def test_stats_table_and_json(tmp_path):
     assert data["index_blocks"] == 40 and data["pinned_blocks"] == 2 and data["namespaces"] == 1
 
 
+def test_stats_reads_as_a_table_and_reports_the_configured_tiers_as_the_daemon_does(tmp_path):
+    _populate(tmp_path / "d")
+    cfg = tmp_path / "store.toml"
+    cfg.write_text("[dram]\ncapacity_mib = 32\nprefault = false\n[nvme]\ncapacity_mib = 48\n")
+    lines = kvcache("stats", str(tmp_path / "d"), "--config", str(cfg), check=True).stdout.splitlines()
+    col = lines[0].index(str(tmp_path / "d"))                   # every value starts in one column
+    valued = [l for l in lines if len(l) > col]
+    assert len(valued) > 10 and all(l[col - 2:col] == "  " and l[col] != " " for l in valued), lines
+    text = "\n".join(lines)
+    assert "tenant_" not in text and "blocks of tenant (anonymous)" in text and "32.0 MiB configured" in text
+    offline = json.loads(kvcache("stats", str(tmp_path / "d"), "--config", str(cfg), "--json", check=True).stdout)
+    with BlockStore(StoreConfig.load(str(cfg), str(tmp_path / "d"))) as store:
+        live = store.stats().to_dict()
+    assert offline["offline"] and not live["offline"]
+    assert [(t["tier"], t["capacity_bytes"]) for t in offline["tiers"]] == [
+        (t["tier"], t["capacity_bytes"]) for t in live["tiers"]] == [("dram", 32 << 20), ("nvme", 48 << 20)]
+    dram = offline["tiers"][0]
+    assert dram["blocks"] == dram["used_bytes"] == -1            # a daemon's DRAM: not in the directory
+    assert offline["tiers"][1]["blocks"] == live["tiers"][1]["blocks"] == 40
+
+
 def test_check_exit_codes_and_fix(tmp_path):
     _populate(tmp_path)
     assert kvcache("check", str(tmp_path)).returncode == 0
