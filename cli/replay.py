@@ -7,12 +7,16 @@ import argparse
 import json
 
 EPILOG = """examples:
-  kvcache replay ../shared/traces/mooncake_conversation_trace.jsonl
+  curl -LO https://github.com/kvcache-ai/Mooncake/raw/main/FAST25-release/traces/conversation_trace.jsonl
+  kvcache replay conversation_trace.jsonl
   kvcache replay trace.jsonl --model v41-flash --dram-tokens 1M,3M,10M --nvme-tokens 30M --json out.json
   kvcache replay trace.jsonl --kv-bytes-per-token 3850 --limit 2000
 
 Block sizes come from the model's KV layout (history bytes per token x 512 tokens per trace block),
 divided by --scale so the replay fits a laptop; capacities are scaled the same way.
+The Mooncake FAST'25 traces (repository kvcache-ai/Mooncake, folder FAST25-release/traces/, Apache-2.0)
+have this format; the whole conversation trace takes minutes per capacity: --limit for a first look.
+Progress goes to stderr: a bar on a terminal, a line every 10 s otherwise (a log, CI).
 """
 
 
@@ -50,12 +54,20 @@ def _bytes_per_token(args) -> tuple[float, str]:
     return kv_layout(config).bytes_per_token(fmt), f"{args.model} ({fmt})"
 
 
+def _progress():
+    """tqdm's bar on a terminal; elsewhere a line every 10 s (a redrawn bar is one endless line in a log)."""
+    import sys
+    if sys.stderr.isatty():
+        return True
+    from kvcache.cli.fmt import LineProgress
+    return lambda total: LineProgress(total, "replaying", "requests")
+
+
 def cmd_replay(args) -> int:
     from kvcache.kvstore.trace_replay import run
     bpt, source = _bytes_per_token(args)
-    import sys
     doc = run(args.trace, bpt, [_tokens(t) for t in args.dram_tokens.split(",")], _tokens(args.nvme_tokens),
-              args.scale, args.limit, args.retention_hours, progress=sys.stderr.isatty())
+              args.scale, args.limit, args.retention_hours, progress=_progress())
     doc["kv_bytes_source"] = source
     print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
           f"({source}): a 512-token block is {doc['block_bytes_real'] / 1024:.0f} KiB (replayed at 1/{args.scale})")

@@ -2,7 +2,8 @@
 
     trace line: {"timestamp": ms, "input_length": tokens, "output_length": ..., "hash_ids": [...]}
                 one hash id per 512-token block of the prompt; equal ids at equal positions = a
-                shared prefix (../shared/traces/README.md)
+                shared prefix (the Mooncake FAST'25 traces: repository kvcache-ai/Mooncake,
+                folder FAST25-release/traces/)
 
     per request, in arrival order, on a simulated clock (BlockStore with a fake clock):
         lookup(keys)            the cached prefix and the tier of each block: hits per tier
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -167,18 +169,18 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
 
 
 def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
-        limit: int | None = None, retention_hours: float = 72.0, progress: bool = True,
+        limit: int | None = None, retention_hours: float = 72.0, progress: bool | Callable[[int], Any] = True,
         admissions: tuple[str, ...] = ("always", "second-hit")) -> dict:
-    """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines."""
-    from tqdm import tqdm
+    """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines.
+    `progress`: a tqdm bar (True), none (False), or a factory given the number of request
+    replays that returns a context manager with tqdm's update(n)."""
     trace = load_trace(trace_path, limit)
     block_real = kv_bytes_per_token * TRACE_BLOCK_TOKENS
     block_bytes = max(64, int(round(block_real / scale)))
     per_block = block_bytes / TRACE_BLOCK_TOKENS                # scaled bytes per token
     unlimited = unlimited_hit_rate(trace)
     results = []
-    with tqdm(total=len(trace) * len(dram_tokens) * len(admissions), desc="replaying", unit="req",
-              disable=not progress) as bar:
+    with _progress_bar(progress, len(trace) * len(dram_tokens) * len(admissions)) as bar:
         for dram in dram_tokens:
             runs = {a: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
                                     retention_hours, progress=bar, admission=a) for a in admissions}
@@ -190,3 +192,10 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     return {"trace": os.path.abspath(trace_path), "requests": len(trace), "kv_bytes_per_token": kv_bytes_per_token,
             "block_bytes_real": block_real, "scale": scale, "block_bytes_replayed": block_bytes,
             "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results}
+
+
+def _progress_bar(progress: bool | Callable[[int], Any], total: int):
+    if callable(progress):
+        return progress(total)
+    from tqdm import tqdm
+    return tqdm(total=total, desc="replaying", unit="req", disable=not progress)

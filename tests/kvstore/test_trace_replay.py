@@ -1,6 +1,7 @@
 """Trace replay: the unlimited and LRU baselines by hand on a small trace, the store's replay within
 them, and the real Mooncake trace's published facts."""
 
+import io
 import json
 import os
 import subprocess
@@ -54,3 +55,33 @@ def test_mooncake_trace_facts_and_cli(tmp_path):
     for c in doc["capacities"]:
         assert 0 <= c["policy"]["token_hit_rate"] <= doc["unlimited_hit_rate"] + 1e-9
         assert c["lru_dram_only_hit_rate"] <= c["lru_same_total_hit_rate"] + 1e-9
+
+
+def test_cli_progress_is_lines_on_a_stderr_that_is_not_a_terminal(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 8,
+                                         "hash_ids": [0, i % 3]}) + "\n" for i in range(20)))
+    r = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "replay", str(trace), "--kv-bytes-per-token", "128",
+                        "--dram-tokens", "2K", "--nvme-tokens", "8K"], capture_output=True, text=True, check=True)
+    lines = r.stderr.splitlines()
+    assert "\r" not in r.stderr and lines[0].startswith("replaying: 0/40 requests"), r.stderr
+    assert lines[-1].startswith("replaying: 40/40 requests (100%)") and "unlimited capacity" in r.stdout
+
+
+def test_line_progress_writes_a_line_every_interval():
+    from kvcache.cli.fmt import LineProgress
+    out, now = io.StringIO(), [0.0]
+    with LineProgress(100, "replaying", "requests", every_s=10, file=out, clock=lambda: now[0]) as bar:
+        for _ in range(100):
+            now[0] += 0.25                  # 25 s in all: lines at 0, 10 and 20 s, and the end
+            bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert [l.split(" requests")[0] for l in lines] == ["replaying: 0/100", "replaying: 40/100", "replaying: 80/100",
+                                                        "replaying: 100/100"]
+    assert "~15 s left" in lines[1] and lines[-1].endswith("(100%), 25 s")
+
+
+def test_help_names_a_trace_a_user_can_get():
+    out = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "replay", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "../shared" not in out and "kvcache-ai/Mooncake" in out and "conversation_trace.jsonl" in out
