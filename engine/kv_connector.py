@@ -14,6 +14,12 @@ a directory or TOML config, or `kvcache serve` over http:// or unix://). A store
 degrades to misses: a failed lookup finds nothing, a failed fetch returns None for its blocks
 (those tokens are recomputed), a failed save is counted and dropped. Saves are best effort and
 bounded: beyond `max_pending_save_bytes` new saves are dropped (counted), never queued without limit.
+
+A store that does not answer (StoreUnavailableError: a daemon not running yet, or gone) is
+down: one warning, then nothing is sent to it (every lookup a miss, saves dropped) until
+`retry_s` has passed; then the loader thread registers the namespace again (a daemon that came
+back without its data needs it) and, once that answers, the store is used again. The probe never
+runs on the scheduler's path, so a store that is down costs a request nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvcache.kvstore.errors import StoreUnavailableError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.store import PutItem
 from kvcache.kvstore.types import TensorSpec, Tier
 
 log = logging.getLogger(__name__)
 TIERS = ("hbm", "dram", "nvme", "object")
+RETRY_S = 10.0      # a store that did not answer is tried again after this many seconds
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,14 @@ def end_snapshot_key(prev: bytes, tail: list[int], size: int) -> bytes:
 
 
 class KVConnector:
-    def __init__(self, store, namespace: Namespace, layout: tuple[TensorSpec, ...], config: CacheConfig):
+    def __init__(self, store, namespace: Namespace, layout: tuple[TensorSpec, ...], config: CacheConfig, *,
+                 retry_s: float | None = None, clock=time.monotonic):
         self.store, self.namespace, self.layout, self.config = store, namespace, layout, config
-        self.namespace_id = store.register_namespace(namespace)
+        self.namespace_id = namespace.id              # what registering returns (a daemon checks it)
+        self.where = config.store or getattr(store, "base_url", "") or type(store).__name__   # for log lines
+        self.retry_s, self._clock = RETRY_S if retry_s is None else retry_s, clock
+        self._down_until: float | None = None         # None: the store answers
+        self._probing = False
         self.block_bytes = sum(s.nbytes for s in layout)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcache-save")
@@ -109,13 +122,55 @@ class KVConnector:
         self._pending_save = 0
         self.bandwidth = dict(config.bandwidth)       # bytes/s per tier label, measured as loads happen
         self.stats = {"lookups": 0, "lookup_errors": 0, "fetched_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
-                      "saved_snapshots": 0, "save_errors": 0, "save_dropped": 0}
+                      "saved_snapshots": 0, "save_errors": 0, "save_dropped": 0, "store_down": 0}
+        self._register()
 
-    def use_store(self, store) -> None:
-        """Switch to another store object (e.g. the same data reopened after a restart)."""
-        self.flush()
-        self.store = store
-        self.namespace_id = store.register_namespace(self.namespace)
+    # ------------------------------------------------------------ a store that is down
+    def _register(self) -> bool:
+        try:
+            self.namespace_id = self.store.register_namespace(self.namespace)
+        except StoreUnavailableError as e:
+            self._lost(e)
+            return False
+        return True
+
+    def available(self) -> bool:
+        """Whether to send anything to the store now. While it is down: no, and once `retry_s`
+        has passed a probe starts in the loader thread (never on the caller's path)."""
+        with self._lock:
+            if self._down_until is None:
+                return True
+            if self._probing or self._clock() < self._down_until:
+                return False
+            self._probing = True
+        self._loader.submit(self._probe)
+        return False
+
+    def _probe(self) -> None:
+        try:
+            up = self._register()
+        finally:
+            with self._lock:
+                self._probing = False
+        if up:
+            with self._lock:
+                self._down_until = None
+            log.warning("cache store %s answers now: using it", self.where)
+
+    def _lost(self, e: Exception) -> None:
+        """The store did not answer: warn once (not per request), try again in retry_s."""
+        with self._lock:
+            first = self._down_until is None
+            self._down_until = self._clock() + self.retry_s
+        if first:
+            log.warning("cache store %s is unreachable (%s): generating without the cache, trying it again "
+                        "every %g s", self.where, e, self.retry_s)
+
+    def _failed(self, e: Exception, what: str, then: str) -> None:
+        if isinstance(e, StoreUnavailableError):
+            self._lost(e)
+        else:
+            log.warning("%s failed (%s): %s", what, e, then)
 
     # ------------------------------------------------------------ scheduler side
     def lookup(self, keys: list[bytes]) -> list[str]:
@@ -123,22 +178,32 @@ class KVConnector:
         if not keys:
             return []
         self.stats["lookups"] += 1
+        if not self.available():
+            self.stats["store_down"] += 1
+            return []
         try:
             r = self.store.lookup(keys, namespace_id=self.namespace_id)
         except Exception as e:                       # a failing store is a miss
             self.stats["lookup_errors"] += 1
-            log.warning("cache lookup failed (%s): treated as a miss", e)
+            self._failed(e, "cache lookup", "treated as a miss")
             return []
         return [tier_label(t) for t in r.tiers[: r.num_hits]]
 
     def snapshots_present(self, keys: list[bytes]) -> list[bool]:
         """Whether the tail snapshot after each block key is stored."""
+        return self.present([snapshot_key(k) for k in keys])
+
+    def present(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key (a snapshot's) is stored; all False when the store fails or is down."""
         if not keys:
             return []
+        if not self.available():
+            self.stats["store_down"] += 1
+            return [False] * len(keys)
         try:
-            return list(self.store.exists_many([snapshot_key(k) for k in keys]))
+            return list(self.store.exists_many(keys))
         except Exception as e:
-            log.warning("cache snapshot lookup failed (%s): treated as a miss", e)
+            self._failed(e, "cache snapshot lookup", "treated as a miss")
             return [False] * len(keys)
 
     def load_seconds(self, tiers: list[str]) -> float:
@@ -159,7 +224,7 @@ class KVConnector:
             self.store.pin(want, ttl_s=self.config.pin_ttl_s)
             got = self.store.get_many(want)
         except Exception as e:
-            log.warning("cache fetch of %d blocks failed (%s): they are recomputed", len(want), e)
+            self._failed(e, f"cache fetch of {len(want)} blocks", "they are recomputed")
             got = [None] * len(want)
         dt = time.perf_counter() - t0
         loaded = sum(memoryview(p).nbytes for p in got if p is not None)
@@ -183,6 +248,9 @@ class KVConnector:
     def _submit(self, items: list[PutItem], counter: str) -> None:
         if not items:
             return
+        if not self.available():
+            self.stats["store_down"] += 1
+            return
         n = sum(len(i.payload) for i in items)
         with self._lock:
             if self._pending_save + n > self.config.max_pending_save_bytes:
@@ -197,7 +265,7 @@ class KVConnector:
             self.stats[counter] += len(items)
         except Exception as e:
             self.stats["save_errors"] += len(items)
-            log.warning("saving %d cache entries failed (%s); they stay uncached", len(items), e)
+            self._failed(e, f"saving {len(items)} cache entries", "they stay uncached")
         finally:
             with self._lock:
                 self._pending_save -= n

@@ -180,10 +180,7 @@ class PrefixCache:
                 return self.snapshots[key], None, L
         if self.connector is None or not cands:
             return None
-        try:
-            there = self.connector.store.exists_many([key for _, key in cands])
-        except Exception:
-            return None
+        there = self.connector.present([key for _, key in cands])
         return next(((None, key, L) for (L, key), ok in zip(cands, there) if ok), None)
 
     def _apply(self, plan: _Plan) -> None:

@@ -26,7 +26,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Sequence
 
-from kvcache.kvstore.client_common import RETRY_STATUS, DaemonError, error_from
+from kvcache.kvstore.client_common import RETRY_STATUS, DaemonError, DaemonUnreachableError, error_from
 
 IOV_BATCH = 512     # buffers per sendmsg (Linux allows 1024)
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
@@ -134,8 +134,8 @@ class BlockingHTTP:
                     free_retry = False
                     continue
                 if last:
-                    raise DaemonError(f"{method} {self._prefix}{path} failed after {attempt + 1} attempt(s): "
-                                      f"{type(e).__name__}: {e}") from e
+                    raise DaemonUnreachableError(f"{method} {self._prefix}{path} failed after {attempt + 1} "
+                                                 f"attempt(s): {type(e).__name__}: {e}") from e
             except BaseException:
                 conn.close()                  # a caller's error mid-body: the stream is not reusable
                 raise

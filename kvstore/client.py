@@ -11,8 +11,9 @@ Contract:
     key sizes are checked client-side first, so that needs an unknown namespace or a daemon fault).
   * Errors map onto kvstore/errors.py: 400/413 -> BlockFormatError, 422 -> UnknownNamespaceError,
     401/403 -> AuthError, 507 -> TierFullError (its subclass QuotaExceededError for a tenant's
-    quota), 429 `too_many_namespaces` -> NamespaceLimitError, anything else (5xx, unreachable,
-    bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when
+    quota), 429 `too_many_namespaces` -> NamespaceLimitError, no answer after the retries
+    (not running, refused, reset, timed out) -> DaemonUnreachableError (a DaemonError and a
+    StoreUnavailableError), anything else (5xx, bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when
     the daemon answered.
   * Retries (exponential backoff with jitter) on 502/503/504, connection errors, timeouts and
     truncated streams, for idempotent calls only: reads, lookup/exists, pin/unpin,
@@ -44,7 +45,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.client_common import (  # noqa: F401  (the errors are re-exported: public API)
-    RETRY_STATUS, AuthError, DaemonError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
+    RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
     fit_buffer, put_pieces, put_total)
 from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
@@ -168,8 +169,8 @@ class AsyncKVClient:
                         raise err
             except _RETRYABLE as e:
                 if last:
-                    raise DaemonError(f"{method} {self.base_url}{path} failed after {attempt + 1} "
-                                      f"attempt(s): {type(e).__name__}: {e}") from e
+                    raise DaemonUnreachableError(f"{method} {self.base_url}{path} failed after {attempt + 1} "
+                                                 f"attempt(s): {type(e).__name__}: {e}") from e
             await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")
 

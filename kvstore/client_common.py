@@ -11,8 +11,8 @@ from typing import Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.block_format import check_layout
-from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, TierFullError,
-                                   UnknownNamespaceError)
+from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, StoreUnavailableError,
+                                   TierFullError, UnknownNamespaceError)
 from kvcache.kvstore.types import PutResult, Tier
 from kvcache.kvstore.writes import PutItem
 
@@ -36,6 +36,11 @@ class DaemonError(StoreError):
 
     status: int | None = None   # set, with `code`, on every error the daemon answered
     code: str = ""
+
+
+class DaemonUnreachableError(DaemonError, StoreUnavailableError):
+    """No answer from the daemon after the retries: not running, connection refused or reset,
+    timed out. Its `status` stays None."""
 
 
 def error_from(status: int, reason: str, method: str, path: str, raw: bytes) -> StoreError:

@@ -24,6 +24,12 @@ class TierFullError(StoreError):
     """A tier cannot make room (everything left is pinned, or the disk is full)."""
 
 
+class StoreUnavailableError(StoreError):
+    """The store did not answer (a daemon that is not running, a connection refused, reset or
+    timed out). Nothing was refused: the same call may succeed later. A cache reader treats it
+    as a miss and tries the store again after a while (engine/kv_connector.py)."""
+
+
 class StoreLockedError(StoreError):
     """Another process holds the data directory open for writing."""
 

@@ -402,3 +402,55 @@ def test_exact_and_replay_engines_key_their_blocks_apart(tmp_path):
     for e in (replay, exact):
         e.close()
     store.close()
+
+
+@torch.no_grad()
+def test_a_daemon_not_up_yet_is_a_miss_then_used_once_it_answers(model, tmp_path, monkeypatch, caplog):
+    """No daemon at the URL: generation runs uncached with one warning; the daemon comes up and
+    the same engine stores and hits through it; the daemon dies mid-run: misses again, one more
+    warning, and no unclosed client session when the engine closes."""
+    import gc
+    import logging
+    import time
+    from kvcache.engine import kv_connector
+    from tests.server import test_serve_process as serve
+    monkeypatch.setattr(kv_connector, "RETRY_S", 0.2)
+    port = serve.free_port()
+    monkeypatch.setattr(serve, "free_port", lambda: port)
+    P, Qs = prompts(29, n_questions=4)
+    ps = [P + q for q in Qs]
+    want = cold(model, ps)
+    caplog.set_level(logging.WARNING)
+    unreachable = lambda: sum("is unreachable" in r.getMessage() for r in caplog.records)   # noqa: E731
+    d = None
+    llm = LLM(model=model, config=cached("exact", store=f"http://127.0.0.1:{port}"))
+    try:
+        conn = llm.engine.cache.connector
+        outs, usage = run(llm, ps[:2])
+        assert [o.token_ids for o in outs] == want[:2] and usage[0].total_cached == 0
+        assert usage[1].cached_tokens == {"hbm": 96}          # the engine's own pool works without the store
+        assert unreachable() == 1 and conn.stats["store_down"] >= 2
+        d = serve.Daemon(tmp_path / "data")
+        d.wait_ready()
+        deadline = time.monotonic() + 30
+        while not conn.available() and time.monotonic() < deadline:   # the probe runs in the background
+            time.sleep(0.05)
+        assert conn.available()
+        llm.engine.reset_prefix_cache()              # the pool's copies aside: only the daemon can serve
+        run(llm, ps[2:3])
+        conn.flush()
+        llm.engine.reset_prefix_cache()
+        outs, usage = run(llm, ps[3:4])
+        assert outs[0].token_ids == want[3] and usage[0].cached_tokens == {"dram": 96}
+        d.proc.kill()
+        d.proc.wait()
+        llm.engine.reset_prefix_cache()
+        outs, usage = run(llm, ps[:1])
+        assert outs[0].token_ids == want[0] and usage[0].total_cached == 0 and unreachable() == 2
+    finally:
+        llm.close()
+        if d is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+    gc.collect()
+    assert "Unclosed" not in caplog.text
