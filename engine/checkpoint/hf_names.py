@@ -1,9 +1,17 @@
-"""Tensor names of V4 checkpoints saved by transformers (`model.layers.N.self_attn.q_a_proj.weight`)
-<-> the official names this engine uses (`layers.N.attn.wq_a.weight`).
+"""Tensor names of V4 checkpoints saved by transformers <-> the official names this engine uses
+(`layers.N.attn.wq_a.weight`). Transformers has spelled them two ways:
 
-Routed experts differ in shape too: transformers stacks them, `mlp.experts.gate_up_proj`
-[E, 2I, d] (w1 rows then w3 rows) and `mlp.experts.down_proj` [E, d, I]; the official layout has
-one `ffn.experts.{e}.w1|w2|w3.weight` per expert.
+    its modules' names (`model.layers.N.self_attn.q_a_proj.weight`, `lm_head.weight`): what its
+        `state_dict()` holds, and what `save_pretrained` wrote before 5.x. Routed experts are
+        stacked: `mlp.experts.gate_up_proj` [E, 2I, d] (w1 rows then w3 rows) and
+        `mlp.experts.down_proj` [E, d, I]; the official layout has one `ffn.experts.{e}.w1|w2|w3.weight`
+        per expert.
+    5.x `save_pretrained` (5.24 checked): its conversion mapping run in reverse, so the official
+        names behind `model.` (`model.layers.N.attn.wq_a.weight`, experts split again), `head.weight`,
+        and the globals as in the modules' spelling. The reversal is lossy in one place: the
+        attention's `kv_norm` comes out as `attn.norm` (the compressors' `norm` is already official).
+
+Both spellings load, even mixed; a name neither can place is refused by name (UnknownTensorName).
 """
 
 from __future__ import annotations
@@ -44,11 +52,16 @@ _LAYER = [
     ("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight"),
     ("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight"),
 ]
+# (transformers name, official name) outside the layers; 5.x saves the head as `head.weight`
 _GLOBAL = [("model.embed_tokens.weight", "embed.weight"), ("lm_head.weight", "head.weight"),
-           ("model.norm.weight", "norm.weight"), ("model.hc_head.hc_fn", "hc_head_fn"),
-           ("model.hc_head.hc_base", "hc_head_base"), ("model.hc_head.hc_scale", "hc_head_scale")]
+           ("head.weight", "head.weight"), ("model.norm.weight", "norm.weight"),
+           ("model.hc_head.hc_fn", "hc_head_fn"), ("model.hc_head.hc_base", "hc_head_base"),
+           ("model.hc_head.hc_scale", "hc_head_scale")]
+# 5.x saves: only the attention's kv_norm differs from the official suffix
+_SAVED_5X = {"attn.norm.weight": "attn.kv_norm.weight"}
 _TO_OFFICIAL = dict(_LAYER)
 _TO_HF = {v: k for k, v in _LAYER}
+_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL if k != v}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _OFF_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _OFF_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
@@ -58,8 +71,19 @@ def is_transformers_layout(names) -> bool:
     return any(n.startswith("model.layers.") or n == "model.embed_tokens.weight" for n in names)
 
 
+class UnknownTensorName(ValueError):
+    """A tensor in a transformers-layout checkpoint that no DeepSeek-V4 name corresponds to."""
+
+
+def _unknown(name: str) -> UnknownTensorName:
+    return UnknownTensorName(f"tensor {name!r} has no place in a DeepSeek-V4 model: it is neither an official "
+                             "name nor one transformers writes (another architecture, or a newer transformers "
+                             "spelling this engine does not know yet?)")
+
+
 def from_transformers(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Official (name, tensor) pairs from a transformers V4 state dict; unknown names raise."""
+    """Official (name, tensor) pairs from a transformers V4 state dict or checkpoint, either
+    spelling (module doc); a name neither places raises UnknownTensorName."""
     glob = dict(_GLOBAL)
     for name, t in tensors.items():
         if name in glob:
@@ -67,7 +91,7 @@ def from_transformers(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str
             continue
         m = _HF_LAYER.match(name)
         if m is None:
-            raise KeyError(f"unexpected tensor {name!r} in a transformers DeepSeek-V4 checkpoint")
+            raise _unknown(name)
         layer, rest = m.groups()
         if rest == "mlp.experts.gate_up_proj":
             inter = t.shape[1] // 2
@@ -77,15 +101,24 @@ def from_transformers(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str
         elif rest == "mlp.experts.down_proj":
             for e in range(t.shape[0]):
                 yield f"layers.{layer}.ffn.experts.{e}.w2.weight", t[e]
-        elif rest in _TO_OFFICIAL:
-            yield f"layers.{layer}.{_TO_OFFICIAL[rest]}", t
         else:
-            raise KeyError(f"unexpected tensor {name!r} in a transformers DeepSeek-V4 checkpoint")
+            yield f"layers.{layer}.{_layer_suffix(name, rest)}", t
+
+
+def _layer_suffix(name: str, rest: str) -> str:
+    """The official suffix inside a layer for transformers' `rest` (module names, or a 5.x save)."""
+    if rest in _TO_OFFICIAL:
+        return _TO_OFFICIAL[rest]
+    if rest in _SAVED_5X:
+        return _SAVED_5X[rest]
+    if rest in _TO_HF or _OFF_EXPERT.match(rest):      # 5.x saves the official suffix itself
+        return rest
+    raise _unknown(name)
 
 
 def to_transformers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers V4 state dict from official tensors (`mtp.*` dropped: transformers has no MTP)."""
-    glob = {v: k for k, v in _GLOBAL}
+    glob = _TO_HF_GLOBAL
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, t in tensors.items():

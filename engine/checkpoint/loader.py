@@ -7,11 +7,15 @@
 
 Every missing tensor, wrong shape or wrong dtype is an error naming the tensor. Tensors of parts
 this engine does not run are skipped with one message each: the vision tower (`vision.*`,
-`aligner.*`, `image_*`) and, for models built without a drafter, `mtp.*`.
+`aligner.*`, `image_*`) and, for models built without a drafter, `mtp.*`. Transformers' names
+(either spelling, hf_names.py) are renamed on the way; transformers has no MTP block, so a V4
+checkpoint in its layout with no `mtp.*` tensors builds without a drafter whatever config.json's
+`num_nextn_predict_layers` says (transformers writes 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +27,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvcache.engine.checkpoint.formats import fp8_block, scale_name
-from kvcache.engine.checkpoint.hf_names import from_transformers, is_transformers_layout
+from kvcache.engine.checkpoint.hf_names import UnknownTensorName, from_transformers, is_transformers_layout
 from kvcache.engine.checkpoint.quant import dequant_fp4, dequant_fp8
 from kvcache.engine.config import ModelConfig
 
@@ -126,7 +130,10 @@ def load_weights(model: torch.nn.Module, config: ModelConfig, path: str, progres
     """Fill every parameter and buffer of `model` from the checkpoint at `path` (see module doc)."""
     expected = model.state_dict(keep_vars=True)
     with ExitStack() as stack:
-        view = _official_view(ShardedTensors(path, stack))
+        try:
+            view = _official_view(ShardedTensors(path, stack))
+        except UnknownTensorName as e:
+            raise CheckpointError(f"checkpoint at {path}: {e}") from None
         _report_extras(view, expected)
 
         def get_scale(name: str) -> torch.Tensor:
@@ -165,13 +172,26 @@ def _report_extras(view: dict, expected: dict) -> None:
         log.warning("skipping %d tensors of %s (text-only serving)", count, what)
 
 
+def _without_absent_drafter(config: ModelConfig, path: str) -> ModelConfig:
+    """`config` with no MTP block when `path` is a transformers-layout V4 checkpoint without one
+    (transformers' config.json keeps `num_nextn_predict_layers` but it never saves an MTP block)."""
+    if config.model_type != "deepseek_v4" or not config.num_nextn_predict_layers:
+        return config
+    with ExitStack() as stack:
+        names = ShardedTensors(path, stack).names()
+    if not is_transformers_layout(names) or any(n.startswith("mtp.") for n in names):
+        return config
+    log.info("%s is a transformers checkpoint without an MTP block: building the model without a drafter", path)
+    return dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
 def load_model(path: str, device: str = "cpu", progress: bool = True):
     """(model, config) from a checkpoint directory: fp32 weights on CPU, bf16 on an accelerator
     (engine/device.py); quantised tensors are dequantised on the way in."""
     from kvcache.engine.device import select
     from kvcache.engine.models import build_empty
     place = select(device)
-    config = ModelConfig.load(path)
+    config = _without_absent_drafter(ModelConfig.load(path), path)
     model = build_empty(config).to_empty(device=place.device)
     if place.dtype != torch.float32:
         model = model.to(place.dtype)

@@ -1,5 +1,5 @@
-"""Checkpoints: official sharded layout with FP8/FP4 tensors, transformers layout, and the errors
-that name the offending tensor."""
+"""Checkpoints: official sharded layout with FP8/FP4 tensors, transformers layout (module names and
+5.x save names), and the errors that name the offending tensor."""
 
 import json
 import os
@@ -65,6 +65,34 @@ def test_transformers_layout_loads(saved, tmp_path):
     ref = DeepseekV4ForCausalLM(lcfg).eval()
     ref.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
     assert torch.equal(loaded(_ids()), ref(_ids()))
+
+
+def _as_transformers_5_saves(official: dict) -> dict:
+    """What transformers 5.x `save_pretrained` writes for these weights (hf_names.py's module doc)."""
+    glob = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "head.weight": "head.weight", **{f"hc_head_{p}": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}}
+    return {glob.get(k, "model." + k.replace(".attn.kv_norm.", ".attn.norm.")): v.contiguous()
+            for k, v in official.items() if not k.startswith("mtp.")}
+
+
+@torch.no_grad()
+def test_transformers_5_saved_layout_loads_and_unknown_names_are_refused(saved, tmp_path):
+    model, cfg, _, _ = saved
+    hf = tmp_path / "hf5"
+    hf.mkdir()
+    tensors = _as_transformers_5_saves(model.state_dict())
+    assert "model.layers.0.attn.norm.weight" in tensors and "head.weight" in tensors
+    save_file(tensors, str(hf / "model.safetensors"))
+    plain = {k: v for k, v in cfg.to_dict().items() if k != "quantization_config"}
+    (hf / "config.json").write_text(json.dumps(plain))       # keeps num_nextn_predict_layers, as transformers
+    loaded, lcfg = load_model(str(hf), progress=False)
+    assert lcfg.num_nextn_predict_layers == 0                 # transformers saves no MTP block
+    want = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    got = loaded.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    save_file({**tensors, "model.layers.0.attn.mystery.weight": torch.zeros(2)}, str(hf / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.attn.mystery.weight' has no place"):
+        load_model(str(hf), progress=False)
 
 
 def _copy(saved, tmp_path, mutate):

@@ -5,6 +5,9 @@ Index scores tie when every head's relu is 0; our indexer breaks ties by entry a
 transformers' topk in whatever order the kernel leaves them (even differently in prefill and
 decode). The tiny config uses 8 index heads so that no tie reaches a top-k boundary here."""
 
+from contextlib import contextmanager
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -13,6 +16,8 @@ from transformers import DeepseekV4Config                                      #
 from transformers import DeepseekV4ForCausalLM as HFDeepseekV4                 # noqa: E402
 
 from kvcache.engine.checkpoint.hf_names import from_transformers, to_transformers   # noqa: E402
+from kvcache.engine.checkpoint.loader import load_model                        # noqa: E402
+from kvcache.engine.layers.compressor import Indexer                           # noqa: E402
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM            # noqa: E402
 from tests.engine.tiny import V4_TINY, randomize, v4_config                     # noqa: E402
 
@@ -115,3 +120,39 @@ def test_mtp_block_runs_a_forward_pass(pair):
     state2 = ours.new_state()
     again = ours.mtp_logits(ours.streams(ids[:, :-1], state2), ids[:, 1:], state2, start=0)
     assert torch.equal(logits, again)
+
+
+@contextmanager
+def _ties_at_topk_boundary():
+    """Per indexer query of the forward passes inside: 1 if its k-th and (k+1)-th best visible
+    index scores are equal (Indexer.select_from's scores, recomputed), where tie order decides."""
+    ties: list[int] = []
+    select_from = Indexer.select_from
+
+    def spy(self, q, w, positions, keys):
+        index = (torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * w[..., None]).sum(2)
+        for t, n in enumerate(((positions + 1) // self.ratio).tolist()):
+            if n > self.topk:
+                best = index[:, t, :n].sort(dim=-1, descending=True).values
+                ties.append(int((best[:, self.topk - 1] == best[:, self.topk]).any()))
+        return select_from(self, q, w, positions, keys)
+    with patch.object(Indexer, "select_from", spy):
+        yield ties
+
+
+@torch.no_grad()
+def test_checkpoint_saved_by_transformers_loads_and_matches(pair, tmp_path):
+    """What the installed transformers' `save_pretrained` writes (5.24: official names behind
+    `model.`, `head.weight`, the attention's kv_norm as `attn.norm`) loads with its own config.json
+    (no MTP block) and gives transformers' logits. The weights and prompt are chosen with no index
+    score tie at a top-k boundary (asserted): there transformers' pick is arbitrary, so a tie
+    would fail the comparison without a bug on either side."""
+    _, hf = pair
+    hf.save_pretrained(str(tmp_path))
+    loaded, config = load_model(str(tmp_path), progress=False)
+    assert config.num_nextn_predict_layers == 0
+    ids = _prompt(70, seed=5)
+    with _ties_at_topk_boundary() as ties:
+        got = loaded(ids)
+    assert ties and sum(ties) == 0, f"{sum(ties)} of {len(ties)} queries tie at the top-k boundary"
+    assert _rel(got, hf(input_ids=ids).logits) <= TOL
