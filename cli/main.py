@@ -3,7 +3,7 @@
     kvcache serve [--config F]          the cache daemon (HTTP API, metrics)
     kvcache stats DIR [--json]          what the store holds (works while a daemon runs)
     kvcache check DIR [--fix] [--quick] reconcile index and segments, recount
-    kvcache gc DIR [--max-steps N]      expire, evict over watermarks, compact segments
+    kvcache gc DIR | --url URL          expire, evict over watermarks, compact segments (--url: in a daemon)
     kvcache report [DIR] [--since 24h]  hit rates per tier, tenant, prompt length [--out report.html]
     kvcache model init|logits|info      demo checkpoints, logits, parameter counts and KV bytes
     kvcache generate --model DIR ...    generate from a checkpoint, streaming to the terminal
@@ -30,6 +30,7 @@ EPILOG = """examples:
   kvcache stats ~/.local/share/kvcache --json
   kvcache check /data/kvcache --fix
   kvcache gc /data/kvcache --config configs/store.toml
+  kvcache gc --url http://127.0.0.1:8790          # a directory a running daemon holds
   kvcache report /data/kvcache --since 24h --out report.html
   kvcache model init --config v4-tiny --out /tmp/v4-tiny
   kvcache bench tiers --sizes 64K,1M,4M

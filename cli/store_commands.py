@@ -42,17 +42,41 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("gc", formatter_class=fmt, help="expire, evict and compact now",
                        description="Run garbage collection until a full pass is done: delete expired blocks,\n"
-                                   "evict over the NVMe watermark, compact sparse segments.")
-    _store_args(p)
+                                   "evict over the NVMe watermark, compact sparse segments. On a directory a\n"
+                                   "running daemon holds, run it in the daemon: --url (POST /v1/gc, admin).")
+    _store_args(p, optional=True)
+    p.add_argument("--url", help="a running daemon (http://host:port or unix:///path.sock): GC runs in it")
+    p.add_argument("--token", help="with --url: an admin bearer token (default: $KVCACHE_TOKEN)")
     p.add_argument("--max-steps", type=int, default=1_000_000, help="stop after this many bounded steps")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_gc)
 
 
-def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("data_dir", metavar="DIR", help="the store's data directory (must not be in use)")
+def _store_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("data_dir", metavar="DIR", nargs="?" if optional else None,
+                   help="the store's data directory (must not be in use: a running daemon holds it)")
     p.add_argument("--config", metavar="FILE.toml",
                    help="store config (retention and NVMe settings); default: built-in defaults")
+
+
+# what to do instead, per verb, when a daemon holds the directory
+IN_USE_ADVICE = {
+    "check": "check needs the directory to itself and the daemon has no live check route: stop the daemon "
+             "(SIGTERM drains and flushes), run `kvcache check {dir}`, then start it again. Meanwhile "
+             "`kvcache stats {dir}` reads it and `kvcache gc --url http://127.0.0.1:8790` collects in the daemon",
+    "gc": "run GC in the daemon instead: `kvcache gc --url http://127.0.0.1:8790` (its address; POST /v1/gc "
+          "with an admin token, --token or $KVCACHE_TOKEN), or stop the daemon first",
+}
+
+
+def refuse_if_in_use(data_dir: str, verb: str) -> None:
+    """A clear refusal, before anything is touched, when a daemon (or any writer) holds the directory."""
+    from kvcache.kvstore.errors import StoreLockedError
+    from kvcache.kvstore.lockfile import lock_holder
+    holder = lock_holder(data_dir)
+    if holder is not None:
+        raise StoreLockedError(f"data directory {data_dir} is in use by {holder} (a running `kvcache serve`?): "
+                               + IN_USE_ADVICE[verb].format(dir=data_dir))
 
 
 def open_offline_store(args):
@@ -61,6 +85,7 @@ def open_offline_store(args):
     import os
     if not os.path.isdir(args.data_dir):
         raise FileNotFoundError(f"data directory {args.data_dir} does not exist")
+    refuse_if_in_use(args.data_dir, args.command)
     cfg = StoreConfig.load(args.config, args.data_dir) if args.config else StoreConfig(args.data_dir)
     return BlockStore(dataclasses.replace(cfg, dram=None, write_policy="write-through", gc_interval_s=0))
 
@@ -118,6 +143,8 @@ def cmd_check(args) -> int:
     import os
     import shutil
     from kvcache.gc.fsck import check
+    if os.path.isdir(args.data_dir):     # before --rebuild moves a live daemon's index away
+        refuse_if_in_use(args.data_dir, "check")
     if args.rebuild:
         idx = os.path.join(args.data_dir, "index")
         if os.path.isdir(idx):
@@ -144,12 +171,26 @@ def cmd_check(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from kvcache.gc.collector import Collector
-    with open_offline_store(args) as store:
-        rep = Collector(store).run(args.max_steps)
-    if args.json:
-        print(json.dumps(dataclasses.asdict(rep), indent=2))
+    if args.url:
+        rep = _gc_in_daemon(args)
+    elif args.data_dir is None:
+        raise ValueError("give a data directory, or --url for a running daemon")
     else:
-        print_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v)
-                     for k, v in dataclasses.asdict(rep).items()])
+        from kvcache.gc.collector import Collector
+        with open_offline_store(args) as store:
+            rep = dataclasses.asdict(Collector(store).run(args.max_steps))
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print_table([(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else v) for k, v in rep.items()])
     return 0
+
+
+def _gc_in_daemon(args) -> dict:
+    """POST /v1/gc: the daemon runs the steps (one GC report, as offline)."""
+    from kvcache.kvstore.open_store import open_store
+    if args.data_dir is not None or args.config:
+        raise ValueError("--url runs GC in the daemon, with its own directory and config: drop DIR and --config")
+    # a full pass over a large store takes longer than a request's usual 30 s
+    with open_store(args.url, token=args.token, timeout_s=3600.0, shared_memory="off") as client:
+        return client.gc(args.max_steps)

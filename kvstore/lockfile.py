@@ -29,3 +29,19 @@ def lock_data_dir(data_dir: str):
     f.write(f"pid {os.getpid()}\n")
     f.flush()
     return f
+
+
+def lock_holder(data_dir: str) -> str | None:
+    """Who holds DATA_DIR's lock ("pid 1234"), or None when nobody does. Takes the lock shared
+    for an instant, so it never blocks and never disturbs the holder."""
+    try:
+        f = open(os.path.join(data_dir, "LOCK"))
+    except OSError:
+        return None                  # no lock file: no store has ever run here
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None

@@ -2,8 +2,11 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 
@@ -84,6 +87,39 @@ def test_check_rebuild_and_gc(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["blocks_checked"] == 40
     gc = json.loads(kvcache("gc", str(tmp_path), "--json", check=True).stdout)
     assert gc["expired"] == 0 and gc["wrapped"]
+
+
+def test_check_and_gc_on_a_daemons_directory_say_what_to_do_and_gc_runs_in_the_daemon(tmp_path):
+    _populate(tmp_path / "d")
+    cfg = tmp_path / "store.toml"
+    cfg.write_text("[dram]\ncapacity_mib = 32\nprefault = false\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = subprocess.Popen([sys.executable, "-m", "kvcache.cli.main", "serve", "--config", str(cfg), "--data-dir",
+                               str(tmp_path / "d"), "--port", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/healthz", timeout=1).close()
+                break
+            except OSError:
+                assert daemon.poll() is None
+                time.sleep(0.1)
+        r = kvcache("gc", str(tmp_path / "d"))
+        assert r.returncode == 2 and f"pid {daemon.pid}" in r.stderr and "kvcache gc --url" in r.stderr, r.stderr
+        r = kvcache("check", str(tmp_path / "d"), "--rebuild")
+        assert r.returncode == 2 and "stop the daemon" in r.stderr and "kvcache stats" in r.stderr, r.stderr
+        assert (tmp_path / "d" / "index" / "data.mdb").exists()      # --rebuild left the live index alone
+        rep = json.loads(kvcache("gc", "--url", url, "--json", check=True).stdout)
+        assert rep["wrapped"] and rep["expired"] == 0
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+    r = kvcache("gc")
+    assert r.returncode == 2 and "--url" in r.stderr
 
 
 def test_errors_are_clear_not_tracebacks(tmp_path):
