@@ -8,7 +8,8 @@ against warm from each tier, with each cost measured on its own and the floor ea
       warm_pool     again at once: the prefix from the engine's own block pool (HBM tier)
       warm_dram     the pool's prefixes forgotten (reset_prefix_cache): the store's DRAM
       warm_nvme     + the store's DRAM copies dropped, its files evicted from the page cache
-      restart       the store closed and reopened (what a daemon restart does): NVMe, DRAM empty
+      restart       the store closed and reopened and a new engine built on it (a restart of
+                    both): NVMe, DRAM empty; the new engine serves warm_object too
       warm_object   + DRAM and NVMe copies dropped, the object files (file:// packs) evicted
     workload "chat": turn 2 = turn 1 + its answer + a new message (warm from DRAM vs cold)
     workload "shared": 8 users, one system prompt, different messages, submitted together
@@ -173,10 +174,12 @@ def document_workload(model, cfg: EngineConfig, length: int, out_tokens: int, ro
     warm("warm_nvme", Tier.DRAM)
     res["footprint"] = _footprint(store, root)
     llm.engine.cache.connector.flush()
+    llm.close()
     store.close()
+    del llm
     gc.collect()
-    store = _store(root)                                  # restart: the index from disk, DRAM empty
-    llm.engine.cache.connector.use_store(store)
+    store = _store(root)                                  # restart: the index from disk, DRAM empty,
+    llm = LLM(model=model, config=cached, store=store)    # and a new engine on it (warm() sees both)
     warm("restart", Tier.DRAM)                            # every run as right after it: DRAM empty
     warm("warm_object", Tier.DRAM | Tier.NVME)
     llm.close()
