@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvcache.kvstore.event_log import ParquetEventLog, event_files, read_events
+from kvcache.kvstore.event_log import ParquetEventLog, event_files, live_files, read_events
 from kvcache.kvstore.events import Event
 from tests.conftest import NS, FakeClock, ListSink
 from tests.kvstore.event_sim import simulate
@@ -76,14 +76,51 @@ def test_buffer_full_triggers_a_write_from_the_log_thread(tmp_path):
     assert read_events(str(tmp_path)).num_rows == 25
 
 
-def test_open_file_is_invisible_until_closed(tmp_path):
+def test_flushed_events_are_readable_before_their_file_closes_and_once_after(tmp_path):
     log = ParquetEventLog(str(tmp_path), tick_s=3600)
     log.record(_ev(1.0))
-    log.flush()  # written into the open .tmp file, not yet rotated
+    log.flush()  # written into the open .tmp file, and as a live file
     assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-    assert event_files(str(tmp_path)) == [] and read_events(str(tmp_path)).num_rows == 0
-    log.close()
+    assert event_files(str(tmp_path)) == [] and len(live_files(str(tmp_path))) == 1
     assert read_events(str(tmp_path)).num_rows == 1
+    log.record(_ev(2.0))
+    log.flush()
+    assert read_events(str(tmp_path)).column("time").to_pylist() == [1.0, 2.0]
+    log.close()  # the closed file holds both rows; its live files are gone
+    assert len(event_files(str(tmp_path))) == 1 and live_files(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(event_files(str(tmp_path))[0])]
+    assert read_events(str(tmp_path)).num_rows == 2
+
+
+def test_a_running_log_publishes_within_publish_s_from_its_own_thread(tmp_path):
+    log = ParquetEventLog(str(tmp_path), tick_s=0.05, publish_s=0.2)
+    log.record(_ev(1.0))
+    deadline = time.monotonic() + 10
+    while not read_events(str(tmp_path)).num_rows and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert read_events(str(tmp_path)).num_rows == 1 and event_files(str(tmp_path)) == []
+    log.close()
+
+
+def test_a_crash_keeps_the_live_files_and_a_closed_file_wins_over_its_live_files(tmp_path):
+    import shutil
+    log = ParquetEventLog(str(tmp_path / "a"), tick_s=3600)
+    for t in (1.0, 2.0):
+        log.record(_ev(t))
+        log.flush()
+    live = live_files(str(tmp_path / "a"))
+    crashed = tmp_path / "crashed"   # a copy of the directory as a SIGKILL leaves it, less the open file
+    shutil.copytree(tmp_path / "a", crashed, ignore=shutil.ignore_patterns("*.tmp"))
+    assert read_events(str(crashed)).num_rows == 2
+    log.close()
+    for path in live:   # a crash between closing the file and removing its live files
+        shutil.copy(crashed / os.path.basename(path), path)
+    assert read_events(str(tmp_path / "a")).num_rows == 2   # each row once
+    ParquetEventLog(str(tmp_path / "a"), tick_s=3600).close()   # the next start removes them
+    assert os.listdir(tmp_path / "a") == [os.path.basename(event_files(str(tmp_path / "a"))[0])]
+    with ParquetEventLog(str(crashed), tick_s=3600) as again:   # a new file, not the crashed one's name
+        again.record(_ev(3.0))
+    assert read_events(str(crashed)).num_rows == 3
 
 
 def test_stuck_writer_drops_and_counts_but_never_blocks(tmp_path):
@@ -188,3 +225,12 @@ def test_a_full_miss_lookup_counts_tokens_when_the_namespace_is_named(tmp_path):
         store.lookup(keys, namespace_id=NS.id)
     unnamed, named = [e for e in sink.events if e.kind == "lookup"]
     assert unnamed.tokens == 0 and named.tokens == 3 * NS.block_size and named.hit_blocks == 0
+
+
+def test_a_live_file_removed_while_reading_starts_the_reading_over(tmp_path, monkeypatch, caplog):
+    from kvcache.kvstore import event_log
+    with ParquetEventLog(str(tmp_path), tick_s=3600) as log:
+        log.record(_ev(1.0))
+    gone = [str(tmp_path / "events-20260101T000000Z-000000.live-000001.parquet")]   # its file closed meanwhile
+    monkeypatch.setattr(event_log, "live_files", lambda d: [gone.pop()] if gone else [])
+    assert read_events(str(tmp_path)).num_rows == 1 and not gone and "skipping" not in caplog.text
