@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from kvcache.engine.checkpoint.loader import load_model
@@ -49,6 +50,24 @@ def test_init_gives_every_file_the_mode_of_the_users_umask(tmp_path):
                     str(tmp_path / "m")], check=True, capture_output=True, preexec_fn=lambda: os.umask(0o027))
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
     assert any(n.endswith(".safetensors") for n in modes) and set(modes.values()) == {0o640}, modes
+
+
+@torch.no_grad()
+def test_logits_of_a_checkpoint_saved_by_transformers(tmp_path):
+    """`model logits` on what the installed transformers' `save_pretrained` writes (5.x names, its
+    config.json) gives transformers' logits. 17 tokens fill no indexer past its top-k (4 entries
+    of 4 tokens), so no index-score tie can order the picks differently."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV4ForCausalLM
+    from tests.engine.test_v4_vs_transformers import hf_config
+    torch.manual_seed(0)
+    hf = DeepseekV4ForCausalLM(hf_config()).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ids = [0, 17, 42, 99, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300]
+    kv("model", "logits", "--model", str(tmp_path / "hf"), "--prompt-ids", ",".join(map(str, ids)),
+       "--out", str(tmp_path / "l.npy"))
+    got, want = np.load(tmp_path / "l.npy"), hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
