@@ -27,7 +27,7 @@ from tqdm import tqdm
 from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,  # noqa: F401
                                        start_daemon, start_redis)
 from kvcache.kvstore.hashing import Namespace, hash_blocks
-from kvcache.kvstore.shm_client import read_direct
+from kvcache.client.shm_client import read_direct
 from kvcache.kvstore.store import PutItem
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
@@ -319,7 +319,7 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
         redis_durable: bool = True, progress: bool = True) -> dict:
     """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
     MissingDependency without redis-server or redis-py."""
-    from kvcache.kvstore.sync_client import KVClient
+    from kvcache.client.sync_client import KVClient
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
     if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1:
         raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1")

@@ -188,7 +188,7 @@ def cmd_gc(args) -> int:
 
 def _gc_in_daemon(args) -> dict:
     """POST /v1/gc: the daemon runs the steps (one GC report, as offline)."""
-    from kvcache.kvstore.open_store import open_store
+    from kvcache.client.open_store import open_store
     if args.data_dir is not None or args.config:
         raise ValueError("--url runs GC in the daemon, with its own directory and config: drop DIR and --config")
     # a full pass over a large store takes longer than a request's usual 30 s

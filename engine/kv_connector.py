@@ -9,7 +9,7 @@
     costs           measured bandwidth per   save_snapshot(key, bytes) ─ saver thread (exact mode)
                     tier vs recompute time
 
-The store is anything with the BlockStore interface (`kvstore.open_store`: an in-process store on
+The store is anything with the BlockStore interface (`client.open_store`: an in-process store on
 a directory or TOML config, or `kvcache serve` over http:// or unix://). A store that fails
 degrades to misses: a failed lookup finds nothing, a failed fetch returns None for its blocks
 (those tokens are recomputed), a failed save is counted and dropped. Saves are best effort and

@@ -123,7 +123,7 @@ class LLMEngine:
             return None
         self._own_store = store is None and bool(cfg.store)
         if self._own_store:
-            from kvcache.kvstore.open_store import open_store
+            from kvcache.client.open_store import open_store
             store = open_store(cfg.store, **({"token": cfg.token} if cfg.token else {}))
         conn = KVConnector(store, self.namespace, block_layout(self.kv), cfg) if store is not None else None
         return PrefixCache(self, conn, cfg)

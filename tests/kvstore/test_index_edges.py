@@ -151,7 +151,7 @@ def test_a_rebuilt_index_knows_whose_blocks_they_are(tmp_path, path):
 
 
 def test_a_lease_that_fails_half_way_gives_its_chunks_back(tmp_path, monkeypatch):
-    from tests.kvstore.test_shm import shm_store
+    from tests.client.test_shm import shm_store
     store = shm_store(tmp_path / "d")
     store.register_namespace(NS)
     keys = [key_for(i) for i in range(3)]

@@ -9,14 +9,15 @@ import time
 
 import pytest
 
-from kvcache.kvstore import shm_client, shm_directory as sd
-from kvcache.kvstore.client import DaemonError, KVClient
+from kvcache.client import shm_client
+from kvcache.kvstore import shm_directory as sd
+from kvcache.client.async_client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.store import PutItem
 from kvcache.tiering.base import BlockWrite
 from kvcache.tiering.dram import DramConfig, DramTier
 from tests.conftest import NS, ListSink, make_keys, payload_for, put_blocks
-from tests.kvstore.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401  (fixture)
+from tests.client.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401  (fixture)
 
 KB = 1 << 10
 FAR = time.time() + 3600
@@ -254,7 +255,7 @@ def test_real_daemon_readers_never_see_a_reused_chunk(tmp_path):
 
 def test_async_client_reads_through_the_table_too(served):  # noqa: F811
     import asyncio
-    from kvcache.kvstore.client import AsyncKVClient
+    from kvcache.client.async_client import AsyncKVClient
     url, store = served()
     leases = counting_leases(store)
 

@@ -14,7 +14,7 @@ from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.hashing import tenant_key
-from kvcache.kvstore.client import AsyncKVClient
+from kvcache.client.async_client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.tiering.dram import DramConfig

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvcache.server.front.connection import BUFFER_BYTES
-from kvcache.kvstore.client import AsyncKVClient
+from kvcache.client.async_client import AsyncKVClient
 from tests.server.test_slow_clients import ALICE, daemon, head, read_response, rss_bytes, start_daemon, trickle  # noqa: F401
 
 async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):

@@ -11,7 +11,7 @@ import pytest
 from kvcache.server.app import STORE
 from kvcache.server.config import ServerConfig
 from kvcache.kvstore import Namespace, NamespaceLimitError, wire
-from kvcache.kvstore.client_common import error_from
+from kvcache.client.common import error_from
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import TierFullError
 from kvcache.kvstore.hashing import tenant_namespace_id

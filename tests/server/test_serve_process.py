@@ -163,7 +163,7 @@ def test_help_describes_the_default():
 
 
 def test_unix_socket_serves_the_same_store(daemon, tmp_path):
-    from kvcache.kvstore.open_store import open_store
+    from kvcache.client.open_store import open_store
     sock = tmp_path / "kv.sock"
     d = daemon("--unix-socket", str(sock))
     with open_store(f"unix://{sock}") as client:

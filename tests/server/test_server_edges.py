@@ -101,7 +101,7 @@ async def test_reconfigure_refuses_bad_settings_and_changes_nothing(client, serv
 
 
 def test_the_environment_token_opens_the_shared_memory_path(monkeypatch):
-    from kvcache.kvstore.client import AsyncKVClient, KVClient
+    from kvcache.client.async_client import AsyncKVClient, KVClient
     monkeypatch.setenv("KVCACHE_TOKEN", ADMIN)
     assert AsyncKVClient("http://127.0.0.1:1")._token == ADMIN
     sync = KVClient("http://127.0.0.1:1")
@@ -110,7 +110,7 @@ def test_the_environment_token_opens_the_shared_memory_path(monkeypatch):
 
 
 async def test_a_control_socket_that_never_answers_times_out(tmp_path):
-    from kvcache.kvstore.shm_client import ArenaUnavailable, ShmControl
+    from kvcache.client.shm_client import ArenaUnavailable, ShmControl
     path = str(tmp_path / "ctl.sock")
     silent = await asyncio.start_unix_server(lambda r, w: None, path)      # accepts, never answers
     async with silent:
@@ -137,7 +137,7 @@ async def test_a_cancelled_control_call_never_hands_its_answer_to_the_next(tmp_p
     """A caller cancelled while its lease request is in flight: the connection closes, so the
     next call fails (and the client reads over HTTP) instead of taking the old answer as its own."""
     from kvcache.kvstore import shm_wire as w
-    from kvcache.kvstore.shm_client import ShmControl
+    from kvcache.client.shm_client import ShmControl
     path = str(tmp_path / "ctl.sock")
 
     async def slow_echo(reader, writer):              # answers each request with its own body, late
@@ -168,7 +168,7 @@ async def test_a_cancelled_control_call_never_hands_its_answer_to_the_next(tmp_p
 
 def test_a_blocking_control_socket_that_never_answers_is_unavailable_not_an_error(tmp_path):
     import socket
-    from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl
+    from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl
     path = str(tmp_path / "ctl.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

@@ -17,11 +17,11 @@ from kvcache.server.front.site import FrontSite
 from kvcache.server.app import METRICS, QUOTAS, build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
-from kvcache.kvstore.client import AsyncKVClient
+from kvcache.client.async_client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.store import BlockStore, PutItem
-from kvcache.kvstore.sync_client import KVClient
+from kvcache.client.sync_client import KVClient
 from kvcache.tiering.nvme import NvmeConfig
 
 NS = Namespace("slow-model@1", "raw/v1", 16, name="slow")

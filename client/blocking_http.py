@@ -1,4 +1,4 @@
-"""Blocking HTTP/1.1 for the bulk calls of the blocking client (kvstore/sync_client.py).
+"""Blocking HTTP/1.1 for the bulk calls of the blocking client (client/sync_client.py).
 
 Why not the async client's aiohttp session for these: a call through the event-loop thread
 pays two thread hand-offs, and when the socket is full aiohttp copies the unsent rest of each
@@ -9,7 +9,7 @@ Here the calling thread moves the bytes itself:
     download:  socket ──> readinto(the caller's buffer)                           large reads skip buffering
 
 Connections are the standard library's http.client ones (TCP_NODELAY on), kept alive in a
-small pool per client. Retries follow the async client's contract (kvstore/client.py): 502/503/
+small pool per client. Retries follow the async client's contract (client/async_client.py): 502/503/
 504, connection errors and timeouts, with exponential backoff, for the idempotent calls that use
 this path (batch_put, batch_get); a pooled connection the daemon closed while idle is retried once
 at no cost. A 4xx is final. When the daemon stops reading an upload part-way (an error it answered
@@ -26,7 +26,7 @@ import time
 import urllib.parse
 from typing import Any, Callable, Sequence
 
-from kvcache.kvstore.client_common import RETRY_STATUS, DaemonError, DaemonUnreachableError, error_from
+from kvcache.client.common import RETRY_STATUS, DaemonError, DaemonUnreachableError, error_from
 
 IOV_BATCH = 512     # buffers per sendmsg (Linux allows 1024)
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)

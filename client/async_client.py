@@ -24,7 +24,7 @@ Contract:
     idempotent). delete and gc are never retried.
   * Same host: reads go through the daemon's shared-memory arena when it can be mapped
     (`shared_memory="auto"`, the default; "on" raises if it cannot, "off" never tries):
-    the socket carries only keys and leases, the payload is one memcpy (kvstore/shm_client.py).
+    the socket carries only keys and leases, the payload is one memcpy (client/shm_client.py).
   * Timeouts: `timeout_s` bounds each small JSON/single-block request; for streamed batches it
     is an inactivity limit per socket read (a large batch may take longer in total).
 """
@@ -44,10 +44,10 @@ import aiohttp
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.client_common import (  # noqa: F401  (the errors are re-exported: public API)
+from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: public API)
     RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
     fit_buffer, put_pieces, put_total)
-from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
+from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.stats import StoreStats, TierStats
 from kvcache.kvstore.store import PutItem
@@ -410,6 +410,6 @@ class AsyncKVClient:
 def __getattr__(name: str):
     """`KVClient` lives in sync_client.py (it imports this module); kept importable from here."""
     if name == "KVClient":
-        from kvcache.kvstore.sync_client import KVClient
+        from kvcache.client.sync_client import KVClient
         return KVClient
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,15 +10,15 @@ import pytest
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.server.shm_leases import LeaseTable
-from kvcache.kvstore.client import AsyncKVClient, DaemonError, KVClient
+from kvcache.client.async_client import AsyncKVClient, DaemonError, KVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.leases import SOCKET
-from kvcache.kvstore.shm_client import ArenaUnavailable, LocalArena, read_leased
+from kvcache.client.shm_client import ArenaUnavailable, LocalArena, read_leased
 from kvcache.kvstore.store import BlockStore
 from kvcache.tiering.dram import DramConfig, DramTier
 from kvcache.tiering.nvme import NvmeConfig
 from tests.conftest import NS, FakeClock, make_keys, payload_for, put_blocks
-from tests.kvstore.test_client import ServerThread
+from tests.client.test_client import ServerThread
 
 ADMIN, SHARER, PLAIN = "admin-token-0123456789", "sharer-token-0123456789", "plain-token-0123456789"
 TOKENS = (TokenInfo(ADMIN, "ops", admin=True), TokenInfo(SHARER, "s", shared_memory=True), TokenInfo(PLAIN, "p"))
@@ -185,7 +185,7 @@ def test_an_expired_lease_voids_the_copy_and_the_client_rereads(served):
 def test_blocking_reads_pipeline_leases_and_stay_in_step(served, monkeypatch):
     """KVClient keeps one lease in flight ahead (PIPELINE_KEYS per lease): slow copies void
     their leases and are reread, a copy that fails leaves the channel usable, misses stay None."""
-    from kvcache.kvstore import shm_client
+    from kvcache.client import shm_client
     monkeypatch.setattr(shm_client, "PIPELINE_KEYS", 3)
     url, store = served(lease_s=0.2)
     with KVClient(url, ADMIN, shared_memory="on") as c:

@@ -1,4 +1,4 @@
-"""The blocking HTTP path of KVClient (kvstore/blocking_http.py): vectored sends that resume
+"""The blocking HTTP path of KVClient (client/blocking_http.py): vectored sends that resume
 after partial writes, pooled connections the server closed, error mapping, no retry of errors
 raised by the caller's handler."""
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvcache.kvstore.blocking_http import BlockingHTTP, send_pieces
-from kvcache.kvstore.client import DaemonError, QuotaExceededError
+from kvcache.client.blocking_http import BlockingHTTP, send_pieces
+from kvcache.client.async_client import DaemonError, QuotaExceededError
 
 
 def test_send_pieces_resumes_partial_sends_in_order():

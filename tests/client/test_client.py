@@ -12,11 +12,11 @@ from aiohttp.test_utils import TestServer
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, Tier, wire
-from kvcache.kvstore.client import (AsyncKVClient, AuthError, DaemonError, KVClient, QuotaExceededError,
+from kvcache.client.async_client import (AsyncKVClient, AuthError, DaemonError, KVClient, QuotaExceededError,
                                     _split_puts)
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError, TierFullError, UnknownNamespaceError
-from kvcache.kvstore.open_store import open_store
+from kvcache.client.open_store import open_store
 from kvcache.kvstore.store import BlockStore, PutItem
 from kvcache.kvstore.types import TensorSpec
 from kvcache.tiering.dram import DramConfig

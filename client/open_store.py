@@ -22,10 +22,10 @@ def open_store(spec: str, *, token: str | None = None, data_dir: str | None = No
     data directory; `data_dir` overrides store.data_dir of a TOML config."""
     scheme = urlsplit(spec).scheme.lower() if "://" in spec else ""
     if scheme in ("http", "https"):
-        from kvcache.kvstore.sync_client import KVClient
+        from kvcache.client.sync_client import KVClient
         return KVClient(spec, token, **options)
     if scheme == "unix":
-        from kvcache.kvstore.sync_client import KVClient
+        from kvcache.client.sync_client import KVClient
         path = unquote(spec[len("unix://"):])
         return KVClient("http://localhost", token, unix_socket=path, **options)
     if scheme not in ("", "file"):

@@ -11,13 +11,14 @@ import pytest
 
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig
-from kvcache.kvstore import shm_client, sync_client, wire
-from kvcache.kvstore.client import AsyncKVClient, DaemonError, KVClient
+from kvcache.client import shm_client, sync_client
+from kvcache.kvstore import wire
+from kvcache.client.async_client import AsyncKVClient, DaemonError, KVClient
 from kvcache.kvstore.shm_wire import HELLO, LEASE, encode_keys, frame, split_head
 from kvcache.kvstore.types import Tier
 from tests.conftest import NS, make_keys, payload_for
-from tests.kvstore.test_client import ServerThread
-from tests.kvstore.test_shm import ADMIN, TOKENS, _item, shm_store
+from tests.client.test_client import ServerThread
+from tests.client.test_shm import ADMIN, TOKENS, _item, shm_store
 
 
 @pytest.fixture

@@ -29,13 +29,13 @@ from kvcache.server import shm_control
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import shm_wire as w
-from kvcache.kvstore.client import DaemonError, KVClient
+from kvcache.client.async_client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.tiering import arena as arena_mod
 from kvcache.tiering.arena import Arena
 from tests.conftest import NS, make_keys, payload_for, put_blocks
-from tests.kvstore.test_client import ServerThread
-from tests.kvstore.test_shm import shm_store, wait_released
+from tests.client.test_client import ServerThread
+from tests.client.test_shm import shm_store, wait_released
 
 ALICE, BOB, PLAIN = "alice-shm-token-0123456789", "bob-shm-token-0123456789", "plain-token-0123456789"
 TOKENS = (TokenInfo(ALICE, "alice", shared_memory=True), TokenInfo(BOB, "bob", shared_memory=True),
@@ -370,7 +370,7 @@ def test_the_real_daemon_is_not_dumpable_and_hands_its_arena_only_over_hello(tmp
 
 
 def test_undumpable_sets_the_flag():
-    code = ("import ctypes; from kvcache.cli.serve import undumpable; libc = ctypes.CDLL(None);"
+    code = ("import ctypes; from kvcache.server.daemon import undumpable; libc = ctypes.CDLL(None);"
             "print(libc.prctl(3, 0, 0, 0, 0), undumpable(), libc.prctl(3, 0, 0, 0, 0))")   # PR_GET_DUMPABLE
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["1", "True", "0"], out.stderr

@@ -1,5 +1,5 @@
 """`KVClient`: the blocking client of the daemon, with BlockStore's interface (contract in
-kvstore/client.py). Most calls run the AsyncKVClient coroutine on a private event loop; the
+client/async_client.py). Most calls run the AsyncKVClient coroutine on a private event loop; the
 bulk data paths run in the calling thread instead, where the bytes move with the fewest copies:
 
     put_many ──────────────> blocking HTTP: sendmsg of frame heads + payload views (blocking_http.py)
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore import wire
-from kvcache.kvstore.blocking_http import BlockingHTTP, read_exact, read_exact_into
-from kvcache.kvstore.client import AsyncKVClient
-from kvcache.kvstore.client_common import DaemonError, _check_item, _chunks, _split_puts, fit_buffer, put_pieces, put_total
-from kvcache.kvstore.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
+from kvcache.client.blocking_http import BlockingHTTP, read_exact, read_exact_into
+from kvcache.client.async_client import AsyncKVClient
+from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts, fit_buffer, put_pieces, put_total
+from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.store import PutItem

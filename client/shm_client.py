@@ -15,7 +15,7 @@ Mapping fails on another host, in another container or across users (the control
 there or not ours to connect to): the client then reads over the socket (shared_memory="auto")
 or raises (shared_memory="on"). The fds are read-only descriptions of sealed memfds: nothing
 here could write the daemon's memory even by mistake. The control connection itself:
-kvstore/shm_channel.py.
+client/shm_channel.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvcache.kvstore import shm_wire as w
 from kvcache.kvstore.hashing import tenant_key
-from kvcache.kvstore.shm_channel import (  # noqa: F401  (re-exported: the clients import them from here)
+from kvcache.client.shm_channel import (  # noqa: F401  (re-exported: the clients import them from here)
     ArenaUnavailable, BlockingShmControl, LeaseRefused, ShmControl)
 from kvcache.kvstore.shm_directory import DIRECT_READS, DirectoryError, DirectoryReader
 
