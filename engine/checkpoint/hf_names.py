@@ -2,14 +2,16 @@
 (`layers.N.attn.wq_a.weight`). Transformers has spelled them two ways:
 
     its modules' names (`model.layers.N.self_attn.q_a_proj.weight`, `lm_head.weight`): what its
-        `state_dict()` holds, and what `save_pretrained` wrote before 5.x. Routed experts are
+        `state_dict()` holds, and what older `save_pretrained` versions wrote. Routed experts are
         stacked: `mlp.experts.gate_up_proj` [E, 2I, d] (w1 rows then w3 rows) and
         `mlp.experts.down_proj` [E, d, I]; the official layout has one `ffn.experts.{e}.w1|w2|w3.weight`
         per expert.
-    5.x `save_pretrained` (5.24 checked): its conversion mapping run in reverse, so the official
-        names behind `model.` (`model.layers.N.attn.wq_a.weight`, experts split again), `head.weight`,
-        and the globals as in the modules' spelling. The reversal is lossy in one place: the
-        attention's `kv_norm` comes out as `attn.norm` (the compressors' `norm` is already official).
+    5.24's `save_pretrained` ("5.x" below): its conversion mapping (official -> module name, one
+        regex per rename) run in reverse, so the official names behind `model.`
+        (`model.layers.N.attn.wq_a.weight`, experts split again) and `head.weight`; the globals its
+        renames anchor at the start keep their module names (`model.embed_tokens.weight`,
+        `model.hc_head.hc_fn`). The reversal is lossy in one place: `.norm.` -> `.kv_norm.` undone
+        turns the attention's `kv_norm` into `attn.norm` (the compressors' `norm` is official).
 
 Both spellings load, even mixed; a name neither can place is refused by name (UnknownTensorName).
 """

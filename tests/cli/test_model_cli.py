@@ -54,9 +54,9 @@ def test_init_gives_every_file_the_mode_of_the_users_umask(tmp_path):
 
 @torch.no_grad()
 def test_logits_of_a_checkpoint_saved_by_transformers(tmp_path):
-    """`model logits` on what the installed transformers' `save_pretrained` writes (5.x names, its
-    config.json) gives transformers' logits. 17 tokens fill no indexer past its top-k (4 entries
-    of 4 tokens), so no index-score tie can order the picks differently."""
+    """`model logits` on what the installed transformers' `save_pretrained` writes (5.24: its save
+    names, its config.json) gives transformers' logits. 17 tokens fill no indexer past its top-k
+    (4 entries of 4 tokens), so no index-score tie can order the picks differently."""
     pytest.importorskip("transformers")
     from transformers import DeepseekV4ForCausalLM
     from tests.engine.test_v4_vs_transformers import hf_config

@@ -1,5 +1,5 @@
 """Checkpoints: official sharded layout with FP8/FP4 tensors, transformers layout (module names and
-5.x save names), and the errors that name the offending tensor."""
+5.24's save names), and the errors that name the offending tensor."""
 
 import json
 import os
@@ -68,7 +68,7 @@ def test_transformers_layout_loads(saved, tmp_path):
 
 
 def _as_transformers_5_saves(official: dict) -> dict:
-    """What transformers 5.x `save_pretrained` writes for these weights (hf_names.py's module doc)."""
+    """What transformers 5.24's `save_pretrained` writes for these weights (hf_names.py's module doc)."""
     glob = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "head.weight": "head.weight", **{f"hc_head_{p}": f"model.hc_head.hc_{p}" for p in ("fn", "base", "scale")}}
     return {glob.get(k, "model." + k.replace(".attn.kv_norm.", ".attn.norm.")): v.contiguous()
