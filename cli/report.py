@@ -77,7 +77,7 @@ def cmd_report(args) -> int:
 def resolve_events_dir(path: str | None) -> str:
     """DIR may be the data directory (its events/ folder is used) or the events folder itself."""
     if not path:
-        from kvcache.cli.serve import default_data_dir
+        from kvcache.server.config import default_data_dir
         path = default_data_dir()
     path = os.path.expanduser(path)
     if os.path.isdir(os.path.join(path, "events")):

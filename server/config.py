@@ -4,6 +4,8 @@ Every token names a tenant (its own key and namespace space), except a metrics t
 may read /metrics and nothing else. A tenant-less token would live in the raw key space, where
 it could compute and reach every tenant's stored keys, so one is refused at start and at
 reconfigure. Without tokens (loopback only) the daemon is one trust domain: tenant "".
+default_data_dir is where the daemon keeps its blocks when neither the command line nor the
+config file names a directory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ import ipaddress
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvcache")
 
 
 @dataclass(frozen=True)

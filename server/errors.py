@@ -6,7 +6,7 @@
                                        │  nothing logged
                                        └─ anything else (a bug): 500, logged with its traceback
 
-A client's bytes are parsed where they enter (parse_json, server/app.py's _layout,
+A client's bytes are parsed where they enter (parse_json, server/request_body.py's layout_header,
 kvstore/wire.py's frames) so that each mistake gets a message that says what to send instead;
 the table below is the net under those parsers. QuietBadRequests does the same for the
 requests aiohttp itself cannot parse.
@@ -26,7 +26,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, TierFullError,
                                     UnknownNamespaceError)
 
-log = logging.getLogger("kvcache.server.app")
+log = logging.getLogger("kvcache.server")
 
 # The parsers turn what a request's own bytes can raise (a TypeError from a field of the wrong
 # type, an OverflowError from a number no float holds, a RecursionError from JSON nested too

@@ -25,11 +25,11 @@ from typing import Mapping
 from aiohttp import web
 
 from kvcache.server.quota import PendingBytes, put_within_quota
-from kvcache.server.app import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
+from kvcache.server.request_state import CONFIG, METRICS, POOL, QUOTAS, STORE, Principal
 from kvcache.server.tenancy import known_namespace_id
 from kvcache.kvstore import wire
 from kvcache.kvstore.hashing import Namespace, tenant_key
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import PutResult
 
 PUT_CHUNK_BYTES = 64 << 20

@@ -18,15 +18,22 @@ open shared-memory control connections keep the tenant they authenticated with u
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import tomllib
 from typing import Any, Mapping
 
 from aiohttp import web
 
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.errors import BlockFormatError
 from kvcache.server.config import ServerConfig, parse_env_tokens
+from kvcache.server.request_body import json_body
+from kvcache.server.request_state import CONFIG, STORE, require_admin
+from kvcache.server.shm_leases import LEASES
 
 log = logging.getLogger(__name__)
 HOT_SERVER = ("tokens", "max_block_bytes", "max_batch_blocks", "max_keys", "shm_lease_s", "max_shm_leases",
@@ -53,9 +60,7 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     """Apply `raw` (a parsed config) to the running daemon; what changed and what needs a restart.
     partial (a JSON body): the [server] settings and the sections `raw` leaves out stay as they
     are; else (the config file) `raw` is the whole config, and what it leaves out is the default."""
-    from kvcache.server import app as srv
-    from kvcache.kvstore.config import StoreConfig
-    live, store = app[srv.CONFIG], app[srv.STORE]
+    live, store = app[CONFIG], app[STORE]
     old_server, old_store = live.current, store.config
     if not isinstance(raw.get("server", {}), Mapping):
         raise ValueError("[server] must be a table of settings")
@@ -86,7 +91,6 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     if "retention" in applied and store.dram is not None:
         store.dram.unpublish_all()     # entries were valid until the old retention's deadlines
     if "server.shm_lease_s" in applied or "server.max_shm_leases" in applied:
-        from kvcache.server.shm_leases import LEASES
         app[LEASES].lease_s, app[LEASES].max_leases = hot_server.shm_lease_s, hot_server.max_shm_leases
     log.warning("reconfigured: applied %s; needs a restart to change: %s", applied or "nothing",
                 restart or "nothing")
@@ -124,27 +128,23 @@ def read_config_file(path: str) -> dict:
 
 async def reconfigure_handler(request: web.Request) -> web.Response:
     """Body: a JSON object shaped like the TOML config, or nothing to re-read the --config file."""
-    from kvcache.server import app as srv
-    srv._require_admin(request)
+    require_admin(request)
     partial = request.can_read_body          # (False once the body has been read)
     if partial:
-        raw = await srv.json_body(request)
+        raw = await json_body(request)
         if not isinstance(raw, dict):
-            raise srv.BlockFormatError("expected a JSON object shaped like the TOML config")
+            raise BlockFormatError("expected a JSON object shaped like the TOML config")
     else:
         path = request.app.get(CONFIG_FILE, "")
         if not path:
-            raise srv.BlockFormatError("this daemon was started without --config: send the new settings "
-                                       "as a JSON body shaped like the TOML config")
+            raise BlockFormatError("this daemon was started without --config: send the new settings "
+                                   "as a JSON body shaped like the TOML config")
         raw = read_config_file(path)
     return web.json_response(reconfigure(request.app, raw, partial=partial))
 
 
 def reload_on_sighup(app: web.Application) -> None:
     """SIGHUP re-reads the --config file (a failed reload is logged and changes nothing)."""
-    import asyncio
-    import signal
-
     def reload() -> None:
         path = app.get(CONFIG_FILE, "")
         if not path:

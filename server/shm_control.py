@@ -20,7 +20,7 @@ What a connection without a token costs, bounded (any process of the daemon's us
     accepted                 at most MAX_CONNECTIONS; may idle between frames for as long as it
                              likes, but a frame's body and our answer move within FRAME_S
 
-The arena's file descriptors go only to an accepted HELLO: the daemon is not dumpable (cli/serve.py),
+The arena's file descriptors go only to an accepted HELLO: the daemon is not dumpable (server/daemon.py),
 so a process without a token cannot take them from /proc/<pid>/fd either.
 """
 
@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 
-from kvcache.server import app as srv
+from kvcache.server.request_state import CONFIG, METRICS, STORE
 from kvcache.server.shm_leases import DENIED, LEASES
 from kvcache.kvstore import shm_wire as w
 from kvcache.kvstore.hashing import tenant_key
@@ -51,7 +51,7 @@ class ControlSession:
     """One control connection: HELLO first (the token decides tenant and permission), then leases."""
 
     def __init__(self, app):
-        self.app, self.store, self.config = app, app[srv.STORE], app[srv.CONFIG]
+        self.app, self.store, self.config = app, app[STORE], app[CONFIG]
         self.leases = app[LEASES]
         self.tenant: str | None = None
         self.owned: set[int] = set()
@@ -83,7 +83,7 @@ class ControlSession:
         if lease_id is None:
             return 503, (f"{self.leases.max_leases} shared-memory leases are outstanding; release leases "
                          "or raise server.max_shm_leases").encode()
-        m = self.app[srv.METRICS]
+        m = self.app[METRICS]
         hits = sum(1 for s in slots if isinstance(s, tuple))
         m.count_hits("get", Tier.DRAM, hits, lease.nbytes, slots.count(None))
         m.observe_request("shm:lease", 200, time.perf_counter() - t0)
@@ -93,7 +93,7 @@ class ControlSession:
         t0 = time.perf_counter()
         keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
         hits, nbytes = self.store.touch_dram(keys)
-        m = self.app[srv.METRICS]
+        m = self.app[METRICS]
         m.count_hits("get", Tier.DRAM, hits, nbytes, 0)
         m.observe_request("shm:touch", 200, time.perf_counter() - t0)
 

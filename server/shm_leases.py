@@ -7,6 +7,9 @@
         then LEASE keys -> slots, RELEASE / FORGET lease, TOUCH keys
     read directory (kvstore/shm_directory.py): leased blocks' places, read again without asking
 
+This module holds the lease table; server/shm_routes.py adds the route and runs the control
+socket and the lease sweeper while the app runs.
+
 The control channel is a bare unix socket served by threads of its own, not HTTP on the event
 loop: a lease round trip must cost far less than copying the blocks, and an HTTP request costs
 several times what a 16 MiB memcpy does.
@@ -25,7 +28,6 @@ write the memory (tiering/arena.py seals it), so what a client copies is what th
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import os
@@ -37,7 +39,6 @@ from typing import Callable
 
 from aiohttp import web
 
-from kvcache.server import app as srv
 from kvcache.kvstore.leases import DramLease
 
 
@@ -115,24 +116,6 @@ DENIED = ("the shared-memory path needs an admin token or one with shared_memory
           "(the arena holds every tenant's blocks)")
 
 
-def _arena_info(store):
-    return store.dram.arena.info() if store.dram is not None else None
-
-
-async def shm_info(request: web.Request) -> web.Response:
-    if not request[srv.SHM]:
-        raise web.HTTPForbidden(text=DENIED)
-    info = _arena_info(request.app[srv.STORE])
-    if info is None:
-        raise web.HTTPNotFound(text="this daemon's DRAM tier is not in shared memory "
-                                    "(set [dram] shared_memory = true); read over the socket")
-    dram = request.app[srv.STORE].dram
-    table = dram.directory_arena.info() if dram.directory_arena is not None else None
-    return web.json_response({"pid": info.pid, "fd": info.fd, "size": info.size, "inode": info.inode,
-                              "lease_s": request.app[LEASES].lease_s, "control_socket": request.app[CONTROL_PATH],
-                              "directory": vars(table) if table is not None else None})
-
-
 def control_path(config) -> str:
     if config.shm_socket:
         return config.shm_socket
@@ -140,26 +123,3 @@ def control_path(config) -> str:
         return config.unix_socket + ".shm"
     return os.path.join(tempfile.gettempdir(), f"kvcache-shm-{os.getpid()}-{secrets.token_hex(4)}.sock")
 
-
-def add_routes(app: web.Application, config) -> None:
-    store = app[srv.STORE]
-    app[LEASES] = LeaseTable(store.release_dram, config.shm_lease_s, config.max_shm_leases)
-    app[CONTROL_PATH] = control_path(config)
-    app.router.add_get("/v1/shm", shm_info)
-
-    async def control(app: web.Application):
-        """The control socket while the app runs, and a sweeper for abandoned leases."""
-        from kvcache.server.shm_control import ControlServer
-        server = ControlServer(app, app[CONTROL_PATH]) if _arena_info(store) is not None else None
-
-        async def sweep():
-            while True:
-                await asyncio.sleep(app[LEASES].lease_s / 2)
-                app[LEASES].sweep()
-        task = asyncio.get_running_loop().create_task(sweep())
-        yield
-        task.cancel()
-        if server is not None:
-            server.close()
-        app[LEASES].release_all()
-    app.cleanup_ctx.append(control)

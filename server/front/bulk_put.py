@@ -43,12 +43,12 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from kvcache.server.front.bulk_body import CHUNK_BYTES, Body, RequestDeadline, StagingPool  # noqa: F401
-from kvcache.server.front.connection import HEAD_LIMIT, FrontConnection
+from kvcache.server.front.connection import HEAD_LIMIT, REFUSED, FrontConnection, UploadPath
 from kvcache.server.front.head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
 from kvcache.server.put_batch import ingest_puts_blocking
 from kvcache.server.quota import PendingBytes
-from kvcache.server.app import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED, Principal,
-                               authenticate, identify)
+from kvcache.server.request_state import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED,
+                                          Principal, authenticate, identify)
 from kvcache.server.errors import error_for
 from kvcache.kvstore.errors import BlockFormatError
 
@@ -57,7 +57,6 @@ BULK_PATH = "/v1/blocks/batch_put"
 UPLOAD_THREADS = 32           # uploads received at once; one that finds no thread free goes to aiohttp
 HOLD_S = 0.25                 # an upload thread waits this long for the connection's next upload
 MAX_LENGTH_DIGITS = 18        # a Content-Length longer than this is refused (int() takes 4300 digits)
-REFUSED = object()            # admit(): answered on the loop, the connection closes
 
 
 def _is_count(text: str) -> bool:
@@ -218,3 +217,6 @@ async def serve_bulk_put(conn: FrontConnection, head: Head, app: web.Application
         if sock is not None:
             conn.give_back(sock, extra)
     return keep
+
+
+UPLOAD = UploadPath(wants, admit, serve_bulk_put)   # what the daemon's front serves natively

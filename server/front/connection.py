@@ -37,16 +37,28 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
 from kvcache.server.front.head import (LINGER_S, NOT_PLAIN, WINDOW, Head, head_end, parse_head,  # noqa: F401
                                    reply_head)                       # (parse_head: the front's API)
+from kvcache.server.request_state import CONFIG, TOKENED
 
 log = logging.getLogger(__name__)
 HEAD_LIMIT = 16 << 10          # request line + headers; larger heads go to aiohttp (which answers 431)
 BUFFER_BYTES = 2 * WINDOW      # the head buffer a connection starts (and shrinks back) to
 MAX_BUFFER_BYTES = HEAD_LIMIT + 2 * WINDOW   # what it grows to while a head is incomplete
+REFUSED = object()             # UploadPath.admit: answered on the loop, the connection closes
+
+
+@dataclass(frozen=True)
+class UploadPath:
+    """The requests a front serves itself instead of handing them to aiohttp (the daemon's: bulk
+    uploads, server/front/bulk_put.py), as callbacks, so that the front imports no handler."""
+    wants: Callable[[Head], bool]                            # a head this path serves
+    admit: Callable[["FrontConnection", Head], object]       # its principal; REFUSED; None: aiohttp's
+    serve: Callable[["FrontConnection", Head, web.Application, object], Awaitable[bool]]  # keep it open?
 
 
 class FrontConnection(asyncio.BufferedProtocol):
@@ -236,17 +248,17 @@ class FrontConnection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ the request loop
     async def _serve(self) -> None:
-        from kvcache.server.front.bulk_put import REFUSED, admit, serve_bulk_put, wants
+        upload = self.front.upload
         try:
             while not self.front.closing:
                 raw = await self.read_head()
                 if raw is None:
                     break
                 head = parse_head(raw) if raw else None
-                if head is None or not wants(head):
+                if head is None or upload is None or not upload.wants(head):
                     self._hand_over()
                     return
-                who = admit(self, head)
+                who = upload.admit(self, head)
                 if who is REFUSED:
                     return
                 if who is None:                 # no upload thread for it: all in use, or its tenant's share
@@ -254,7 +266,7 @@ class FrontConnection(asyncio.BufferedProtocol):
                     return
                 self.busy = True
                 self._consume(head.size)
-                keep = await serve_bulk_put(self, head, self.front.app, who)
+                keep = await upload.serve(self, head, self.front.app, who)
                 self.busy = False
                 if not keep:
                     break
@@ -290,6 +302,7 @@ class Front:
     the app's [server] settings when the front is made."""
     app: web.Application
     aiohttp_factory: object
+    upload: UploadPath | None = None         # None: every request goes to aiohttp
     keepalive_s: float | None = None         # an idle connection, between requests
     read_timeout_s: float | None = None      # one socket read of an upload
     header_timeout_s: float | None = None    # a request head, from its first byte
@@ -301,7 +314,6 @@ class Front:
     warned_full_at: float = float("-inf")
 
     def __post_init__(self) -> None:
-        from kvcache.server.app import CONFIG
         cfg = self.app[CONFIG]
         for name in ("keepalive_s", "header_timeout_s", "max_connections",
                      "max_uploads_per_tenant"):
@@ -324,7 +336,6 @@ class Front:
         Next, the oldest connection aiohttp serves that sits between requests and has shown no
         valid token (a /healthz needs none, so a stranger can make those too; a tenant's pooled
         connections are not torn down for a stranger's). False when there is neither."""
-        from kvcache.server.app import TOKENED
         for c in self.connections:
             if c.droppable():
                 del self.connections[c]

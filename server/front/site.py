@@ -1,6 +1,6 @@
 """The daemon's listening sockets (TCP, and a unix socket if asked) and its serve loop: every
-accepted connection starts as a FrontConnection (server/front/connection.py), which serves bulk uploads
-itself and hands everything else to aiohttp; SIGTERM/SIGINT drain both before the store closes."""
+accepted connection starts as a FrontConnection (server/front/connection.py), which serves the
+upload path it is given (bulk uploads) itself and hands everything else to aiohttp; SIGTERM/SIGINT drain both before the store closes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import signal
 
 from aiohttp import web
 
-from kvcache.server.front.connection import Front, FrontConnection
+from kvcache.server.front.connection import Front, FrontConnection, UploadPath
+from kvcache.server.request_state import CONFIG
 
 
 class FrontSite(web.BaseSite):
@@ -39,15 +40,16 @@ class FrontSite(web.BaseSite):
             self._server = await loop.create_server(factory, self._host, self._port, reuse_address=True)
 
 
-def run(app: web.Application, host: str, port: int, unix_socket: str, shutdown_timeout_s: float) -> None:
+def run(app: web.Application, host: str, port: int, unix_socket: str, shutdown_timeout_s: float,
+        upload: UploadPath | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: bulk requests finish, aiohttp's requests finish
-    (up to the timeout), the app's cleanup hooks run (flush and close the store)."""
+    (up to the timeout), the app's cleanup hooks run (flush and close the store). `upload`: the
+    requests the front serves itself (the daemon's bulk uploads), the rest going to aiohttp."""
     async def main() -> None:
-        from kvcache.server.app import CONFIG    # aiohttp's own default keeps an idle connection an hour
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                               keepalive_timeout=app[CONFIG].keepalive_s)
+                               keepalive_timeout=app[CONFIG].keepalive_s)   # aiohttp's default: an hour
         await runner.setup()
-        front = Front(app, runner.server)
+        front = Front(app, runner.server, upload)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

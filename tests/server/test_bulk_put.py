@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from kvcache.server.front.connection import Front, parse_head
+from kvcache.server.front.bulk_put import UPLOAD
 from kvcache.server.front.site import FrontSite
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
@@ -16,7 +17,8 @@ from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.client.async_client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 
@@ -40,7 +42,7 @@ async def daemon(tmp_path):
     app = build_app(store, cfg)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    front = Front(app, runner.server, read_timeout_s=5)
+    front = Front(app, runner.server, UPLOAD, read_timeout_s=5)
     site = FrontSite(runner, front, host="127.0.0.1", port=0)
     await site.start()
     yield {"url": f"http://127.0.0.1:{site.port}", "port": site.port, "store": store, "front": front, "app": app}
@@ -136,7 +138,7 @@ async def test_a_bad_token_is_refused_on_the_loop_and_its_body_never_read(daemon
 async def test_a_metrics_token_is_forbidden_to_upload(daemon):
     """As on every aiohttp route: a known token without the right is a 403, not a 401; and it
     never acts as tenant "" (the raw key space, where the namespace is registered here)."""
-    from kvcache.server.app import STORE
+    from kvcache.server.request_state import STORE
     store = daemon["app"][STORE]
     store.register_namespace(NS)
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
@@ -154,7 +156,7 @@ async def test_each_upload_on_a_lent_connection_is_authenticated_again(daemon):
     is already streaming uploads with it."""
     import dataclasses
 
-    from kvcache.server.app import CONFIG
+    from kvcache.server.request_state import CONFIG
     await (await registered(daemon)).close()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon["port"])
     writer.write(request(batch_body([60])))

@@ -4,7 +4,7 @@ never a traceback at ERROR, and the daemon serves a good request afterwards.
     one daemon per module, in a thread of its own: build_app + the native front (server/front/connection.py)
     on a real listening socket, so batch_put reaches both upload paths:
         Content-Length body   ──> the native path (server/front/bulk_put.py, an upload thread)
-        chunked body          ──> aiohttp's batch_put (server/app.py)
+        chunked body          ──> aiohttp's batch_put (server/blocks.py)
     each example: one request over a fresh connection (http.client); the reply is checked, then
     the log records the example caused
 
@@ -32,8 +32,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.server.front.connection import Front
+from kvcache.server.front.bulk_put import UPLOAD
 from kvcache.server.front.site import FrontSite
-from kvcache.server.app import CONFIG, build_app
+from kvcache.server.app import build_app
+from kvcache.server.request_state import CONFIG
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
@@ -76,7 +78,7 @@ class Daemon:
     async def _start(self) -> int:
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
-        self.front = Front(self.app, self.runner.server, read_timeout_s=5)
+        self.front = Front(self.app, self.runner.server, UPLOAD, read_timeout_s=5)
         site = FrontSite(self.runner, self.front, host="127.0.0.1", port=0)
         await site.start()
         return site.port

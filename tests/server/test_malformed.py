@@ -8,7 +8,7 @@ import re
 import logging
 
 import pytest
-from kvcache.server.app import STORE
+from kvcache.server.request_state import STORE
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.hashing import Namespace

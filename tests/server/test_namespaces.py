@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvcache.server.app import STORE
+from kvcache.server.request_state import STORE
 from kvcache.server.config import ServerConfig
 from kvcache.kvstore import Namespace, NamespaceLimitError, wire
 from kvcache.client.common import error_from

@@ -18,7 +18,7 @@ def config(tokens, ttl_hours=72, dram_mib=8):
 
 
 async def test_tokens_and_retention_change_live_the_rest_needs_a_restart(client):  # noqa: F811
-    store = client.server.app[__import__("kvcache.server.app", fromlist=["STORE"]).STORE]
+    store = client.server.app[__import__("kvcache.server.request_state", fromlist=["STORE"]).STORE]
     tokens = [{"token": ALICE, "tenant": "alice"}, {"token": CAROL, "tenant": "carol", "quota_bytes": 5000},
               {"token": ADMIN, "tenant": "ops", "admin": True}]          # BOB revoked, CAROL added
     emptied = []

@@ -13,7 +13,8 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.server.app import GET_BUDGET, STORE, build_app
+from kvcache.server.app import build_app
+from kvcache.server.request_state import GET_BUDGET, STORE
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError
@@ -112,7 +113,7 @@ def disconnect_records(caplog) -> list:
 @pytest.mark.parametrize("path", ["/v1/exists", "/v1/lookup", "/v1/blocks/batch_get"])
 async def test_a_client_that_closes_mid_body_is_logged_at_debug(make_client, caplog, path):
     client = await make_client()
-    caplog.set_level(logging.DEBUG, logger="kvcache.server.app")
+    caplog.set_level(logging.DEBUG, logger="kvcache.server")
     s = raw_post(client.server.port, path, b'{"keys": ["', declared=1000)
     await asyncio.sleep(0.2)
     s.close()
@@ -123,7 +124,7 @@ async def test_a_client_that_closes_mid_body_is_logged_at_debug(make_client, cap
 
 async def test_a_put_closed_mid_body_is_logged_at_debug(make_client, caplog):
     client = await make_client()
-    caplog.set_level(logging.DEBUG, logger="kvcache.server.app")
+    caplog.set_level(logging.DEBUG, logger="kvcache.server")
     await register(client)
     s = socket.create_connection(("127.0.0.1", client.server.port))
     s.sendall(f"PUT /v1/blocks/{KEYS[0].hex()} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"

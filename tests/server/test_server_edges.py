@@ -10,7 +10,8 @@ from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.nvme import NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, KEYS, NS, auth, client, payload, put, register  # noqa: F401
 

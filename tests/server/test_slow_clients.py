@@ -13,14 +13,17 @@ import pytest
 from aiohttp import web
 
 from kvcache.server.front.connection import Front
+from kvcache.server.front.bulk_put import UPLOAD
 from kvcache.server.front.site import FrontSite
-from kvcache.server.app import METRICS, QUOTAS, build_app
+from kvcache.server.app import build_app
+from kvcache.server.request_state import METRICS, QUOTAS
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.client.async_client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.client.sync_client import KVClient
 from kvcache.tiering.nvme import NvmeConfig
 
@@ -37,7 +40,7 @@ def start_daemon(tmp_path, **server):
         app = build_app(store, ServerConfig(**{"tokens": TOKENS, **server}))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        front = Front(app, runner.server)
+        front = Front(app, runner.server, UPLOAD)
         site = FrontSite(runner, front, host="127.0.0.1", port=0)
         await site.start()
 

@@ -9,7 +9,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvcache.server.reconfigure import CONFIG_FILE
-from kvcache.server.app import STORE, authenticate, build_app
+from kvcache.server.app import build_app
+from kvcache.server.request_state import STORE, authenticate
 from kvcache.server.config import ServerConfig, TokenInfo, parse_env_tokens
 from kvcache.server.shm_control import ControlSession
 from kvcache.kvstore import Namespace, wire
@@ -249,7 +250,7 @@ async def test_a_metrics_token_gets_no_shared_memory(serve):
 def test_healthz_without_a_token_acts_as_nobody():
     """/healthz answers anyone, so what it runs as must hold no rights at all (not the
     open, admin principal of a daemon without auth)."""
-    from kvcache.server.app import identify
+    from kvcache.server.request_state import identify
     cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"),))
     who = identify(cfg, "", "/healthz")
     assert who is not None and not who.admin and not who.shm and who.metrics_only

@@ -1,0 +1,143 @@
+"""Running the daemon: its settings (the config file under the command line's overrides), the
+process's hardening (not dumpable, umask 077), the store and event log it opens, and the serve
+loop until a signal drains it. `kvcache serve` (cli/serve.py) parses arguments and calls run."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import stat
+import tomllib
+from dataclasses import dataclass
+
+from kvcache.kvstore.config import StoreConfig
+from kvcache.kvstore.store import BlockStore
+from kvcache.server.app import build_app
+from kvcache.server.config import ServerConfig, default_data_dir
+from kvcache.server.front import site
+from kvcache.server.front.bulk_put import UPLOAD
+from kvcache.server.reconfigure import CONFIG_FILE, reload_on_sighup
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What `kvcache serve`'s command line sets over the config file (None: the file's, or the default)."""
+    config_file: str | None = None
+    data_dir: str | None = None
+    host: str | None = None
+    port: int | None = None
+    unix_socket: str | None = None
+    gc_interval_s: float | None = None
+
+
+def load_configs(over: Overrides) -> tuple[StoreConfig, ServerConfig]:
+    """The store's and the [server] settings: the config file (if any) under the command line's."""
+    raw = {}
+    if over.config_file:
+        try:
+            with open(over.config_file, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {over.config_file} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {over.config_file} is not valid TOML: {e}") from None
+    server = ServerConfig.from_dict(raw.get("server", {}), host=over.host, port=over.port,
+                                    unix_socket=over.unix_socket)
+    data_dir = over.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
+    store = StoreConfig.from_dict(raw, data_dir=os.path.expanduser(data_dir))
+    gc = over.gc_interval_s if over.gc_interval_s is not None else (store.gc_interval_s or 10.0)
+    store = dataclasses.replace(store, gc_interval_s=gc)
+    if store.dram is not None and store.dram.shared_memory is None:  # local clients read the arena directly
+        store = dataclasses.replace(store, dram=dataclasses.replace(store.dram, shared_memory=True))
+    return store, server
+
+
+def describe(store_cfg, server_cfg) -> str:
+    def gib(n: int) -> str:
+        return f"{n / (1 << 30):.1f} GiB"
+    lines = [f"kvcache serving http://{server_cfg.host}:{server_cfg.port}"
+             + (f" and unix://{server_cfg.unix_socket}" if server_cfg.unix_socket else ""),
+             f"  data directory  {store_cfg.data_dir}"]
+    if store_cfg.dram:
+        shm = ("; shared memory for local clients" + (" (with a read directory)" if store_cfg.dram.read_directory
+                                                       else "")) if store_cfg.dram.shared_memory else ""
+        lines.append(f"  dram tier       {gib(store_cfg.dram.capacity_bytes)}{shm}")
+    if store_cfg.nvme:
+        lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")
+    if store_cfg.object_store:
+        lines.append(f"  object tier     {store_cfg.object_store.url} (codec {store_cfg.object_store.codec})")
+    lines.append(f"  write policy    {store_cfg.write_policy}; retention {store_cfg.retention.default.ttl_s / 3600:g} h")
+    lines.append(f"  event log       {store_cfg.events_dir}" if store_cfg.event_log else "  event log       off")
+    lines.append(f"  auth            {len(server_cfg.tokens)} token(s)" if server_cfg.tokens else
+                 "  auth            none (loopback only)")
+    return "\n".join(lines)
+
+
+def undumpable() -> bool:
+    """prctl(PR_SET_DUMPABLE, 0): processes of the daemon's own user can no longer open
+    /proc/<pid>/fd/* or /proc/<pid>/mem, nor ptrace it, and a crash leaves no core with tokens and
+    blocks in it. Local clients get the arena over the control socket instead (server/shm_control.py).
+    Root (CAP_SYS_PTRACE) still can; /proc/<pid>/environ stays readable to the same user on the
+    kernels we run, so KVCACHE_TOKENS is no secret from it. False where there is no prctl."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0     # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        return False
+
+
+def private_files() -> None:
+    """Everything the daemon creates (segments, index, event logs, sockets) is its user's alone:
+    the data directory holds every tenant's blocks, and a file mode is the only boundary between
+    them and the host's other users. umask 077 makes files 0600 and directories 0700."""
+    os.umask(0o077)
+
+
+def warn_if_shared(data_dir: str) -> None:
+    """A data directory made before (or by another tool) may still be open to other users."""
+    try:
+        mode = stat.S_IMODE(os.stat(data_dir).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        logging.getLogger("kvcache.serve").warning(
+            "data directory %s has mode %o: other users of this host can read every tenant's blocks; "
+            "run `chmod -R go= %s` (see docs/security.md)", data_dir, mode, data_dir)
+
+
+def run(over: Overrides) -> None:
+    """Serve the configured data directory until SIGTERM/SIGINT, then drain and close the store.
+    The config file is what SIGHUP and an empty POST /v1/admin/reconfigure read again."""
+    undumpable()   # first: before tokens and blocks are loaded
+    private_files()
+    store_cfg, server_cfg = load_configs(over)
+    events = open_event_log(store_cfg)
+    try:
+        store = BlockStore(store_cfg, events=events)
+    except BaseException:
+        if events is not None:
+            events.close()
+        raise
+    warn_if_shared(store_cfg.data_dir)
+    app = build_app(store, server_cfg)
+    app[CONFIG_FILE] = os.path.abspath(over.config_file) if over.config_file else ""
+    reload_on_sighup(app)   # the main thread's loop: signal handlers can only be installed there
+
+    async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
+        store.close()
+        if events is not None:  # after the store, so that its last events are kept too
+            events.close()
+    app.on_cleanup.append(close_store)
+    print(describe(store_cfg, server_cfg), flush=True)
+    site.run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s,
+             upload=UPLOAD)
+
+
+def open_event_log(store_cfg):
+    """The event log behind `kvcache report`: on unless [store] event_log = false."""
+    if not store_cfg.event_log:
+        return None
+    from kvcache.kvstore.event_log import ParquetEventLog   # pyarrow: only when the log is on
+    return ParquetEventLog(store_cfg.events_dir)
