@@ -28,7 +28,7 @@ from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependen
                                        start_daemon, start_redis)
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.client.shm_client import read_direct
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
 from kvcache.benchmarks.tiers import parse_sizes, size_label

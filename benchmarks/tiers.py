@@ -35,7 +35,8 @@ from tqdm import tqdm
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_blocks
 from kvcache.kvstore.index import Index
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import BlockMeta, Tier, raw_layout
 from kvcache.benchmarks.baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
                                              scratch_dir)

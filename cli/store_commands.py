@@ -10,7 +10,7 @@ import time
 from kvcache.cli.fmt import human_size, print_table
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.index_usage import TENANT_BLOCKS, TENANT_BYTES
-from kvcache.kvstore.stats import UNKNOWN
+from kvcache.kvstore.types import UNKNOWN
 
 
 def add_parsers(sub) -> None:

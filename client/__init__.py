@@ -8,7 +8,9 @@
     shm_channel.py    the shared-memory control socket, asyncio and blocking ends
     open_store.py     open_store(spec): a BlockStore for a directory, a KVClient for a URL
 
-open_store imports the store core only when the spec names a directory. The wire formats the
+Importing this package, a client or open_store loads neither LMDB nor the tiers nor BlockStore:
+open_store imports the store core only when the spec names a directory (tests/client/test_imports.py).
+Both clients keep kvstore/protocol.py's contract (Store, AsyncStore). The wire formats the
 clients speak stay in the store package (kvstore/wire.py, kvstore/shm_wire.py,
 kvstore/shm_directory.py), because the daemon and the store core read and write them too.
 """

@@ -49,8 +49,8 @@ from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: 
     fit_buffer, put_pieces, put_total)
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
-from kvcache.kvstore.stats import StoreStats, TierStats
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import StoreStats, TierStats
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import LookupResult, PutResult, TensorSpec, Tier
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.errors import (BlockFormatError, NamespaceLimitError, StoreError, StoreUnavailableError,
                                    TierFullError, UnknownNamespaceError)
 from kvcache.kvstore.types import PutResult, Tier
-from kvcache.kvstore.writes import PutItem
+from kvcache.kvstore.types import PutItem
 
 _SMALL = 64 << 10   # frame pieces below this are coalesced into one write
 RETRY_STATUS = frozenset({502, 503, 504})

@@ -29,7 +29,7 @@ from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts
 from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import PutResult
 
 log = logging.getLogger(__name__)

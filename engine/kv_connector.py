@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from kvcache.kvstore.errors import StoreUnavailableError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec, Tier
 
 log = logging.getLogger(__name__)

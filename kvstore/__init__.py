@@ -1,8 +1,18 @@
 """Content addressing, the block format, the index and the store facade.
 
 Dependencies stay at the leaves: the store core imports only the stdlib, lmdb,
-xxhash, zstandard and numpy. It never imports torch; aiohttp only in the daemon client
-(client.py) and pyarrow only in the event log (event_log.py), both leaves.
+xxhash, zstandard and numpy. It never imports torch nor aiohttp (the daemon's clients are
+kvcache.client), and pyarrow only in the event log (event_log.py), a leaf.
+
+The seam: `types.py` (PutItem, LookupResult, PutResult, StoreStats, ...) and `protocol.py` (Store,
+AsyncStore: the methods BlockStore and both clients share, each with its contract) import nothing
+heavy, so code written against them loads neither LMDB nor the tiers.
+
+The wire formats stay here, not beside the clients: `wire.py` (batch framing), `shm_wire.py`
+(the shared-memory control socket) and `shm_directory.py` (the read directory's layout) are
+spoken by the store core (the DRAM tier writes the directory, leases.py reads its horizon), the
+daemon (server/) and the clients alike. Here, the bottom of the dependency order, each of them
+imports them without an import cycle; they import only types.py and errors.py.
 """
 
 from kvcache.kvstore.errors import (

@@ -7,43 +7,13 @@ since they live in the daemon's memory, not in the directory."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.index import Index
-from kvcache.kvstore.types import Tier
+from kvcache.kvstore.types import UNKNOWN, StoreStats, Tier, TierStats
 from kvcache.tiering.segment import parse_segment_name
 
 AGE_BUCKETS_H = (1, 6, 24, 72, 168)
-
-
-UNKNOWN = -1     # a count offline stats cannot know (what a daemon holds in DRAM)
-
-
-@dataclass
-class TierStats:
-    tier: str
-    blocks: int              # UNKNOWN offline for DRAM
-    used_bytes: int          # UNKNOWN offline for DRAM
-    capacity_bytes: int
-
-
-@dataclass
-class StoreStats:
-    data_dir: str
-    index_blocks: int
-    namespaces: int
-    tiers: list[TierStats]
-    counters: dict[str, int]
-    persistent_counters: dict[str, int]
-    pinned_blocks: int = 0
-    age_histogram: dict[str, int] = field(default_factory=dict)
-    segments: int = 0
-    live_bytes: int = 0
-    offline: bool = False     # read from the directory, not from the store that holds it
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def collect_stats(store) -> StoreStats:

@@ -37,13 +37,13 @@ from kvcache.kvstore.leases import StoreLeases
 from kvcache.kvstore.namespaces import StoreNamespaces
 from kvcache.kvstore.reads import StoreReads
 from kvcache.kvstore.rebuild import open_index
-from kvcache.kvstore.writes import PutItem, StoreWrites
+from kvcache.kvstore.writes import StoreWrites
 from kvcache.kvstore.types import BlockMeta, LookupResult, Tier
 from kvcache.tiering.base import Placement
 from kvcache.tiering.dram import DramTier
 from kvcache.tiering.nvme import NvmeTier
 
-__all__ = ["BlockStore", "PutItem"]
+__all__ = ["BlockStore"]
 log = logging.getLogger(__name__)
 MAX_PENDING_TOUCHES = 100_000
 

@@ -107,7 +107,8 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     from kvcache.gc.retention import RetentionPolicy, RetentionRule
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
-    from kvcache.kvstore.store import BlockStore, PutItem
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.kvstore.types import PutItem
     from kvcache.kvstore.types import Tier
     from kvcache.tiering.dram import DramConfig
     from kvcache.tiering.nvme import NvmeConfig

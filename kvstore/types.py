@@ -13,7 +13,7 @@ import enum
 import functools
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 class Tier(enum.IntFlag):
@@ -160,3 +160,47 @@ class PutResult:
     already_present: int
     durable: bool
     rejected: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PutItem:
+    """One block to put: its key, payload bytes (any buffer; never copied before it is stored),
+    namespace, layout (None: one opaque uint8 tensor) and owner."""
+
+    key: bytes
+    payload: bytes | bytearray | memoryview
+    namespace_id: bytes
+    layout: tuple[TensorSpec, ...] | None = None
+    tenant: str = ""
+    ttl_s: float | None = None     # an explicit lifetime for this block instead of the retention policy
+
+
+UNKNOWN = -1     # a count offline stats cannot know (what a daemon holds in DRAM)
+
+
+@dataclass
+class TierStats:
+    tier: str
+    blocks: int              # UNKNOWN offline for DRAM
+    used_bytes: int          # UNKNOWN offline for DRAM
+    capacity_bytes: int
+
+
+@dataclass
+class StoreStats:
+    """What stats() answers, from a store or a daemon (kvstore/stats.py collects it)."""
+
+    data_dir: str
+    index_blocks: int
+    namespaces: int
+    tiers: list[TierStats]
+    counters: dict[str, int]
+    persistent_counters: dict[str, int]
+    pinned_blocks: int = 0
+    age_histogram: dict[str, int] = field(default_factory=dict)
+    segments: int = 0
+    live_bytes: int = 0
+    offline: bool = False     # read from the directory, not from the store that holds it
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -16,27 +16,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore.block_format import check_layout
 from kvcache.kvstore.errors import BlockFormatError, TierFullError
-from kvcache.kvstore.types import BlockMeta, PutResult, TensorSpec, Tier
+from kvcache.kvstore.types import BlockMeta, PutItem, PutResult, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.dram_eviction import EvictedBlock
 from kvcache.kvstore.events import Event
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PutItem:
-    key: bytes
-    payload: bytes | bytearray | memoryview
-    namespace_id: bytes
-    layout: tuple[TensorSpec, ...] | None = None
-    tenant: str = ""
-    ttl_s: float | None = None     # an explicit lifetime for this block instead of the retention policy
 
 
 class StoreWrites:

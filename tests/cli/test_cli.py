@@ -12,7 +12,8 @@ import numpy as np
 
 from kvcache.kvstore import Namespace, hash_blocks
 from kvcache.kvstore.config import StoreConfig
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.nvme import NvmeConfig
 
 

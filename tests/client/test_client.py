@@ -17,7 +17,8 @@ from kvcache.client.async_client import (AsyncKVClient, AuthError, DaemonError, 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import BlockFormatError, TierFullError, UnknownNamespaceError
 from kvcache.client.open_store import open_store
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig

@@ -226,7 +226,7 @@ def wait_released(store):
 
 
 def _item(k):
-    from kvcache.kvstore.store import PutItem
+    from kvcache.kvstore.types import PutItem
     return PutItem(k, payload_for(k), NS.id)
 
 

@@ -204,7 +204,8 @@ def test_pool_blocks_round_trip_through_the_block_store(model, tmp_path):
     from kvcache.engine.kv_blocks import block_layout, decode_block, encode_block, layout_id
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
-    from kvcache.kvstore.store import BlockStore, PutItem
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.kvstore.types import PutItem
     llm = LLM(model=model, config=CFG)
     eng = llm.engine
     req = eng.add_request((prompts(1)[0] * 4)[:48], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

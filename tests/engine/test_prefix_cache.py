@@ -363,7 +363,7 @@ def test_a_malformed_end_snapshot_in_the_store_is_a_miss(tmp_path, bad):
     from kvcache.engine.kv_connector import end_snapshot_key
     from kvcache.engine.llm_engine import LLMEngine
     from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from kvcache.kvstore.store import PutItem
+    from kvcache.kvstore.types import PutItem
     from tests.engine.tiny import randomize, v4_config
     model = randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=1).eval()
     prompt = list(range(3, 13))                     # no full block: an end snapshot at 9 tokens is looked up

@@ -163,7 +163,7 @@ def test_puts_make_room_without_a_gc_thread(make_store, clock):
 
 def test_explicit_ttl_per_block(make_store, clock):
     from kvcache.kvstore.errors import BlockFormatError
-    from kvcache.kvstore.store import PutItem
+    from kvcache.kvstore.types import PutItem
     s = make_store()
     short, long_, default = make_keys(1), make_keys(1, start=100), make_keys(1, start=200)
     s.put(short[0], payload_for(short[0]), NS.id, ttl_s=2 * HOUR)

@@ -96,7 +96,8 @@ class Journal:
 
 def main(data_dir: str, journal_path: str, start: int, seed: int) -> None:
     from kvcache.gc.collector import Collector
-    from kvcache.kvstore.store import BlockStore, PutItem
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.kvstore.types import PutItem
 
     # what this writer may touch: blocks acknowledged by earlier writers
     live: set[int] = set()

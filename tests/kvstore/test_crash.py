@@ -31,7 +31,8 @@ import xxhash
 
 from kvcache.gc.collector import Collector
 from kvcache.gc.fsck import check
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 
 WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_writer.py")
 _spec = importlib.util.spec_from_file_location("kvcache_crash_writer", WRITER)

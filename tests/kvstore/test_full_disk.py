@@ -11,7 +11,8 @@ import pytest
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError, TierFullError
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.nvme import NvmeConfig, NvmeTier
 from tests.tiering.faults_common import NS, key_for, payload_for
 

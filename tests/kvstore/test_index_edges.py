@@ -14,7 +14,8 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.index import Index
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import Tier
 from kvcache.tiering import object_store
 from kvcache.tiering.nvme import NvmeConfig

@@ -13,7 +13,7 @@ from kvcache.client import shm_client
 from kvcache.kvstore import shm_directory as sd
 from kvcache.client.async_client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.base import BlockWrite
 from kvcache.tiering.dram import DramConfig, DramTier
 from tests.conftest import NS, ListSink, make_keys, payload_for, put_blocks

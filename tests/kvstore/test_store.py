@@ -5,7 +5,7 @@ import pytest
 
 from kvcache.kvstore import Namespace, Tier
 from kvcache.kvstore.errors import BlockFormatError, StoreLockedError, UnknownNamespaceError
-from kvcache.kvstore.store import PutItem
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec
 from tests.conftest import NS, make_keys, payload_for, put_blocks
 

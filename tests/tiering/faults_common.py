@@ -9,7 +9,8 @@ import xxhash
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 

@@ -11,7 +11,8 @@ import pytest
 
 from kvcache.gc.collector import Collector, GcReport
 from kvcache.kvstore.errors import TierFullError
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering import nvme as nvme_mod
 from kvcache.tiering.base import Placement
 from kvcache.tiering.nvme import NvmeConfig

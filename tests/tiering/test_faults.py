@@ -22,7 +22,8 @@ from kvcache.kvstore.errors import (
     BlockFormatError, UnknownNamespaceError,
 )
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec
 
 from tests.tiering.faults_common import NS, NS_SHA, key_for, payload_for, make_config, open_store, fill, placements

@@ -19,7 +19,8 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import (
     StoreError, StoreLockedError, TierFullError,
 )
-from kvcache.kvstore.store import BlockStore, PutItem
+from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import PutItem
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 
