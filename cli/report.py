@@ -4,9 +4,14 @@
         ──compute_report──> a plain dict (what --json prints, what the HTML is drawn from)
         ──> terminal summary, and with --out an HTML page with embedded PNG plots (report_html.py)
 
-The numbers are computed from `lookup` events, the engine's question "how much of this
-prompt is cached?": a lookup's requested tokens are its prompt length in full blocks and
-its hit tokens are the prefill it saved. A lookup that misses entirely carries no namespace
+Hit rates are computed from `lookup` events, the engine's question "how much of this prompt
+is cached?": a lookup's requested tokens are its prompt length in full blocks, its hit tokens
+what the store holds. Prefill tokens saved are what readers used: the blocks `get` events
+served (an engine fetches only the blocks it will use; a lookup's hit can be longer than that:
+a tier slower than recomputing, a hit no longer than the replay window, an exact-mode hit cut
+back to its last snapshot; in exact mode the tail snapshot read with a hit counts as one
+block). Events are read from closed files and from the live files of a running daemon
+(kvstore/event_log.py), so a report sees events a few seconds old. A lookup that misses entirely carries no namespace
 unless the caller named it (`lookup(keys, namespace_id=...)`, which the engine does),
 hence no block size and no token count (see `BlockStore._event`); its block size is taken
 from the same tenant's other events (most frequent value), else from all events. If no event
@@ -58,12 +63,12 @@ def add_parser(sub) -> None:
 
 
 def cmd_report(args) -> int:
-    from kvcache.kvstore.event_log import event_files, read_events
+    from kvcache.kvstore.event_log import event_files, live_files, read_events
     directory = resolve_events_dir(args.data_dir)
     since = parse_since(args.since, time.time()) if args.since else None
     table = read_events(directory, since, progress=not args.json and sys.stderr.isatty())
     rep = compute_report(table)
-    rep.update(source=directory, files=len(event_files(directory)), since=since)
+    rep.update(source=directory, files=len(event_files(directory)) + len(live_files(directory)), since=since)
     if args.out:
         from kvcache.cli.report_html import write_html
         write_html(rep, args.out)
@@ -117,7 +122,8 @@ def compute_report(table) -> dict:
     hit = np.minimum(c["hit_blocks"][lk], c["blocks"][lk]) * bs[lk]
     rep["lookups"] = {"count": int(lk.sum()), **_rate(req.sum(), hit.sum()),
                       "inferred_block_size": int((lk & (c["tokens"] <= 0) & (c["blocks"] > 0)).sum())}
-    rep["prefill_tokens_saved"] = rep["lookups"]["hit"]
+    g = c["kind"] == "get"
+    rep["prefill_tokens_saved"] = int(round((np.minimum(c["hit_blocks"][g], c["blocks"][g]) * bs[g]).sum()))
     rep["tiers"] = _tiers(c, lk, bs)
     rep["tenants"] = _tenants(c["tenant"][lk], req, hit)
     rep["prefix_buckets"] = _prefix_buckets(req, hit)
@@ -284,7 +290,7 @@ def describe_source(rep: dict) -> str:
 def empty_message(rep: dict) -> str:
     since = f" since {_when(rep['since'])} UTC" if rep.get("since") is not None else ""
     return (f"no events recorded{since}. The daemon records them when [store] event_log = true "
-            "(the default); a file becomes readable once it is rotated (hourly) or the daemon stops.")
+            "(the default); a running daemon's events become readable within about 10 s.")
 
 
 def _when(t: float) -> str:

@@ -59,7 +59,7 @@ def test_hand_computed_numbers(hand_log, capsys):
     assert rep["unit"] == "tokens" and rep["events"] == 11 and rep["files"] == 1
     assert rep["lookups"] == {"count": 6, "requested": requested, "hit": hit,
                               "hit_rate": pytest.approx(hit / requested), "inferred_block_size": 3}
-    assert rep["prefill_tokens_saved"] == hit
+    assert rep["prefill_tokens_saved"] == 960          # what the one get served, not what lookups found
     tiers = rep["tiers"]
     assert [tiers[t]["hit_tokens"] for t in ("dram", "nvme", "object")] == [640 + 16384, 320 + 6400, 3200]
     assert tiers["dram"]["share"] == pytest.approx(17024 / hit)
@@ -98,7 +98,7 @@ def test_terminal_summary(hand_log, capsys):
     assert cmd_report(_args(hand_log, json=False)) == 0
     out = capsys.readouterr().out
     assert "token hit rate" in out and f"{26944 / 77088:.1%}" in out
-    assert "prefill tokens saved  26,944" in out
+    assert "prefill tokens saved  960" in out
     assert re.search(r"beta\s+2\s+9,760\s+9,600\s+98.4%", out)
     assert re.search(r"1-3d\s+0\s+7", out)
 
