@@ -143,16 +143,25 @@ def _generate(rank: int, world: int, args, params) -> int:
           f"time to first token {m.ttft_s * 1e3:.0f} ms"
           + (f", {tpot * 1e3:.1f} ms/token ({1 / tpot:.1f} tokens/s)" if tpot else "") + "]", file=sys.stderr)
     if req.usage is not None:
-        u = req.usage
-        tiers = ", ".join(f"{t} {n}" for t, n in u.cached_tokens.items()) or "none"
-        print(f"[cache: {u.total_cached} of {u.prompt_tokens} prompt tokens cached ({tiers}), "
-              f"{u.replayed_tokens} replayed, {u.bytes_loaded / 1e6:.1f} MB loaded in {u.load_s * 1e3:.0f} ms]",
-              file=sys.stderr)
+        print(usage_line(req.usage, llm.engine.config.cache), file=sys.stderr)
     llm.close()
     if req.error:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def usage_line(u, cache) -> str:
+    """The cache usage line printed after a request; in exact mode it says when the prompt is too
+    short to leave a snapshot (nothing else would tell a user why the same prompt never hits)."""
+    tiers = ", ".join(f"{t} {n}" for t, n in u.cached_tokens.items()) or "none"
+    line = (f"[cache: {u.total_cached} of {u.prompt_tokens} prompt tokens cached ({tiers}), "
+            f"{u.replayed_tokens} replayed, {u.bytes_loaded / 1e6:.1f} MB loaded in {u.load_s * 1e3:.0f} ms")
+    if cache is not None and cache.mode == "exact" and u.prompt_tokens <= cache.snapshot_interval:
+        line += (f"; exact mode resumes only from snapshots, taken every {cache.snapshot_interval} prompt tokens "
+                 f"(cache.snapshot_interval) and where a request ends: a {u.prompt_tokens}-token prompt leaves "
+                 "none that the same prompt can reuse, only one that a prompt continuing it resumes from")
+    return line + "]"
 
 
 def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
