@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import json
 import logging
 import threading
@@ -29,8 +28,8 @@ from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts
 from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
-from kvcache.kvstore.types import PutItem
-from kvcache.kvstore.types import PutResult
+from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.types import LookupResult, PutItem, PutResult, StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,9 @@ async def _cancel_pending() -> None:
 
 
 class KVClient:
-    """Blocking client with BlockStore's interface: the methods of SYNC_METHODS, each with the
-    signature and docstring of its AsyncKVClient coroutine. It owns a private event loop running
-    in a daemon thread for the small calls; put_many and the reads run in the calling thread
-    (see the module docstring). Safe to share between threads."""
+    """Blocking client with BlockStore's interface (kvstore/protocol.py's Store): each small call
+    runs its AsyncKVClient coroutine on a private event loop in a daemon thread; put_many and the
+    reads run in the calling thread (see the module docstring). Safe to share between threads."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, **options):
         self._client = c = AsyncKVClient(base_url, token, **options)
@@ -111,6 +109,51 @@ class KVClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ small calls, on the loop
+    def healthz(self) -> dict:
+        return self._run(self._client.healthz())
+
+    def register_namespace(self, ns: Namespace) -> bytes:
+        """As BlockStore's: idempotent, and a new non-empty `ns.name` renames the namespace."""
+        return self._run(self._client.register_namespace(ns))
+
+    def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
+        """Longest contiguous run of hits; the daemon labels it with the token's tenant."""
+        return self._run(self._client.lookup(keys, tenant, namespace_id))
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._run(self._client.exists(keys))
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """BlockStore's name for `exists`: both stores answer it."""
+        return self._run(self._client.exists_many(keys))
+
+    def contains(self, key: bytes) -> bool:
+        return self._run(self._client.contains(key))
+
+    def put(self, key: bytes, payload, namespace_id: bytes, layout=None, tenant: str = "",
+            ttl_s: float | None = None) -> PutResult:
+        """One block in one PUT request (put_many streams batches from this thread)."""
+        return self._run(self._client.put(key, payload, namespace_id, layout, tenant, ttl_s))
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        return self._run(self._client.pin(keys, ttl_s))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._run(self._client.unpin(keys))
+
+    def delete(self, keys: Sequence[bytes], tenant: str | None = None) -> int:
+        """Admin only (see AsyncKVClient.delete); never retried."""
+        return self._run(self._client.delete(keys, tenant))
+
+    def gc(self, max_steps: int = 100) -> dict:
+        """Admin only: bounded GC steps in the daemon; its report. Never retried."""
+        return self._run(self._client.gc(max_steps))
+
+    def stats(self) -> StoreStats:
+        """The daemon's StoreStats (as BlockStore.stats() returns)."""
+        return self._run(self._client.stats())
 
     # ------------------------------------------------------------------ uploads
     def put_many(self, items: Sequence[PutItem]) -> PutResult:
@@ -242,21 +285,3 @@ class KVClient:
     def _check_open(self) -> None:
         if self._closed:
             raise DaemonError("this KVClient is closed")
-
-
-SYNC_METHODS = ("healthz", "register_namespace", "lookup", "exists", "exists_many", "contains", "get", "get_into",
-                "get_many", "get_many_into", "put", "put_many", "pin", "unpin", "delete", "gc", "stats")
-
-
-def _blocking(name: str):
-    coro_fn = getattr(AsyncKVClient, name)
-
-    @functools.wraps(coro_fn)
-    def method(self: KVClient, *args, **kwargs):
-        return self._run(coro_fn(self._client, *args, **kwargs))
-    return method
-
-
-for _name in SYNC_METHODS:
-    if _name not in KVClient.__dict__:      # the bulk paths above run in the calling thread
-        setattr(KVClient, _name, _blocking(_name))
