@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from kvcache.engine.kv_connector import CacheConfig, snapshot_key
+from kvcache.engine.cache.connector import CacheConfig, snapshot_key
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.sampling import SamplingParams

@@ -178,7 +178,7 @@ def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
 
 def _config(args):
     """The engine config, with a [cache] section from --cache-config / --cache / --cache-mode."""
-    from kvcache.engine.kv_connector import CacheConfig
+    from kvcache.engine.cache.connector import CacheConfig
     from kvcache.engine.llm_engine import EngineConfig
     if args.cache_config:
         cache = CacheConfig.load(args.cache_config, store=args.cache, mode=args.cache_mode)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from kvcache.engine.llm_engine import EngineConfig, LLMEngine
-from kvcache.engine.prefix_cache import CacheUsage
+from kvcache.engine.cache.prefix_cache import CacheUsage
 from kvcache.engine.request import Metrics, Request
 from kvcache.engine.sampling import SamplingParams
 

@@ -21,16 +21,16 @@ import torch
 
 from kvcache.engine.block_pool import BlockPool, PoolExhausted
 from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
-from kvcache.engine.kv_blocks import block_layout, layout_id
-from kvcache.engine.kv_connector import CacheConfig, KVConnector
+from kvcache.engine.cache.block_payload import block_layout, layout_id
+from kvcache.engine.cache.connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
 from kvcache.kernels.grouped_matmul import device_experts_pay, stack_experts
-from kvcache.engine.prefix_cache import CacheUsage, PrefixCache
+from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
-from kvcache.engine.weights_id import weights_id
+from kvcache.engine.cache.weights_id import weights_id
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class LLMEngine:
 
 def engine_namespace(config, block_size: int, layout: str, weights_id: str = "") -> Namespace:
     """Block keys depend on the model (its config's fingerprint and, with a cache, its weights:
-    engine/weights_id.py), the pool's block layout id (engine/kv_blocks.py) and the block size."""
+    engine/cache/weights_id.py), the pool's block layout id (engine/cache/block_payload.py) and the block size."""
     import hashlib
     import json
     fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]

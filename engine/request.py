@@ -67,7 +67,7 @@ class Request:
     parent: "Request | None" = None  # n > 1: children fork from the parent after its prefill
     text: str = ""                   # detokenised output (when a tokenizer is attached)
     text_cut: bool = False           # a stop string cut `text`: later decodes leave it as it is
-    usage: object = None             # engine.prefix_cache.CacheUsage when a cache is configured
+    usage: object = None             # engine.cache.prefix_cache.CacheUsage when a cache is configured
     resume: object = None            # after a prefix hit: how its first state is built (prefix_cache.Resume)
     cache_planned: bool = False      # the prefix cache has looked this request up
     saved_blocks: int = 0            # leading full blocks already saved to (or loaded from) the cache

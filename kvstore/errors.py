@@ -27,7 +27,7 @@ class TierFullError(StoreError):
 class StoreUnavailableError(StoreError):
     """The store did not answer (a daemon that is not running, a connection refused, reset or
     timed out). Nothing was refused: the same call may succeed later. A cache reader treats it
-    as a miss and tries the store again after a while (engine/kv_connector.py)."""
+    as a miss and tries the store again after a while (engine/cache/connector.py)."""
 
 
 class StoreLockedError(StoreError):

@@ -201,7 +201,7 @@ def test_history_rows_live_in_the_pool_blocks(model):
 @torch.no_grad()
 def test_pool_blocks_round_trip_through_the_block_store(model, tmp_path):
     """A block's history rows, encoded with the pool's layout, stored, read back into another block."""
-    from kvcache.engine.kv_blocks import block_layout, decode_block, encode_block, layout_id
+    from kvcache.engine.cache.block_payload import block_layout, decode_block, encode_block, layout_id
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
     from kvcache.kvstore.store import BlockStore
@@ -233,8 +233,8 @@ def test_pool_blocks_round_trip_through_the_block_store(model, tmp_path):
 def test_exact_warm_start_from_stored_blocks_and_a_tail_snapshot(model, tmp_path):
     """Cold run of P + Q vs: run P, store its blocks and tail snapshot, then a new engine loads them
     into fresh pool blocks and continues with Q: the same greedy tokens (exact mode)."""
-    from kvcache.engine.kv_blocks import decode_block, encode_block
-    from kvcache.engine.snapshot import capture, restore
+    from kvcache.engine.cache.block_payload import decode_block, encode_block
+    from kvcache.engine.cache.snapshot import capture, restore
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(21)
     P = torch.randint(3, 380, (2 * CFG.block_size,), generator=g).tolist()

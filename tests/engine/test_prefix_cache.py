@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache.engine.kv_connector import CacheConfig
+from kvcache.engine.cache.connector import CacheConfig
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.sampling import SamplingParams
@@ -359,8 +359,8 @@ def test_a_malformed_end_snapshot_in_the_store_is_a_miss(tmp_path, bad):
     """A store's bytes are input. An end snapshot whose partial block does not fit the pool used
     to fail the step and strand the request (and a block); one of no layers would have resumed
     with empty windows: wrong tokens. Both are misses: the same tokens as a cold run."""
-    from kvcache.engine import snapshot
-    from kvcache.engine.kv_connector import end_snapshot_key
+    from kvcache.engine.cache import snapshot
+    from kvcache.engine.cache.connector import end_snapshot_key
     from kvcache.engine.llm_engine import LLMEngine
     from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from kvcache.kvstore.types import PutItem
@@ -412,9 +412,9 @@ def test_a_daemon_not_up_yet_is_a_miss_then_used_once_it_answers(model, tmp_path
     import gc
     import logging
     import time
-    from kvcache.engine import kv_connector
+    from kvcache.engine.cache import connector
     from tests.server import test_serve_process as serve
-    monkeypatch.setattr(kv_connector, "RETRY_S", 0.2)
+    monkeypatch.setattr(connector, "RETRY_S", 0.2)
     port = serve.free_port()
     monkeypatch.setattr(serve, "free_port", lambda: port)
     P, Qs = prompts(29, n_questions=4)

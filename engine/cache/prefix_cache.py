@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.engine import snapshot
-from kvcache.engine.kv_blocks import decode_blocks, encode_block
-from kvcache.engine.kv_connector import CacheConfig, KVConnector, end_snapshot_key, snapshot_key
+from kvcache.engine.cache import snapshot
+from kvcache.engine.cache.block_payload import decode_blocks, encode_block
+from kvcache.engine.cache.connector import CacheConfig, KVConnector, end_snapshot_key, snapshot_key
 from kvcache.engine.request import Request, Status
 from kvcache.kvstore.hashing import hash_blocks
 

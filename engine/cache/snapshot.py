@@ -1,6 +1,6 @@
 """Tail snapshots: the per-request part of the KV state that blocks do not hold (exact mode).
 
-    blocks (engine/kv_blocks.py)     history rows of every full block: content-addressed, shared
+    blocks (engine/cache/block_payload.py)     history rows of every full block: content-addressed, shared
     tail snapshot (this file)        per layer: window rows, compressor carry (pending rows, CSA's
                                      last Ca half), how many rows each history lane holds, and the
                                      model-level length and Engram token history
