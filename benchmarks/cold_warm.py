@@ -25,19 +25,23 @@ Exact mode (tail snapshots): every warm run's tokens are checked equal to the co
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import gc
 import os
 import resource
 import shutil
+import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-from kvcache.engine.cache.connector import CacheConfig, snapshot_key
+from kvcache.benchmarks import verbs
+from kvcache.engine.kv_connector import CacheConfig
+from kvcache.kvstore.hashing import snapshot_key
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.sampling import SamplingParams
@@ -279,19 +283,21 @@ def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int =
     return doc
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# ---------------------------------------------------------------- CLI
+def run_args(args: argparse.Namespace) -> int:
+    from kvcache.benchmarks.cold_warm_report import format_table
+    doc = run(args.config, tuple(args.lengths), args.output_tokens,
+              args.out_dir, args.seed, progress=not args.no_progress,
+              workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}\n  and {os.path.join(args.out_dir, 'cold_warm-latest.md')}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvcache.benchmarks.cold_warm`: `kvcache bench cold-warm`, reports in benchmarks/results/."""
-    import argparse
-    from kvcache.cli.bench import COLD_WARM_EPILOG, add_cold_warm_arguments, run_cold_warm
-    p = argparse.ArgumentParser(prog="python -m kvcache.benchmarks.cold_warm", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=COLD_WARM_EPILOG)
-    add_cold_warm_arguments(p, default_out_dir=RESULTS)
-    return run_cold_warm(p.parse_args(argv))
+    return verbs.main("cold_warm", argv)
 
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

@@ -1,6 +1,6 @@
 """`kvcache bench daemon`: batched put/get through the real `kvcache serve` daemon (HTTP and its
 unix socket) against redis-server (memory only, and appendfsync always), memcpy and write()+fdatasync
-of the same bytes in the same run, plus the latency of a 1,000-block lookup. EPILOG says what each
+of the same bytes in the same run, plus the latency of a 1,000-block lookup. verbs.DAEMON_EPILOG says what each
 side does; the method is `kvcache bench tiers`' (batch by batch in rotating order, GB/s of the median
 of `repeats` rounds after a warm-up round, throughput ratios). Same-host reads are measured twice:
 payloads through the unix socket, and through the shared-memory arena (the socket carries leases).
@@ -24,16 +24,16 @@ import numpy as np
 import xxhash
 from tqdm import tqdm
 
-from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,  # noqa: F401
-                                       start_daemon, start_redis)
+from kvcache.benchmarks import verbs
+from kvcache.benchmarks.args import parse_sizes, size_label
+from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
+from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,
+                                               start_daemon, start_redis)
+from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.client.shm_client import read_direct
 from kvcache.kvstore.types import PutItem
-from kvcache.benchmarks.record import load_now, machine_info, write_results
-from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
-from kvcache.benchmarks.tiers import parse_sizes, size_label
 
-DEFAULT_SIZES = "256K,1M,4M"
 # ratio -> (operation, measured side, baseline side); top level: worst case over sizes
 RATIOS = {
     "daemon_get_vs_redis": ("get", "daemon_http", "redis_tcp"),
@@ -55,26 +55,6 @@ SIDES = {"memcpy": "memcpy", "memcpy_arena": "memcpy arena", "raw_write": "write
          "redis_tcp": "redis tcp", "redis_unix": "redis unix", "redis_aof_always": "redis aof-always"}
 _NS = Namespace("bench-daemon@v0", "raw/bench", 256, name="bench-daemon")
 _LOOKUP_BLOCKS = 1000
-EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
-  put   daemon KVClient.put_many over HTTP and over its unix socket (durable: write-through,
-        fsync "always"), and over HTTP to a second daemon in write-back mode (acknowledged
-        from DRAM); redis-py pipelined SET over TCP and unix socket (memory only) and
-        over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
-        write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
-  get   daemon KVClient.get_many_into (HTTP, unix socket, shared memory; served from DRAM); pipelined GET
-        + copy into the same buffer (TCP, unix socket); memcpy of the same blocks out of
-        where the daemon holds them (memcpy arena: the baseline of local_get_vs_memcpy) and
-        out of the benchmark's own buffer (memcpy)
-  also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
-
-targets (reported, never enforced): daemon_get_vs_redis >= 1.0, daemon_put_vs_redis >= 1.0,
-local_get_vs_memcpy >= 0.5 (the shared-memory path).
-Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
-
-examples:
-  kvcache bench daemon
-  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1
-"""
 NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back daemon (acknowledged from DRAM) "
          "vs the memory-only redis; daemon_put_vs_redis_durable = the write-through daemon (fsync always) vs "
          "redis appendfsync always; durable_put_vs_redis_memory shows what durability costs against a "
@@ -393,39 +373,7 @@ def format_table(doc: dict) -> str:
 
 
 # ---------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser, default_out_dir: str = "benchmarks/results") -> None:
-    from kvcache.cli.bench import _checked
-    count = _checked(int, what="a positive integer")
-    p.add_argument("--sizes", type=_checked(parse_sizes, bool), default=parse_sizes(DEFAULT_SIZES), metavar="LIST",
-                   help=f"comma-separated block sizes, K/M/G suffixes (default: {DEFAULT_SIZES})")
-    p.add_argument("--total-mib", type=_checked(float), default=128, metavar="MIB",
-                   help="bytes per block size, operation and side, in MiB (default: 128)")
-    p.add_argument("--repeats", type=count, default=5, metavar="N",
-                   help="timed rounds; medians are reported (default: 5)")
-    p.add_argument("--batch-mib", type=_checked(float), default=16, metavar="MIB",
-                   help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
-    p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
-    p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
-    p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="where the daemon's data, redis' AOF and the raw file go: a scratch directory inside DIR, "
-                        "removed afterwards (default: the current directory; pick the disk to measure)")
-    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
-                   help=f"where the JSON reports go (default: {default_out_dir})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("daemon", help="the serve daemon (HTTP, unix socket) against redis-server and memcpy",
-                       description="Batched put/get throughput of the `kvcache serve` daemon against redis-server "
-                                   "and memcpy, plus lookup latency; prints a table, writes a JSON report.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    add_arguments(p)
-    p.set_defaults(func=run_daemon)
-    return p
-
-
-def run_daemon(args: argparse.Namespace) -> int:
+def run_args(args: argparse.Namespace) -> int:
     """Exit status 0 even when a target is missed (the report says so); 2 without redis."""
     mib = 1 << 20
     try:
@@ -439,3 +387,14 @@ def run_daemon(args: argparse.Namespace) -> int:
     print(format_table(doc))
     print(f"\nwrote {doc['files']['json']}\n  and {doc['files']['latest']}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return verbs.main("daemon", argv)
+    except KeyboardInterrupt:   # processes and scratch directories are already cleaned up
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,30 +1,26 @@
-"""`python -m kvcache.benchmarks.decode_profile`: where a decode step's time goes (torch.profiler): host time per
-step, kernel launches and device syncs per step, how long the device is busy, and the ops with the
-most host time. aten op calls are counted nested (aten::to -> aten::_to_copy -> aten::copy_ is 3).
-The profiled run includes its prefill step; the numbers are per step over all of them.
-
-    python -m kvcache.benchmarks.decode_profile --device cuda --batch 1          # compiled engine, v4-small
-    python -m kvcache.benchmarks.decode_profile --device cuda --batch 8 --eager --device-experts off
-    python -m kvcache.benchmarks.decode_profile --device cuda --batch 1 --cuda-graphs  # steps as CUDA graphs
-    python -m kvcache.benchmarks.decode_profile --device cpu --batch 1           # CPU: op calls, not launches
-    python -m kvcache.benchmarks.decode_profile --device cpu --batch 1 --general-decode   # block decode's A/B
-
-A step that is mostly host time (launches, Python, guards) with the device idle is what CUDA
-graphs or fewer, larger kernels fix; a busy device is what faster kernels fix. Writes
-benchmarks/results/decode_profile_<device>-<time>.json (and -latest.json) with the machine description.
+"""`kvcache bench decode-profile` / `python -m kvcache.benchmarks.decode_profile`: where a decode
+step's time goes (torch.profiler): host time per step, kernel launches and device syncs per step,
+how long the device is busy, and the ops with the most host time. aten op calls are counted nested
+(aten::to -> aten::_to_copy -> aten::copy_ is 3). The profiled run includes its prefill step; the
+numbers are per step over all of them. The report (JSON, with the machine description) goes to
+OUT_DIR/decode_profile_<device>-<time>.json and -latest.json; examples in verbs.PROFILE_EPILOG.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import statistics
+import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvcache.benchmarks import verbs
 from kvcache.benchmarks.model import CONFIG_DIR
+from kvcache.benchmarks.record import machine_info, write_results
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.device import select
@@ -32,7 +28,6 @@ from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
-from kvcache.benchmarks.record import machine_info, write_results
 
 LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -96,33 +91,19 @@ def format_report(doc: dict) -> str:
     return "\n".join(lines)
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m kvcache.benchmarks.decode_profile",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="v4-small")
-    p.add_argument("--device", default="cpu", help="cpu, cuda[:i] or npu[:i]")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=16, help="decode steps per run (default 16)")
-    p.add_argument("--eager", action="store_true", help="the uncompiled engine")
-    p.add_argument("--device-experts", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--general-decode", action="store_true",
-                   help="decode steps by the general path (EngineConfig(block_decode=False)), for the A/B")
-    p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as CUDA graphs")
-    p.add_argument("--out-dir", default=RESULTS)
-    a = p.parse_args(argv)
-    doc = run(a.config, a.device, a.batch, a.steps, not a.eager,
-              {"auto": None, "on": True, "off": False}[a.device_experts], a.out_dir,
-              block_decode=not a.general_decode, cuda_graphs=a.cuda_graphs)
+# ---------------------------------------------------------------- CLI
+def run_args(args: argparse.Namespace) -> int:
+    doc = run(args.config, args.device, args.batch, args.steps, not args.eager, verbs.EXPERTS[args.device_experts],
+              args.out_dir, block_decode=not args.general_decode, cuda_graphs=args.cuda_graphs)
     print(format_report(doc))
     print(f"wrote {doc['files']['json']}")
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return verbs.main("decode_profile", argv)
+
+
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

@@ -1,5 +1,5 @@
-"""`kvcache bench engine` / benchmarks/engine_throughput.py: offline throughput and latency of the
-engine against transformers' `generate` on the same V4 weights, in the same run.
+"""`kvcache bench engine` / `python -m kvcache.benchmarks.engine`: offline throughput and latency
+of the engine against transformers' `generate` on the same V4 weights, in the same run.
 
     per config (v4-tiny, v4-small) and batch (1, 8, 32): `batch` prompts of `prompt_tokens` random
     ids, greedy, `output_tokens` new tokens each (EOS ignored)
@@ -17,13 +17,16 @@ engine against transformers' `generate` on the same V4 weights, in the same run.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+from kvcache.benchmarks import verbs
 from kvcache.benchmarks.model import CONFIG_DIR, hf_twin
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
@@ -184,3 +187,23 @@ def format_table(doc: dict) -> str:
                                             + (" (target out of reach here)" if top < target else ""))
             lines.append(f"  {k} = {doc[k]:.2f} (target >= {target}: {'PASS' if doc[k] >= target else 'MISS'}{reach})")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+def run_args(args: argparse.Namespace) -> int:
+    doc = run(args.configs,
+              args.batches, args.out_dir, args.prompt_tokens,
+              args.output_tokens, args.seed, progress=not args.no_progress, compile_=not args.eager,
+              device=args.device, device_experts=verbs.EXPERTS[args.device_experts],
+              cuda_graphs=args.cuda_graphs)
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return verbs.main("engine", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

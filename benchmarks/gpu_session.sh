@@ -6,7 +6,7 @@
 #            the device experts' and decode graphs' tests                          T_TESTS s (240)
 #   graphs   kvcache bench engine --cuda-graphs (v4-small, b1 and b8, bf16)         T_BENCH s (200)
 #   bench    the same without CUDA graphs (the A/B)                                 T_BENCH s
-#   profile  where a b1 step goes with graphs (benchmarks/decode_profile.py)        T_PROF s (120)
+#   profile  where a b1 step goes with graphs (kvcache bench decode-profile)        T_PROF s (120)
 #
 # STEPS picks some (default: all, in this order). Each step has its own time limit, so one that
 # hangs or compiles too long costs only its share; all four need ~13 minutes with cold compile
@@ -51,14 +51,14 @@ for graphs in --cuda-graphs ""; do
     [[ $STEPS == *" $step "* ]] || continue
     [ "$DEVICE" = cpu ] && [ -n "$graphs" ] && continue        # CUDA graphs need a GPU
     say "bench ${graphs:-without graphs}"
-    timeout "${T_BENCH:-200}" $PY benchmarks/engine_throughput.py --device "$DEVICE" --configs "$CONFIGS" \
+    timeout "${T_BENCH:-200}" $PY -m kvcache.benchmarks.engine --device "$DEVICE" --configs "$CONFIGS" \
         --batches 1,8 --out-dir "$OUT" --no-progress $graphs > "$OUT/bench${graphs}.log" 2>&1
     say "bench exit $? : $(grep -E 'decode_tokens_per_s_vs_hf_b[18] =' "$OUT/bench${graphs}.log" | tr '\n' ' ')"
 done
 
 if [ "$DEVICE" != cpu ] && [[ $STEPS == *" profile "* ]]; then
     say "profile"
-    timeout "${T_PROF:-120}" $PY benchmarks/decode_profile.py --device "$DEVICE" --batch 1 --cuda-graphs \
+    timeout "${T_PROF:-120}" $PY -m kvcache.benchmarks.decode_profile --device "$DEVICE" --batch 1 --cuda-graphs \
         --out-dir "$OUT" > "$OUT/profile.log" 2>&1
     say "profile exit $?"
 fi

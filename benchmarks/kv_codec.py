@@ -11,14 +11,17 @@ real models' structure (RMS-normed latents, RoPE'd tails), not of trained activa
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import statistics
+import sys
 import time
 
 import torch
 import zstandard
 
+from kvcache.benchmarks import verbs
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
 from kvcache.engine.models import build_model
@@ -118,3 +121,24 @@ def run(configs: list[str], tokens: int, out_dir: str, block_tokens: int = 256, 
            "results": results}
     write_results(doc, out_dir, "kv_codec")
     return doc
+
+
+# ---------------------------------------------------------------- CLI
+def run_args(args: argparse.Namespace) -> int:
+    doc = run(args.configs, args.tokens, args.out_dir,
+              args.block_tokens)
+    print("codec on KV history (bf16): ratio, compress / decompress GB/s")
+    for name, r in doc["results"].items():
+        for codec in ("zstd", "zstd-shuffle2"):
+            c = r[codec]
+            print(f"  {name:<10} {codec:<14} {c['ratio']:.3f}x  {c['compress_gb_s']:.2f} / {c['decompress_gb_s']:.2f}")
+    print(f"wrote {doc['files']['json']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return verbs.main("kv_codec", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

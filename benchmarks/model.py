@@ -1,5 +1,5 @@
-"""`kvcache bench model` / benchmarks/model_forward.py: prefill and decode speed of our V4 against
-transformers' DeepseekV4ForCausalLM on the same weights in the same run, plus KV bytes per token
+"""`kvcache bench model` / `python -m kvcache.benchmarks.model`: prefill and decode speed of our V4
+against transformers' DeepseekV4ForCausalLM on the same weights in the same run, plus KV bytes per token
 of the real Flash configs against the architecture reference's figures.
 
     per config (v4-tiny, v4-small) and prompt length (512 / 2k / 8k):
@@ -10,13 +10,16 @@ of the real Flash configs against the architecture reference's figures.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+from kvcache.benchmarks import verbs
 from kvcache.engine.checkpoint.hf_names import to_transformers
 from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.config import ModelConfig
@@ -161,3 +164,21 @@ def format_table(doc: dict) -> str:
             if fmt != "groups":
                 lines.append(f"  {name:<10} {fmt:<24} {v['computed']:8.1f} vs {v['reference']:6d}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- CLI
+def run_args(args: argparse.Namespace) -> int:
+    lengths = args.lengths
+    doc = run(args.configs, lengths, args.out_dir,
+              args.decode_steps, args.baseline_max_tokens, args.seed, progress=not args.no_progress)
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return verbs.main("model", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from kvcache.benchmarks import daemon as bench_daemon
+from kvcache.benchmarks import daemon, daemon_servers, verbs
 
 HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
 needs_redis = pytest.mark.skipif(not HAVE_REDIS, reason="needs redis-server on PATH (apt-get install redis-server) "
@@ -28,8 +28,8 @@ def _positive(d: dict) -> None:
 @needs_redis
 def test_tiny_run_writes_the_report(tmp_path):
     out_dir = tmp_path / "results"
-    doc = bench_daemon.run("256K", 2 << 20, str(out_dir), repeats=1, batch_bytes=1 << 20, data_dir=str(tmp_path),
-                           lookup_runs=5, progress=False)
+    doc = daemon.run("256K", 2 << 20, str(out_dir), repeats=1, batch_bytes=1 << 20, data_dir=str(tmp_path),
+                     lookup_runs=5, progress=False)
     on_disk = json.loads((out_dir / "daemon_throughput-latest.json").read_text())
     assert on_disk == json.loads(json.dumps(doc))
     assert len(list(out_dir.glob("daemon_throughput-2*.json"))) == 1
@@ -38,7 +38,7 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert r["blocks"] == 8 and r["batches"] == 2
     served = r["daemon_gets_served_from"]   # the DRAM tier holds every block: gets never touch the disk
     assert sum(served.values()) == 16 and all("dram" in tier for tier in served)
-    assert set(r["put"]) - {"rounds_s"} == set(bench_daemon.SIDES) - {"daemon_shm", "memcpy_arena"}
+    assert set(r["put"]) - {"rounds_s"} == set(daemon.SIDES) - {"daemon_shm", "memcpy_arena"}
     assert set(r["get"]) - {"rounds_s"} == {"memcpy", "memcpy_arena", "daemon_http", "daemon_unix", "daemon_shm",
                                             "redis_tcp", "redis_unix"}
     _positive(r["put"])
@@ -47,7 +47,7 @@ def test_tiny_run_writes_the_report(tmp_path):
                  "local_get_vs_private_memcpy",
                  "daemon_put_vs_redis_durable", "durable_put_vs_redis_memory", "shm_get_vs_redis"):
         assert on_disk[name] > 0 and on_disk["ratios_per_size"][name]["256K"] == on_disk[name]
-    assert set(on_disk["targets"]) == set(bench_daemon.TARGETS)
+    assert set(on_disk["targets"]) == set(daemon.TARGETS)
     for lk in ("daemon_http", "redis_pipelined_exists"):
         assert 0 < on_disk["lookup"][lk]["p50_ms"] <= on_disk["lookup"][lk]["p99_ms"]
     assert on_disk["lookup_1000_p50_ms"] == on_disk["lookup"]["daemon_http"]["p50_ms"]
@@ -58,17 +58,17 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert on_disk["machine"]["cpu_count"] and on_disk["machine"]["load_at_start"]
     # everything it started is gone: scratch directory (and with it the daemon's data)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".kvcache-bench-")]
-    assert "daemon http" in bench_daemon.format_table(doc)
+    assert "daemon http" in daemon.format_table(doc)
 
 
 def _args(tmp_path, **kw) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench_daemon.add_arguments(p, default_out_dir=str(tmp_path))
+    verbs.add_daemon_arguments(p, default_out_dir=str(tmp_path))
     return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
 
 
 def test_missing_redis_server_exits_2_with_the_install_hint(tmp_path, capsys):
-    assert bench_daemon.run_daemon(_args(tmp_path, redis_server=str(tmp_path / "no-redis-server"))) == 2
+    assert daemon.run_args(_args(tmp_path, redis_server=str(tmp_path / "no-redis-server"))) == 2
     err = capsys.readouterr().err
     assert "apt-get install redis-server" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())   # nothing started, nothing written
@@ -79,5 +79,5 @@ def test_missing_redis_module_is_a_clear_error(monkeypatch):
         pytest.skip("needs redis-server on PATH to get past the first check")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "redis" else real(name, *a))
-    with pytest.raises(bench_daemon.MissingDependency, match="pip install redis"):
-        bench_daemon.check_dependencies("redis-server")
+    with pytest.raises(daemon_servers.MissingDependency, match="pip install redis"):
+        daemon_servers.check_dependencies("redis-server")

@@ -9,7 +9,7 @@ import platform
 import pytest
 
 from kvcache.cli import bench
-from kvcache.benchmarks import tiers as bench_tiers
+from kvcache.benchmarks import args, tiers
 
 MIB = 1 << 20
 RATIOS = ("dram_get_vs_memcpy", "nvme_put_vs_raw_write", "nvme_get_vs_raw_read")
@@ -20,19 +20,19 @@ def _positive(x) -> bool:
 
 
 def test_parse_sizes():
-    assert bench_tiers.parse_sizes("64K, 256k,1M,4MiB") == [64 << 10, 256 << 10, MIB, 4 * MIB]
-    assert bench_tiers.size_label(256 << 10) == "256K" and bench_tiers.size_label(4 * MIB) == "4M"
+    assert args.parse_sizes("64K, 256k,1M,4MiB") == [64 << 10, 256 << 10, MIB, 4 * MIB]
+    assert args.size_label(256 << 10) == "256K" and args.size_label(4 * MIB) == "4M"
     with pytest.raises(ValueError):
-        bench_tiers.parse_size("lots")
+        args.parse_size("lots")
     with pytest.raises(ValueError):
-        bench_tiers.parse_size("0K")
+        args.parse_size("0K")
 
 
 def test_run_writes_report(tmp_path):
     out_dir = tmp_path / "results"
-    bench_tiers.run([64 << 10], 2 * MIB, str(out_dir), repeats=1, batch_bytes=MIB,
-                    data_dir=str(tmp_path / "data"), index_blocks=3000, hash_runs=1, lookup_runs=1,
-                    progress=False)
+    tiers.run([64 << 10], 2 * MIB, str(out_dir), repeats=1, batch_bytes=MIB,
+              data_dir=str(tmp_path / "data"), index_blocks=3000, hash_runs=1, lookup_runs=1,
+              progress=False)
     latest = out_dir / "tier_throughput-latest.json"
     stamped = [p for p in out_dir.glob("tier_throughput-*.json") if p != latest]
     assert latest.exists() and len(stamped) == 1
@@ -58,16 +58,16 @@ def test_run_writes_report(tmp_path):
         assert isinstance(report["targets"][name]["pass"], bool)
     assert report["lookup"]["lookup_blocks"] == 1000 and report["lookup"]["index_blocks"] == 3000
     assert not list((tmp_path / "data").iterdir())  # scratch files are cleaned up
-    table = bench.format_table(report)
+    table = tiers.format_table(report)
     assert "nvme cold get (store)" in table and "target nvme_put_vs_raw_write" in table
 
 
 def test_cli_bench_tiers(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="kvcache")
     bench.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "tiers", "--sizes", "64K", "--total-mib", "1", "--repeats", "1",
-                              "--index-blocks", "1500", "--data-dir", str(tmp_path / "d"),
-                              "--out-dir", str(tmp_path / "r"), "--no-progress"])
-    assert args.func(args) == 0
+    parsed = parser.parse_args(["bench", "tiers", "--sizes", "64K", "--total-mib", "1", "--repeats", "1",
+                                "--index-blocks", "1500", "--data-dir", str(tmp_path / "d"),
+                                "--out-dir", str(tmp_path / "r"), "--no-progress"])
+    assert parsed.func(parsed) == 0
     assert "dram get (store)" in capsys.readouterr().out
     assert (tmp_path / "r" / "tier_throughput-latest.json").exists()

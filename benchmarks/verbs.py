@@ -1,0 +1,270 @@
+"""The benchmarks' options, one `add_*_arguments` per benchmark, and the verbs that name them:
+`kvcache bench VERB` (cli/bench.py) and `python -m kvcache.benchmarks.MODULE` (`main`) both build
+their parser from `VERBS`, then call the module's `run_args`. Nothing here imports torch or a
+benchmark module, so building the `kvcache` parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from kvcache.benchmarks.args import RESULTS, checked, counts, names, parse_sizes
+
+DEFAULT_OUT = "benchmarks/results"        # `kvcache bench`: under the current directory
+TIERS_SIZES = "64K,256K,1M,4M"
+DAEMON_SIZES = "256K,1M,4M"
+EXPERTS = {"auto": None, "on": True, "off": False}      # --device-experts -> EngineConfig.device_experts
+
+TIERS_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
+  dram get / put    BlockStore (NVMe off) and DramTier vs memcpy of the same bytes
+  nvme put          durable put_many (segment append + fdatasync + index commit), and
+                    NvmeTier.put alone, vs write() of the same chunks + fdatasync per batch
+  nvme cold get     get_into after dropping the page cache (checksums verified)
+                    vs pread() of the raw file after dropping its page cache
+  also: keying a 128k-token prompt (xxh3-128, sha256), and looking up 1,000 blocks
+  in an index of --index-blocks entries (vs raw LMDB gets in one transaction)
+
+targets (reported, never enforced): dram get >= 0.8 x memcpy, nvme put >= 0.7 x raw
+write, nvme cold get >= 0.7 x raw read. Ratios are throughput ratios (>1: faster).
+The JSON report goes to OUT_DIR/tier_throughput-<UTC time>.json and ...-latest.json.
+
+examples:
+  kvcache bench tiers
+  kvcache bench tiers --sizes 64K,1M --total-mib 64 --index-blocks 100000
+  kvcache bench tiers --data-dir /mnt/nvme0 --out-dir /tmp/results
+"""
+
+
+def add_tiers_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    count = checked(int, what="a positive integer")
+    p.add_argument("--sizes", type=checked(parse_sizes, bool), default=parse_sizes(TIERS_SIZES),
+                   metavar="LIST", help=f"comma-separated block sizes, K/M/G suffixes (default: {TIERS_SIZES})")
+    p.add_argument("--total-mib", type=checked(float), default=256, metavar="MIB",
+                   help="bytes moved per block size and operation, in MiB (default: 256)")
+    p.add_argument("--repeats", type=count, default=3, metavar="N",
+                   help="timed rounds per measurement; medians are reported (default: 3)")
+    p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
+                   help="bytes per put_many call and per fdatasync of the baseline, in MiB (default: 16)")
+    p.add_argument("--index-blocks", type=count, default=1_000_000, metavar="N",
+                   help="entries in the index for the 1,000-block lookup (default: 1000000)")
+    p.add_argument("--segment-mib", type=checked(float, lambda v: v >= 1, "at least 1 MiB"), default=None,
+                   metavar="MIB", help="NVMe segment size (default: the NvmeConfig default, 256)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where NVMe and index files go: a scratch directory is made inside DIR and "
+                        "removed afterwards (default: the current directory; pick the disk to measure)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON reports go (default: {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+DAEMON_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
+  put   daemon KVClient.put_many over HTTP and over its unix socket (durable: write-through,
+        fsync "always"), and over HTTP to a second daemon in write-back mode (acknowledged
+        from DRAM); redis-py pipelined SET over TCP and unix socket (memory only) and
+        over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
+        write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
+  get   daemon KVClient.get_many_into (HTTP, unix socket, shared memory; served from DRAM); pipelined GET
+        + copy into the same buffer (TCP, unix socket); memcpy of the same blocks out of
+        where the daemon holds them (memcpy arena: the baseline of local_get_vs_memcpy) and
+        out of the benchmark's own buffer (memcpy)
+  also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
+
+targets (reported, never enforced): daemon_get_vs_redis >= 1.0, daemon_put_vs_redis >= 1.0,
+local_get_vs_memcpy >= 0.5 (the shared-memory path).
+Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
+
+examples:
+  kvcache bench daemon
+  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1
+"""
+
+
+def add_daemon_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    count = checked(int, what="a positive integer")
+    p.add_argument("--sizes", type=checked(parse_sizes, bool), default=parse_sizes(DAEMON_SIZES), metavar="LIST",
+                   help=f"comma-separated block sizes, K/M/G suffixes (default: {DAEMON_SIZES})")
+    p.add_argument("--total-mib", type=checked(float), default=128, metavar="MIB",
+                   help="bytes per block size, operation and side, in MiB (default: 128)")
+    p.add_argument("--repeats", type=count, default=5, metavar="N",
+                   help="timed rounds; medians are reported (default: 5)")
+    p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
+                   help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
+    p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
+    p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
+    p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the daemon's data, redis' AOF and the raw file go: a scratch directory inside DIR, "
+                        "removed afterwards (default: the current directory; pick the disk to measure)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON reports go (default: {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+MODEL_EPILOG = """examples:
+  kvcache bench model                                   # v4-tiny and v4-small at 512, 2k, 8k tokens
+  kvcache bench model --configs v4-tiny --lengths 128,512 --decode-steps 8
+  kvcache bench model --baseline-max-tokens 2048        # skip transformers' O(T^2) 8k prefill
+Needs the engine extra (torch) and transformers (the test extra).
+"""
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--configs", type=names, default="v4-tiny,v4-small", help="model configs (configs/models/NAME.json)")
+    p.add_argument("--lengths", type=counts, default="512,2048,8192", help="prompt lengths in tokens")
+    p.add_argument("--decode-steps", type=checked(int), default=16, help="decode steps timed (default 16)")
+    p.add_argument("--baseline-max-tokens", type=checked(int), default=8192,
+                   help="longest prompt given to transformers (its eager attention is O(T^2) in memory)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR", help="where the JSON report goes")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+ENGINE_EPILOG = """targets (reported): decode_tokens_per_s_vs_hf_b1 >= 3, decode_tokens_per_s_vs_hf_b8 >= 10 (v4-small)
+examples:
+  kvcache bench engine
+  kvcache bench engine --configs v4-tiny --batches 1,8 --prompt-tokens 64 --output-tokens 8 --eager
+  kvcache bench engine --device cuda --configs v4-small --batches 1,8      # on a GPU, bf16
+"""
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--configs", type=names, default="v4-tiny,v4-small",
+                   help="model configs (configs/models/NAME.json), random weights (default v4-tiny,v4-small)")
+    p.add_argument("--batches", type=counts, default="1,8,32",
+                   help="requests generated at once, one run each (default 1,8,32)")
+    p.add_argument("--prompt-tokens", type=checked(int), default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--output-tokens", type=checked(int), default=32,
+                   help="greedy tokens generated per request (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--eager", action="store_true", help="skip the compiled engine (it needs g++ on CPU and, with "
+                   "a cold inductor cache, ~2 (v4-tiny) to ~5-8 (v4-small) minutes of compiling per config on 2 "
+                   "cores); 'ours' is then the eager engine")
+    p.add_argument("--device", default="cpu", help="cpu (fp32, default), cuda[:i] or npu[:i] (bf16 weights for "
+                   "both engines; results in engine_throughput_<device>-*.json)")
+    p.add_argument("--device-experts", choices=tuple(EXPERTS), default="auto",
+                   help="routed experts summed on the device (EngineConfig.device_experts; auto: where grouped "
+                   "matmuls exist, off on the CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: the compiled engine replays its decode steps as CUDA graphs (EngineConfig.cuda_graphs; "
+                   "needs --device-experts on or auto with grouped matmuls)")
+
+
+COLD_WARM_EPILOG = """targets (small config, 8k prefix): warm_dram_ttft_vs_cold <= 0.1, warm_nvme_ttft_vs_cold <= 0.15,
+  warm_object_ttft_vs_cold <= 0.3, worst_warm_ttft_vs_floor <= 1.5
+examples:
+  kvcache bench cold-warm                                   # v4-small, 2k, 8k and 32k prefixes
+  kvcache bench cold-warm --lengths 2048,8192
+  kvcache bench cold-warm --config v4-tiny --lengths 512,1024 --output-tokens 4
+"""
+
+
+def add_cold_warm_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--config", default="v4-small", help="model config (configs/models/NAME.json); random weights")
+    p.add_argument("--lengths", type=counts, default="2048,8192,32768",
+                   help="shared prefix lengths in tokens (default 2048,8192,32768)")
+    p.add_argument("--output-tokens", type=checked(int), default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--workloads", default="document,chat,shared", help="any of document (always), chat, shared")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON, markdown and plot go (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_codec_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--configs", type=names, default="v4-small,v41-small",
+                   help="model configs (configs/models/NAME.json)")
+    p.add_argument("--tokens", type=checked(int), default=2048, help="prompt tokens (default 2048)")
+    p.add_argument("--block-tokens", type=checked(int), default=256, help="tokens per stored block (default 256)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR", help="where the JSON report goes")
+
+
+PROFILE_EPILOG = """A step that is mostly host time (launches, Python, guards) with the device idle is what CUDA
+graphs or fewer, larger kernels fix; a busy device is what faster kernels fix. The JSON report goes
+to OUT_DIR/decode_profile_<device>-<UTC time>.json and ...-latest.json.
+examples:
+  kvcache bench decode-profile --device cuda --batch 1                  # compiled engine, v4-small
+  kvcache bench decode-profile --device cuda --batch 8 --eager --device-experts off
+  kvcache bench decode-profile --device cuda --batch 1 --cuda-graphs    # decode steps as CUDA graphs
+  kvcache bench decode-profile --device cpu --batch 1                   # CPU: op calls, not launches
+  kvcache bench decode-profile --device cpu --batch 1 --general-decode  # the A/B for block decode
+"""
+
+
+def add_profile_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--config", default="v4-small")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:i] or npu[:i]")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per run (default 16)")
+    p.add_argument("--eager", action="store_true", help="the uncompiled engine")
+    p.add_argument("--device-experts", choices=tuple(EXPERTS), default="auto")
+    p.add_argument("--general-decode", action="store_true",
+                   help="decode steps by the general path (EngineConfig(block_decode=False)), for the A/B")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as CUDA graphs")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default: {default_out_dir})")
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One benchmark as a command: the module that runs it (its `run_args(args) -> int`), its help."""
+    module: str
+    help: str
+    description: str
+    add_arguments: Callable[..., None]
+    epilog: str | None = None
+
+    def configure(self, p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> argparse.ArgumentParser:
+        self.add_arguments(p, default_out_dir=default_out_dir)
+        p.set_defaults(func=self.run)
+        return p
+
+    def run(self, args: argparse.Namespace) -> int:
+        # imported only now: most benchmarks import torch
+        return importlib.import_module(f"kvcache.benchmarks.{self.module}").run_args(args)
+
+
+VERBS = {
+    "tiers": Verb("tiers", "DRAM/NVMe throughput against memcpy and raw disk",
+                  "Throughput of the DRAM and NVMe tiers against memcpy and raw disk I/O, plus block-hash and "
+                  "lookup latency; prints a table, writes a JSON report.", add_tiers_arguments, TIERS_EPILOG),
+    "daemon": Verb("daemon", "the serve daemon (HTTP, unix socket) against redis-server and memcpy",
+                   "Batched put/get throughput of the `kvcache serve` daemon against redis-server and memcpy, plus "
+                   "lookup latency; prints a table, writes a JSON report.", add_daemon_arguments, DAEMON_EPILOG),
+    "model": Verb("model", "V4 prefill/decode speed against transformers; KV bytes per token",
+                  "Prefill tokens/s and decode ms/token of the engine's DeepSeek-V4 against transformers' "
+                  "implementation on the same weights, and KV bytes per token of the real Flash configs; prints a "
+                  "table, writes a JSON report.", add_model_arguments, MODEL_EPILOG),
+    "codec": Verb("kv_codec", "zstd and zstd-shuffle2 on the KV history the models cache",
+                  "Compression ratio and speed of the object tier's codecs on the bf16 history rows (compressed "
+                  "entries, index keys) of demo V4 / V4.1 models after a prefill.", add_codec_arguments),
+    "engine": Verb("engine", "offline generation throughput and latency against transformers' generate",
+                   "Prompt and decode tokens/s, TTFT and TPOT of the engine at several batch sizes, against "
+                   "transformers' DeepseekV4ForCausalLM.generate on the same weights.", add_engine_arguments,
+                   ENGINE_EPILOG),
+    "cold-warm": Verb("cold_warm", "what the cache buys: TTFT cold vs warm from the pool, DRAM, NVMe, "
+                      "object storage and after a restart",
+                      "The cold-versus-warm benchmark: a shared document (several lengths) plus a question, "
+                      "multi-turn chat and many users sharing a system prompt; TTFT, prefill tokens computed, bytes "
+                      "loaded, decode speed and footprint per scenario, against each tier's floor measured in the same "
+                      "run. JSON + Markdown report with a plot.", add_cold_warm_arguments, COLD_WARM_EPILOG),
+    "decode-profile": Verb("decode_profile", "where a decode step's time goes (torch.profiler)",
+                           "Host time, kernel launches and device syncs per decode step, how long the device is busy, "
+                           "and the ops that cost the most host time (torch.profiler).", add_profile_arguments,
+                           PROFILE_EPILOG),
+}
+
+
+def main(module: str, argv: list[str] | None = None) -> int:
+    """`python -m kvcache.benchmarks.MODULE [options]`: the verb's options, reports beside this package."""
+    verb = next(v for v in VERBS.values() if v.module == module)
+    fmt = argparse.RawDescriptionHelpFormatter if verb.epilog else argparse.HelpFormatter
+    p = argparse.ArgumentParser(prog=f"python -m kvcache.benchmarks.{module}", description=verb.description,
+                                formatter_class=fmt, epilog=verb.epilog)
+    args = verb.configure(p, default_out_dir=RESULTS).parse_args(argv)
+    return verb.run(args)
