@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from kvcache.benchmarks import verbs
-from kvcache.engine.kv_connector import CacheConfig
+from kvcache.engine.cache.connector import CacheConfig
 from kvcache.kvstore.hashing import snapshot_key
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
