@@ -91,3 +91,24 @@ def test_bad_lists_and_paths_are_refused_up_front(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     r = kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "file"), check=False)
     assert r.returncode == 2 and "is a file" in r.stderr
+
+
+def test_a_daemon_that_is_not_running_is_one_warning_and_an_uncached_run(model_dir):
+    from tests.server.test_serve_process import free_port
+    r = kv("generate", "--model", str(model_dir), "--prompt", "A prefix cache", "--max-tokens", "4",
+           "--cache", f"http://127.0.0.1:{free_port()}", "--cache-mode", "exact")
+    warnings = [line for line in r.stderr.splitlines() if "is unreachable" in line]
+    assert r.returncode == 0 and len(warnings) == 1 and "generating without the cache" in warnings[0], r.stderr
+    assert "Unclosed" not in r.stderr and "Traceback" not in r.stderr
+    assert "[cache: 0 of " in r.stderr and "every 512 prompt tokens (cache.snapshot_interval)" in r.stderr
+
+
+def test_the_usage_line_says_why_a_short_exact_prompt_leaves_no_snapshot():
+    from kvcache.cli.generate import usage_line
+    from kvcache.engine.cache.connector import CacheConfig
+    from kvcache.engine.cache.prefix_cache import CacheUsage
+    short, long = CacheUsage(prompt_tokens=100), CacheUsage(prompt_tokens=700, cached_tokens={"dram": 512})
+    assert "snapshot_interval" in usage_line(short, CacheConfig(mode="exact"))
+    assert usage_line(long, CacheConfig(mode="exact")) == \
+        "[cache: 512 of 700 prompt tokens cached (dram 512), 0 replayed, 0.0 MB loaded in 0 ms]"
+    assert "snapshot" not in usage_line(short, CacheConfig(mode="replay"))

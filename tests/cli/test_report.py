@@ -186,3 +186,49 @@ def test_parser_registration_and_dir_resolution(tmp_path):
     (tmp_path / "events").mkdir()
     assert resolve_events_dir(str(tmp_path)) == str(tmp_path / "events")
     assert read_events(resolve_events_dir(str(tmp_path))).num_rows == 0
+
+
+def test_prefill_tokens_saved_is_what_engines_used_read_from_a_running_daemon(tmp_path, capsys):
+    """Ten runs through a real daemon, some of whose hits the engine cannot use (a hit no longer
+    than the replay window is recomputed whole): lookups find more than the engine used, and the
+    report's prefill tokens saved is the engine's cached tokens, read while the daemon runs."""
+    import time
+    import torch
+    from kvcache.engine.cache.connector import CacheConfig
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.llm_engine import EngineConfig
+    from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from kvcache.engine.sampling import SamplingParams
+    from kvcache.client.sync_client import KVClient
+    from tests.engine.tiny import randomize, v4_config
+    from tests.server.test_serve_process import Daemon
+    model = randomize(DeepseekV4ForCausalLM(v4_config(num_nextn_predict_layers=0)), seed=1).eval()
+    cfg = EngineConfig(block_size=16, num_blocks=128, max_tokens_per_step=48, max_running=8,
+                       cache=CacheConfig(mode="replay", replay_blocks=2))
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(3, 380, (96,), generator=g).tolist()             # 6 blocks
+
+    def tail():
+        return torch.randint(3, 380, (7,), generator=g).tolist()
+    prompts = [doc + tail()] + [doc[:40] + tail() if i % 2 else doc + tail() for i in range(9)]   # 2-block hits
+    d = Daemon(tmp_path / "data")
+    try:
+        d.wait_ready()
+        used = 0
+        with KVClient(d.url) as client, LLM(model=model, config=cfg, store=client) as llm, torch.no_grad():
+            for p in prompts:
+                llm.engine.reset_prefix_cache()                          # only the daemon can serve
+                [[out]] = llm.generate([p], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                used += sum(n for tier, n in out.usage.cached_tokens.items() if tier != "hbm")
+        assert used == 5 * 96
+        deadline = time.monotonic() + 60
+        while True:                                                       # live files: no rotation needed
+            rep = _report(tmp_path / "data", capsys)
+            if rep["events"] and rep["lookups"]["count"] == 10 and rep["gets"]["count"] >= 5 \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert rep["lookups"]["hit"] == used + 4 * 32 and rep["prefill_tokens_saved"] == used
+    finally:
+        d.proc.kill()
+        d.proc.wait()
