@@ -13,6 +13,9 @@ seeded by nothing but its inputs: never Python's salted `hash()`, never a random
 every process, rank and restart computes the same keys (the silent 0 % hit rate that
 LMCache and vLLM users hit). xxh3-128 is the default; sha256 is for deployments that do not
 trust their tenants (a crafted collision could otherwise poison another tenant's prefix).
+
+The keys of exact mode's tail snapshots are derived here too (`snapshot_key`, `end_snapshot_key`):
+blake2b over a tag, the block key and, for an end snapshot, its tokens packed as little-endian int64.
 """
 
 from __future__ import annotations
@@ -206,6 +209,24 @@ def hash_blocks(ns: Namespace, tokens, extra_keys=None, parent: bytes | None = N
         prev = _chain(ns.algo, prev, rows[i], extras[i])
         keys.append(prev)
     return keys
+
+
+def snapshot_key(block_key: bytes) -> bytes:
+    """Where the tail snapshot taken right after block `block_key` lives (as long as the key)."""
+    return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()
+
+
+def end_snapshot_key(prev: bytes, tail: Sequence[int], size: int) -> bytes:
+    """Where the snapshot of a request that ended `len(tail)` tokens into a block lives: `prev` is
+    the key of the last full block before it (or the namespace id when there is none); `size`
+    bytes, as long as the namespace's block keys (16, or 32 with sha256).
+
+    The tokens are packed as explicit little-endian int64. Keys stored before this packing was
+    explicit used the host's int64 order (array("q")): on little-endian hosts, the only ones
+    supported, those are the same bytes, so they stay readable (the golden vectors in
+    tests/kvstore/test_hashing.py were computed with that code)."""
+    packed = struct.pack(f"<{len(tail)}q", *tail)
+    return hashlib.blake2b(b"kvcache-end-snapshot-v1" + prev + packed, digest_size=size).digest()
 
 
 def tenant_key(tenant: str, key: bytes) -> bytes:

@@ -24,7 +24,6 @@ runs on the scheduler's path, so a store that is down costs a request nothing.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvcache.kvstore.errors import StoreUnavailableError
-from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.hashing import Namespace, snapshot_key
 from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec, Tier
 
@@ -90,20 +89,6 @@ class CacheConfig:
 
 def tier_label(t: Tier) -> str:
     return t.fastest().name.lower() if t else "none"
-
-
-def snapshot_key(block_key: bytes) -> bytes:
-    """Where the tail snapshot taken right after block `block_key` lives (same length as block keys)."""
-    return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()
-
-
-def end_snapshot_key(prev: bytes, tail: list[int], size: int) -> bytes:
-    """Where the snapshot of a request that ended `len(tail)` tokens into a block lives: `prev` is
-    the key of the last full block before it (or the namespace id when there is none); `size`
-    bytes, as long as the namespace's block keys (16, or 32 with sha256)."""
-    import array
-    return hashlib.blake2b(b"kvcache-end-snapshot-v1" + prev + array.array("q", tail).tobytes(),
-                           digest_size=size).digest()
 
 
 class KVConnector:

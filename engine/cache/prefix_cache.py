@@ -31,9 +31,9 @@ import torch
 
 from kvcache.engine.cache import snapshot
 from kvcache.engine.cache.block_payload import decode_blocks, encode_block
-from kvcache.engine.cache.connector import CacheConfig, KVConnector, end_snapshot_key, snapshot_key
+from kvcache.engine.cache.connector import CacheConfig, KVConnector
 from kvcache.engine.request import Request, Status
-from kvcache.kvstore.hashing import hash_blocks
+from kvcache.kvstore.hashing import end_snapshot_key, hash_blocks, snapshot_key
 
 log = logging.getLogger(__name__)
 

@@ -360,7 +360,7 @@ def test_a_malformed_end_snapshot_in_the_store_is_a_miss(tmp_path, bad):
     to fail the step and strand the request (and a block); one of no layers would have resumed
     with empty windows: wrong tokens. Both are misses: the same tokens as a cold run."""
     from kvcache.engine.cache import snapshot
-    from kvcache.engine.cache.connector import end_snapshot_key
+    from kvcache.kvstore.hashing import end_snapshot_key
     from kvcache.engine.llm_engine import LLMEngine
     from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from kvcache.kvstore.types import PutItem

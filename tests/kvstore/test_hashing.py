@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from kvcache.kvstore import HashAlgo, Namespace, hash_block, hash_blocks
+from kvcache.kvstore.hashing import end_snapshot_key, snapshot_key
 
 NS = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256)
 NS_SHA = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256,
@@ -40,6 +41,35 @@ def test_golden_sha256_with_salt():
 def test_golden_extra_keys():
     keys = hash_blocks(NS, np.arange(512), extra_keys=("lora:a", 7, b"\x01"))
     assert [k.hex() for k in keys] == GOLDEN_EXTRA_KEYS
+
+
+# tail snapshot keys (exact mode), computed with the code that wrote them before their packing
+# was explicit (array("q"), the host's order): stored snapshots must keep these keys
+K16, K32 = bytes(range(16)), bytes(range(32))
+GOLDEN_SNAPSHOT = {16: "257d060dc7cb87cd252d76de99151161",
+                   32: "4ad51ee049b107c4b0769599f3ef5b68a98df7a0f91cbb406d62676751cf3a74"}
+GOLDEN_END_SNAPSHOT = [
+    (K16, [3, 4, 5, 70000], 16, "b62c668b4b4e4f87c4754389ffd2ae3a"),
+    (K32, [0, 1, 2**40], 32, "8671087ae8d73ec3c2f918e7727a0084f762e978004c22c764c389c85b9debbd"),
+    (K16, [], 16, "cbb1332ba49a03cdefb67c88e8c15d46"),
+]
+
+
+def test_golden_snapshot_keys():
+    assert snapshot_key(K16).hex() == GOLDEN_SNAPSHOT[16]
+    assert snapshot_key(K32).hex() == GOLDEN_SNAPSHOT[32]
+    for prev, tail, size, want in GOLDEN_END_SNAPSHOT:
+        assert end_snapshot_key(prev, tail, size).hex() == want
+
+
+def test_end_snapshot_key_packs_tokens_little_endian():
+    tail = [1, 300, 2**33]
+    want = hashlib.blake2b(b"kvcache-end-snapshot-v1" + K16 + b"".join(t.to_bytes(8, "little") for t in tail),
+                           digest_size=16).digest()
+    assert end_snapshot_key(K16, tail, 16) == want
+    assert end_snapshot_key(K16, np.array(tail), 16) == want      # numpy ids pack the same
+    with pytest.raises(struct.error):
+        end_snapshot_key(K16, [1.5], 16)
 
 
 def _frame(b: bytes) -> bytes:
