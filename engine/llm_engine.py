@@ -24,7 +24,7 @@ from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
 from kvcache.engine.cache.connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
-from kvcache.kernels.grouped_matmul import device_experts_pay, stack_experts
+from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.engine.request import FinishReason, Request, Status
@@ -49,7 +49,7 @@ class EngineConfig:
     # CPU (where the host path is faster). It is set on the model: engines sharing a model share it
     device_experts: bool | None = None
     # a decode step (one token per request, every state in the pool) as tensor ops only, with
-    # no per-request Python (engine/decode_plan.py, layers/paged_decode.py; compiled: one graph
+    # no per-request Python (engine/decode_plan.py, layers/decode_step.py; compiled: one graph
     # for the whole step); False: the general path (Attention.core) for every step. Set on the
     # model, like device_experts
     block_decode: bool = True

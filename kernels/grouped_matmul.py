@@ -11,7 +11,11 @@ routed sum is a handful of tensor ops that a compiled block fuses:
           batched matmuls over the pairs' gathered weights, GATHER_BYTES at a time
     y[t] = sum over t's slots in ascending expert id of weight * h   (the host path's order)
 
-The experts keep their own parameters as views into the stacked tensors (no second copy).
+`stacked_sum` is the fast path, `stacked_sum_reference` the same sum one pair at a time
+(tests/kernels/test_grouped_matmul.py compares them). `StackedExperts` holds the stacks for a
+MoE (engine/layers/moe.py:stack_experts builds them); the experts keep their own parameters as
+views into the stacked tensors (no second copy). The linear layout is what the host kernels of
+routed_experts.py read.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class StackedExperts(nn.Module):
     @property
     def on_device(self) -> bool:
         """Routed sums by forward() (transposed stacks); False: by the host path (linear stacks).
-        The layout decides it: stack_experts rebuilds the stacks to change it."""
+        The layout decides it: stack_experts (engine/layers/moe.py) rebuilds the stacks to change it."""
         return not self.linear
 
     def stale(self, experts: nn.ModuleList) -> bool:
@@ -65,35 +69,59 @@ class StackedExperts(nn.Module):
 
     def forward(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) for every token: [N, d] (transposed stacks)."""
-        N, k = ids.shape
-        pair_ids = ids.reshape(-1)
-        order = torch.argsort(pair_ids, stable=True)                              # pairs by expert
-        x = flat[order // k]
-        sorted_ids = pair_ids[order]
-        offs = None
-        if self.grouped:
-            counts = (pair_ids[:, None] == torch.arange(self.w1s.shape[0], device=ids.device)).sum(0)
-            offs = counts.cumsum(0).to(torch.int32)
-        gate = self._mm(x, self.w1s, offs, sorted_ids).clamp(max=self.limit)
-        up = self._mm(x, self.w3s, offs, sorted_ids).clamp(min=-self.limit, max=self.limit)
-        h = self._mm(F.silu(gate) * up, self.w2s, offs, sorted_ids)
-        h = h * weights.reshape(-1)[order, None].to(h.dtype)
-        pairs = torch.empty_like(h)
-        pairs[order] = h                                                          # back to (token, slot)
-        pairs = pairs.view(N, k, -1)
-        slots = torch.argsort(ids, dim=1, stable=True)                            # ascending expert id
-        out = pairs[torch.arange(N, device=ids.device), slots[:, 0]]
-        for j in range(1, k):
-            out = out + pairs[torch.arange(N, device=ids.device), slots[:, j]]
-        return out
+        return stacked_sum(flat, weights, ids, self.w1s, self.w3s, self.w2s, self.limit, self.grouped)
 
-    @staticmethod
-    def _mm(x: torch.Tensor, stacked: torch.Tensor, offs, sorted_ids: torch.Tensor) -> torch.Tensor:
-        if offs is not None:
-            return torch._grouped_mm(x, stacked, offs=offs)
-        step = max(1, GATHER_BYTES // (stacked[0].numel() * stacked.element_size()))   # pairs per chunk
-        return torch.cat([torch.bmm(x[s:s + step, None, :], stacked[sorted_ids[s:s + step]])[:, 0]
-                          for s in range(0, x.shape[0], step)])
+
+def stacked_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1s: torch.Tensor,
+                w3s: torch.Tensor, w2s: torch.Tensor, limit: float, grouped: bool) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(flat[t]) [N, d] over transposed stacks (w1s, w3s
+    [E, d, inter], w2s [E, inter, d]), N >= 1: tensor ops only, no read-back of the ids.
+    `grouped`: one torch._grouped_mm per projection (see grouped_mm_works), else batched matmuls
+    over the pairs' gathered weights. `stacked_sum_reference` is what it computes."""
+    N, k = ids.shape
+    pair_ids = ids.reshape(-1)
+    order = torch.argsort(pair_ids, stable=True)                              # pairs by expert
+    x = flat[order // k]
+    sorted_ids = pair_ids[order]
+    offs = None
+    if grouped:
+        counts = (pair_ids[:, None] == torch.arange(w1s.shape[0], device=ids.device)).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)
+    gate = _mm(x, w1s, offs, sorted_ids).clamp(max=limit)
+    up = _mm(x, w3s, offs, sorted_ids).clamp(min=-limit, max=limit)
+    h = _mm(F.silu(gate) * up, w2s, offs, sorted_ids)
+    h = h * weights.reshape(-1)[order, None].to(h.dtype)
+    pairs = torch.empty_like(h)
+    pairs[order] = h                                                          # back to (token, slot)
+    pairs = pairs.view(N, k, -1)
+    slots = torch.argsort(ids, dim=1, stable=True)                            # ascending expert id
+    out = pairs[torch.arange(N, device=ids.device), slots[:, 0]]
+    for j in range(1, k):
+        out = out + pairs[torch.arange(N, device=ids.device), slots[:, j]]
+    return out
+
+
+def _mm(x: torch.Tensor, stacked: torch.Tensor, offs, sorted_ids: torch.Tensor) -> torch.Tensor:
+    """x's rows (pairs sorted by expert) times their experts' matrices: grouped by `offs` (the
+    experts' end rows), else gathered GATHER_BYTES of weights at a time."""
+    if offs is not None:
+        return torch._grouped_mm(x, stacked, offs=offs)
+    step = max(1, GATHER_BYTES // (stacked[0].numel() * stacked.element_size()))   # pairs per chunk
+    return torch.cat([torch.bmm(x[s:s + step, None, :], stacked[sorted_ids[s:s + step]])[:, 0]
+                      for s in range(0, x.shape[0], step)])
+
+
+def stacked_sum_reference(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1s: torch.Tensor,
+                          w3s: torch.Tensor, w2s: torch.Tensor, limit: float) -> torch.Tensor:
+    """What stacked_sum computes, one (token, slot) pair at a time (slow, for tests): each
+    token's terms in ascending expert id."""
+    out = torch.zeros_like(flat)
+    for t in range(ids.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e, x = int(ids[t, j]), flat[t]
+            h = F.silu((x @ w1s[e]).clamp(max=limit)) * (x @ w3s[e]).clamp(min=-limit, max=limit)
+            out[t] += (h @ w2s[e]) * weights[t, j].to(flat.dtype)
+    return out
 
 
 def grouped_mm_works(dtype: torch.dtype, device, dim: int, inter: int) -> bool:
@@ -110,34 +138,3 @@ def grouped_mm_works(dtype: torch.dtype, device, dim: int, inter: int) -> bool:
         return bool(torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-
-
-def device_experts_pay(model: nn.Module) -> bool:
-    """The engine's default: off the CPU, and only where grouped matmuls exist (the gathered
-    fallback reads every pair's expert weights, too much for big batches); not under expert
-    parallelism."""
-    from kvcache.engine.layers.moe import MoE
-    moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
-    if moe is None or moe.local_experts is not None:
-        return False
-    w = moe.experts[0].w1.weight
-    return w.device.type != "cpu" and grouped_mm_works(w.dtype, w.device, w.shape[1], w.shape[0])
-
-
-def stack_experts(model: nn.Module, on_device: bool = True) -> int:
-    """Stack the experts of every MoE of `model` (their parameters become views: no second copy);
-    `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`, transposed
-    stacks), else by the host path, which a decode graph reaches through the
-    `kvcache::routed_experts` op with the (linear) stacks as its inputs, or at one token sums in
-    the graph (kernels/routed_experts.py). Returns how many MoEs. Under expert parallelism
-    (a rank holds some experts only) nothing is stacked, and on_device is refused."""
-    from kvcache.engine.layers.moe import MoE
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if any(m.local_experts is not None for m in moes):
-        if on_device:
-            raise ValueError("stacked experts do not support expert parallelism")
-        return 0
-    for m in moes:
-        if m.stacked is None or m.stacked.stale(m.experts) or m.stacked.on_device != on_device:
-            m.stacked = StackedExperts(m.experts, linear=not on_device)
-    return len(moes)

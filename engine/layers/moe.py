@@ -6,6 +6,9 @@
     weights = scores[experts] / sum(...)  * routed_scaling_factor
     expert(x) = w2( silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) )
     out = sum_k weights_k expert_k(x) + shared(x)
+
+The routed sums are kernels (kvcache.kernels: routed_experts on the host, grouped_matmul on
+the device); `stack_experts` gives a model's MoEs the stacked weights those read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
+from kvcache.kernels.grouped_matmul import StackedExperts, grouped_mm_works
 from kvcache.kernels.routed_experts import gathered_sum, grouped_sum, swiglu
 
 SMALL_TOKENS = 1          # up to this many tokens: experts summed pair by pair (see MoE.routed)
@@ -168,3 +172,32 @@ class MoE(nn.Module):
         """routed + shared, summed over the ranks under expert/tensor parallelism."""
         out = routed if shared is None else routed + shared
         return out if self.reduce is None else self.reduce(out)
+
+
+def device_experts_pay(model: nn.Module) -> bool:
+    """The engine's default: off the CPU, and only where grouped matmuls exist (the gathered
+    fallback reads every pair's expert weights, too much for big batches); not under expert
+    parallelism."""
+    moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    if moe is None or moe.local_experts is not None:
+        return False
+    w = moe.experts[0].w1.weight
+    return w.device.type != "cpu" and grouped_mm_works(w.dtype, w.device, w.shape[1], w.shape[0])
+
+
+def stack_experts(model: nn.Module, on_device: bool = True) -> int:
+    """Stack the experts of every MoE of `model` (their parameters become views: no second copy);
+    `on_device`: routed sums by the stacks' tensor ops (`StackedExperts.forward`, transposed
+    stacks), else by the host path, which a decode graph reaches through the
+    `kvcache::routed_experts` op with the (linear) stacks as its inputs, or at one token sums in
+    the graph (kernels/routed_experts.py). Returns how many MoEs. Under expert parallelism
+    (a rank holds some experts only) nothing is stacked, and on_device is refused."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if any(m.local_experts is not None for m in moes):
+        if on_device:
+            raise ValueError("stacked experts do not support expert parallelism")
+        return 0
+    for m in moes:
+        if m.stacked is None or m.stacked.stale(m.experts) or m.stacked.on_device != on_device:
+            m.stacked = StackedExperts(m.experts, linear=not on_device)
+    return len(moes)

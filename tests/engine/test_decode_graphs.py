@@ -15,7 +15,7 @@ import torch
 
 from kvcache.engine import decode_graphs as dg
 from kvcache.engine.decode_plan import step_views
-from kvcache.kernels.grouped_matmul import stack_experts
+from kvcache.engine.layers.moe import stack_experts
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model

@@ -1,5 +1,7 @@
-"""Routed experts summed on the device (kernels/grouped_matmul.py): the same sums as the
-host path, one copy of the weights, greedy tokens unchanged through the engine, clear refusals."""
+"""Routed experts summed on the device (kernels/grouped_matmul.py, stacked by
+engine/layers/moe.py:stack_experts): a MoE's same sums as the host path, one copy of the weights,
+greedy tokens unchanged through the engine, clear refusals. The kernels against their references:
+tests/kernels/."""
 
 import copy
 import dataclasses
@@ -7,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache.engine.layers.moe import MoE
-from kvcache.kernels.grouped_matmul import stack_experts
+from kvcache.engine.layers.moe import MoE, stack_experts
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.models import build_model
@@ -33,19 +34,6 @@ def test_stacked_sum_equals_the_host_path():
     for n in (1, 2, 7):
         x = torch.randn(n, host.gate.weight.shape[1])
         torch.testing.assert_close(dev(x), host(x), rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_gathered_weights_are_read_in_bounded_chunks(monkeypatch):
-    """Without grouped matmuls the pairs' weights are gathered GATHER_BYTES at a time (a 512-token
-    prefill of a big model would otherwise gather tens of GiB at once): same sums in chunks."""
-    host = _moe()
-    dev = copy.deepcopy(host)
-    stack_experts(dev)
-    per_expert = dev.stacked.w1s[0].numel() * 4
-    monkeypatch.setattr("kvcache.kernels.grouped_matmul.GATHER_BYTES", 3 * per_expert)   # 3 pairs a chunk
-    x = torch.randn(7, host.gate.weight.shape[1])
-    torch.testing.assert_close(dev(x), host(x), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()
@@ -94,7 +82,7 @@ def test_host_stacks_are_linear_and_a_compiled_token_sums_in_the_graph():
 def test_device_experts_are_off_by_default_on_the_cpu():
     """On the CPU the engine stacks the experts (block decode's op reads the stacks) but sums them
     by the host path."""
-    from kvcache.kernels.grouped_matmul import device_experts_pay
+    from kvcache.engine.layers.moe import device_experts_pay
     model = build_model(v4_config(num_nextn_predict_layers=0))
     assert not device_experts_pay(model)
     LLM(model=model, config=CFG)
@@ -146,34 +134,3 @@ def test_device_experts_refuse_expert_parallelism():
             m.local_experts = {0, 1}                 # what engine/parallel.shard sets under --ep
     with pytest.raises(ValueError, match="expert parallelism"):
         LLM(model=model, config=dataclasses.replace(CFG, device_experts=True))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_sum_equals_each_token_summed_alone(dtype):
-    """The host path's grouped sum equals each token summed alone in ascending expert id (within
-    rounding: a matmul over several tokens may round unlike one over a token), also with k = 6,
-    experts shared by several tokens, no token, and experts held by another rank (expert
-    parallelism: theirs add nothing)."""
-    from kvcache.kernels.routed_experts import grouped_sum, swiglu
-    g = torch.Generator().manual_seed(7)
-    E, d, inter, limit = 8, 32, 16, 2.0
-    w1, w3 = (torch.randn(E, inter, d, generator=g).to(dtype) for _ in range(2))
-    w2 = torch.randn(E, d, inter, generator=g).to(dtype)
-    expert = lambda e: (w1[e], w3[e], w2[e])                                     # noqa: E731
-    for n, k in ((9, 2), (5, 6), (3, 1), (0, 2)):
-        x = torch.randn(n, d, generator=g).to(dtype)
-        ids = (torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]) if n
-               else torch.zeros(0, k, dtype=torch.long))
-        weights = torch.rand(n, k, generator=g)
-        for local in (None, {0, 3, 5}, set()):
-            want = torch.zeros_like(x)
-            for t in range(n):
-                acc = torch.zeros_like(x[t:t + 1])
-                for j in sorted(range(k), key=lambda j: int(ids[t, j])):
-                    if local is None or int(ids[t, j]) in local:
-                        acc = acc + swiglu(x[t:t + 1], *expert(int(ids[t, j])), limit) * weights[t, j].to(dtype)
-                want[t] = acc[0]
-            got = grouped_sum(x, weights, ids, expert, limit, local)
-            assert got.dtype == dtype and got.shape == x.shape
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{n=} {k=} {local=}: {m}")
