@@ -223,7 +223,7 @@ def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int =
     from tqdm import tqdm
     from kvcache.benchmarks.model import CONFIG_DIR
     from kvcache.engine.checkpoint.init import random_weights
-    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.models import build_model
     from kvcache.benchmarks.record import machine_info, write_results
     from kvcache.benchmarks.cold_warm_report import chat_workload, shared_workload, write_report

@@ -22,7 +22,7 @@ from kvcache.benchmarks import verbs
 from kvcache.benchmarks.model import CONFIG_DIR
 from kvcache.benchmarks.record import machine_info, write_results
 from kvcache.engine.checkpoint.init import random_weights
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.device import select
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig

@@ -29,7 +29,7 @@ import torch
 from kvcache.benchmarks import verbs
 from kvcache.benchmarks.model import CONFIG_DIR, hf_twin
 from kvcache.engine.checkpoint.init import random_weights
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.device import Placement, select, synchronize
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig

@@ -23,7 +23,7 @@ import zstandard
 
 from kvcache.benchmarks import verbs
 from kvcache.engine.checkpoint.init import random_weights
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.tokenizer import build_demo_tokenizer
 from kvcache.kvstore.shuffle import shuffle2, unshuffle2_into

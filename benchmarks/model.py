@@ -22,7 +22,7 @@ import torch
 from kvcache.benchmarks import verbs
 from kvcache.engine.checkpoint.hf_names import to_transformers
 from kvcache.engine.checkpoint.init import random_weights
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.kv_layout import kv_layout
 from kvcache.engine.models import build_model
 

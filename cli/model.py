@@ -55,7 +55,7 @@ def cmd_init(args) -> int:
     from tqdm import tqdm
     from kvcache.engine.checkpoint.init import random_weights
     from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
-    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.models import build_model
     from kvcache.engine.tokenizer import build_demo_tokenizer
     config = ModelConfig.load(resolve_config(args.config))
@@ -131,7 +131,7 @@ def model_facts(config) -> dict:
 
 
 def cmd_info(args) -> int:
-    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.model_config import ModelConfig
     config = ModelConfig.load(resolve_config(args.model))
     facts = model_facts(config)
     if args.json:

@@ -47,7 +47,7 @@ def _bytes_per_token(args) -> tuple[float, str]:
     if args.kv_bytes_per_token:
         return args.kv_bytes_per_token, "given"
     from kvcache.cli.model import resolve_config
-    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.kv_layout import kv_layout
     config = ModelConfig.load(resolve_config(args.model))
     fmt = args.format or ("v41_fp4+mxfp4_index" if config.is_v41 else "fp8_ds_mla+fp8_index")

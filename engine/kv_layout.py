@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 
 # bytes per row in published cache formats (deepseek-v4-architecture.md section 3.2)
 ROW_FORMATS = {

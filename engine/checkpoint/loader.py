@@ -29,7 +29,7 @@ from tqdm import tqdm
 from kvcache.engine.checkpoint.formats import fp8_block, scale_name
 from kvcache.engine.checkpoint.hf_names import UnknownTensorName, from_transformers, is_transformers_layout
 from kvcache.engine.checkpoint.quant import dequant_fp4, dequant_fp8
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 SKIPPED_PREFIXES = {"vision.": "the vision tower", "aligner.": "the vision aligner", "image_": "image embeddings",

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kvcache.engine.checkpoint.formats import fp8_block, scale_name, storage_format
 from kvcache.engine.checkpoint.quant import quantize_fp4, quantize_fp8
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 
 
 def encode_tensor(name: str, t: torch.Tensor, config: ModelConfig) -> dict[str, torch.Tensor]:

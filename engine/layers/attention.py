@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
 from kvcache.engine.layers.history import PagedRows, SlotField, clone_field, make_rows, padded_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms

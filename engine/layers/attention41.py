@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.attention import QUERY_BLOCK, Attention, AttentionState
 from kvcache.engine.layers.history import make_rows
 from kvcache.engine.layers.kv_source import IndexKeys, SourceCompressor, SourceState, emit

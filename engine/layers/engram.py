@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.norm import rms
 
 DEAD = -1

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvcache.engine.config import ModelConfig, YarnConfig
+from kvcache.engine.model_config import ModelConfig, YarnConfig
 
 
 def inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> torch.Tensor:

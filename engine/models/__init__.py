@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 
 
 def model_class(config: ModelConfig):

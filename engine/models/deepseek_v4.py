@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kvcache.engine.compiled import phase
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.decode_plan import DecodePlan, plan_decode
 from kvcache.engine.layers.attention import Attended, Attention, AttentionState, core_or_attend
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params

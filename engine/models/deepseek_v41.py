@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kvcache.engine.compiled import phase
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.attention import core_or_attend
 from kvcache.engine.layers.attention41 import SharedAttention
 from kvcache.engine.layers.engram import DEAD, Engram, hash_geometry

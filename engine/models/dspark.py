@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.attention import AttentionState
 from kvcache.engine.layers.hyper import collapse, hc_head
 from kvcache.engine.layers.norm import RMSNorm

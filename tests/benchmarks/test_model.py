@@ -48,7 +48,7 @@ def test_engine_benchmark_tiny(tmp_path):
 def test_roofline_counts_the_experts_a_batch_selects():
     import os
     from kvcache.benchmarks.model import CONFIG_DIR
-    from kvcache.engine.config import ModelConfig
+    from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.models import build_model
     from kvcache.engine.roofline import ceiling, step_weight_bytes
     model = build_model(ModelConfig.load(os.path.join(CONFIG_DIR, "v4-tiny.json")))

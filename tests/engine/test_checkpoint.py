@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from kvcache.engine.checkpoint.hf_names import to_transformers
 from kvcache.engine.checkpoint.loader import CheckpointError, load_model
 from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
-from kvcache.engine.config import ConfigError
+from kvcache.engine.model_config import ConfigError
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from tests.engine.tiny import randomize, v4_config
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from kvcache.engine.config import ConfigError, ModelConfig
+from kvcache.engine.model_config import ConfigError, ModelConfig
 from kvcache.engine.device import select
 from tests.engine.tiny import V4_TINY
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvcache.engine.config import ModelConfig
+from kvcache.engine.model_config import ModelConfig
 
 V4_TINY = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=384, hidden_size=64,
