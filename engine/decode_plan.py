@@ -1,4 +1,4 @@
-"""A pure decode step planned on the host, once for all layers (layers/paged_decode.py runs it).
+"""A pure decode step planned on the host, once for all layers (layers/decode_step.py runs it).
 
 A decode step's per-request bookkeeping is the same for every layer of a kind: the state slot,
 the block table, how many rows the window holds, and per compress ratio m whether the new
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.engine.layers.history import PagedRows, slot_of
-from kvcache.engine.layers.paged_decode import DecodeStep, RatioStep
+from kvcache.engine.layers.decode_step import DecodeStep, RatioStep
 
 RATIO_FIELDS = ("buf_slot", "buf_row", "closes", "carry", "count", "entry_at", "carry_slot", "visible")
 # Block tables are at least this wide (short histories padded with the scratch block, masked): a

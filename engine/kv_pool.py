@@ -12,7 +12,7 @@
       (layer, "pending")   [slots, 1, 2 * head_dim]                           V4.1 ratio-2 open pair
 
 Every lane has one block (`scratch_block`) or slot (`scratch_slot`) past the ones handed out: a
-decode step written as tensor ops (layers/paged_decode.py) sends the writes that must go nowhere
+decode step written as tensor ops (layers/decode_step.py) sends the writes that must go nowhere
 there (rows that close no window) instead of branching per request.
 
 A request's block table addresses all block lanes at once, so one block id is one content-addressed

@@ -22,7 +22,7 @@ from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
 from kvcache.engine.layers.history import PagedRows, SlotField, clone_field, make_rows, padded_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
-from kvcache.engine.layers.paged_decode import masked_bias
+from kvcache.engine.layers.decode_step import masked_bias
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
 QUERY_BLOCK = 256

@@ -57,7 +57,7 @@ class PagedRows:
         self._count += n
 
     def grow(self, n: int) -> None:
-        """Count n rows that a decode graph wrote into the lane itself (layers/paged_decode.py)."""
+        """Count n rows that a decode graph wrote into the lane itself (layers/decode_step.py)."""
         self._count += n
 
     def view(self) -> torch.Tensor:

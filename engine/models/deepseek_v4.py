@@ -26,7 +26,7 @@ from kvcache.engine.layers.attention import Attended, Attention, AttentionState,
 from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
-from kvcache.engine.layers.paged_decode import DecodeStep, decode_keys
+from kvcache.engine.layers.decode_step import DecodeStep, decode_keys
 from kvcache.engine.layers.rope import RotaryTables
 
 

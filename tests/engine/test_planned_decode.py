@@ -1,4 +1,4 @@
-"""Block decode (engine/decode_plan.py, layers/paged_decode.py): a pure decode step as tensor ops
+"""Block decode (engine/decode_plan.py, layers/decode_step.py): a pure decode step as tensor ops
 gives the general path's tokens, logits and states; every such step takes it; writes land in
 the requests' own pages and slots or in the scratch ones; states it cannot take fall back."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config
