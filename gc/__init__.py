@@ -1,5 +1,5 @@
-"""Retention and garbage collection: what may be deleted, and is everything consistent?
+"""Garbage collection and consistency: what may be deleted, and is everything consistent?
 
-Never on the request hot path except `RetentionPolicy.is_expired`, which every read calls
-so that an expired block is never served, even before a collector has run.
+Never on the request hot path: the store checks expiry itself on every read
+(kvstore/retention.py), so an expired block is never served, even before a collector has run.
 """

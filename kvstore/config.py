@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from kvcache.gc.retention import RetentionPolicy
+from kvcache.kvstore.retention import RetentionPolicy
 from kvcache.kvstore.types import is_real
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig

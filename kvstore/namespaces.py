@@ -10,7 +10,7 @@ or read-only disk: TierFullError / StoreError) leaves memory as it was, so the n
 tries again; at worst namespaces.json holds what the index lacks (a new namespace, or its new
 name), which a rebuilt index takes from there.
 
-Retention overrides are keyed by name (gc/retention.py), so a rename can change a namespace's
+Retention overrides are keyed by name (kvstore/retention.py), so a rename can change a namespace's
 rule. The DRAM read directory's entries carry deadlines from the old rule; when the new rule can
 end a block sooner, the entries of that namespace's blocks are withdrawn (clients take a lease
 once, which publishes the new deadlines). Other namespaces' entries stay: the directory is
@@ -19,9 +19,9 @@ shared by every tenant, and one tenant's rename must not cost the others their r
 
 from __future__ import annotations
 
-from kvcache.gc.retention import RetentionRule
 from kvcache.kvstore.errors import NamespaceLimitError, UnknownNamespaceError
 from kvcache.kvstore.hashing import Namespace
+from kvcache.kvstore.retention import RetentionRule
 
 
 class StoreNamespaces:

@@ -104,7 +104,7 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
                  retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None,
                  admission: str = "always") -> dict:
     """Hit rates per tier (token-weighted) of the real store over the trace, and over time."""
-    from kvcache.gc.retention import RetentionPolicy, RetentionRule
+    from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
     from kvcache.kvstore.store import BlockStore

@@ -8,7 +8,7 @@ import collections
 from dataclasses import dataclass, field
 
 from kvcache.gc.collector import Collector
-from kvcache.gc.retention import RetentionPolicy, RetentionRule
+from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.event_log import ParquetEventLog
 from kvcache.kvstore.store import BlockStore

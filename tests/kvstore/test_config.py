@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvcache.gc.retention import HOUR
+from kvcache.kvstore.retention import HOUR
 from kvcache.kvstore.config import StoreConfig
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "store.toml")

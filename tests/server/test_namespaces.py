@@ -17,7 +17,7 @@ from kvcache.kvstore.errors import TierFullError
 from kvcache.kvstore.hashing import tenant_namespace_id
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.store import BlockStore
-from kvcache.gc.retention import RetentionPolicy, RetentionRule
+from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
 from kvcache.tiering.dram import DramConfig
 from kvcache.tiering.nvme import NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put

@@ -17,7 +17,7 @@ from kvcache.kvstore import Namespace, wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import BlockStore
-from kvcache.gc.retention import RetentionPolicy, RetentionRule
+from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
 from kvcache.tiering.nvme import NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kvcache.gc.collector import Collector
-from kvcache.gc.retention import HOUR, RetentionPolicy, RetentionRule
+from kvcache.kvstore.retention import HOUR, RetentionPolicy, RetentionRule
 from kvcache.kvstore.types import BlockMeta
 from tests.conftest import NS, make_keys, payload_for, put_blocks
 
