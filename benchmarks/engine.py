@@ -6,7 +6,7 @@ of the engine against transformers' `generate` on the same V4 weights, in the sa
         prefill  = the run with max_tokens 1        (ours: LLM.generate; transformers: generate)
         decode   = full run - prefill               decode tokens/s = batch x (output - 1) / decode
         TTFT, TPOT from the engine's request metrics
-    ours = the engine with compiled blocks (engine/compiled.py) after a warm-up run that compiles
+    ours = the engine with compiled layers (engine/compiled.py) after a warm-up run that compiles
     (--cuda-graphs: and its decode steps replayed as CUDA graphs, engine/decode_graphs.py);
     ours_eager = the same engine uncompiled, in the same run; each of the three runs untimed once first
     device: cpu (fp32) or cuda / npu (bf16 weights, both engines; results file engine_throughput_<device>)

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
-    p.add_argument("--compile", action="store_true", help="torch.compile the blocks' token-wise phases: faster "
+    p.add_argument("--compile", action="store_true", help="torch.compile the layers' token-wise phases: faster "
                    "steps after a one-time compile at start (v4-small on 2 CPU cores: ~5-8 minutes the first "
                    "time, under a minute once inductor's cache holds the graphs; needs g++ on CPU); not with --tp")
     p.set_defaults(func=cmd_generate)
@@ -110,7 +110,7 @@ def _generate(rank: int, world: int, args, params) -> int:
     from kvcache.engine.llm import LLM, load_checkpoint
     t0 = time.perf_counter()
     if args.compile and rank == 0:
-        print("[compiling the model's blocks before the first step: ~5-8 minutes for v4-small on 2 CPU cores "
+        print("[compiling the model's layers before the first step: ~5-8 minutes for v4-small on 2 CPU cores "
               "the first time, under a minute once inductor's cache holds the graphs]", file=sys.stderr)
     model, tokenizer = load_checkpoint(args.model, args.device, progress=rank == 0 and sys.stderr.isatty())
     if world > 1:             # before the engine: it stacks the experts and compiles for the shapes it sees

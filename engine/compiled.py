@@ -1,7 +1,7 @@
-"""Compiled blocks: the token-wise phases of every block fused by torch.compile (`compile = true`).
+"""Compiled layers: the token-wise phases of every layer fused by torch.compile (`compile = true`).
 
 A decode step at batch 1 is a few hundred tiny ops per layer; in eager PyTorch their dispatch,
-not their arithmetic, is most of the step. Each block splits into phases at the points where
+not their arithmetic, is most of the step. Each layer splits into phases at the points where
 per-request state is touched:
 
     streams ─┬─ attn_in  (compiled) mHC mix, norm, q / kv / history projections, RoPE
@@ -10,19 +10,19 @@ per-request state is touched:
              │  routed experts (eager) data-dependent: one matmul per active expert
              └─ ffn_out  (compiled) combine, expand ─> streams
 
-The phases are the blocks' own methods (`Block.attn_in` ...): eager and compiled run the same
-code. Compiled functions are made once per block class and shared by every layer of that class
-(dynamo guards on a block's structure, e.g. its attention kind, not on which layer it is).
-A pure decode step (block decode, engine/decode_plan.py) is not phases but one graph for the
-whole model (`decode_layers`: every block's `decode` and the logits), one call a step.
+The phases are the layers' own methods (`DecoderLayer.attn_in` ...): eager and compiled run the
+same code. Compiled functions are made once per layer class and shared by every layer of that
+class (dynamo guards on a layer's structure, e.g. its attention kind, not on which layer it is).
+A planned decode step (engine/decode_plan.py) is not phases but one graph for the whole model
+(`decode_layers`: every layer's `decode` and the logits), one call a step.
 Shapes: a batch-1 step has its own graphs, other token counts share one dynamic graph (the
-first count seen also gets a static one, except in block decode, dynamic from the start). An
+first count seen also gets a static one, except in planned decode, dynamic from the start). An
 engine with `compile = true` meets them all at start (`warm_up`: a few scratch requests), so no
 request waits for a compile; the inductor cache (TORCHINDUCTOR_CACHE_DIR) keeps them across
 restarts.
 
 CPU needs a C++ compiler (inductor writes C++); CUDA uses Triton. Tensor and expert parallelism
-are not compiled (their all-reduces sit inside the phases): `compile_blocks` refuses them.
+are not compiled (their all-reduces sit inside the phases): `compile_layers` refuses them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import shutil
 from torch import nn
 
 PHASES = ("attn_in", "ffn_in", "ffn_out")
-MODEL_WHOLE = "decode_layers"   # a model's block-decode step (all blocks, logits) as one graph
+MODEL_WHOLE = "decode_layers"   # a model's planned decode step (all layers, logits) as one graph
 RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
 # A graph's launcher in C++ rather than Python: a v4-small batch-1 step spent 13 of its ~23 ms in
 # the phases with Python launchers and 11 with C++ ones (6 of them in matmuls), same run.
@@ -47,23 +47,23 @@ BACKEND = "inductor"
 _COMPILED: dict[tuple, dict] = {}
 
 
-def phase(block: nn.Module, name: str, *args):
-    """Run one phase of `block`: its compiled function when the block is compiled, else the method."""
-    fn = block.__dict__.get("compiled", {}).get(name)
-    return fn(block, *args) if fn is not None else getattr(block, name)(*args)
+def phase(layer: nn.Module, name: str, *args):
+    """Run one phase of `layer`: its compiled function when the layer is compiled, else the method."""
+    fn = layer.__dict__.get("compiled", {}).get(name)
+    return fn(layer, *args) if fn is not None else getattr(layer, name)(*args)
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """Every module of `model` that has phases (backbone layers and drafter blocks)."""
+def phased_layers(model: nn.Module) -> list[nn.Module]:
+    """Every module of `model` that has phases (backbone layers and drafter stages)."""
     return [m for m in model.modules() if all(callable(getattr(m, p, None)) for p in PHASES)]
 
 
-def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
-    """Compile (or, with enabled=False, un-compile) `model`'s blocks; returns how many blocks."""
-    found = blocks(model)
+def compile_layers(model: nn.Module, enabled: bool = True) -> int:
+    """Compile (or, with enabled=False, un-compile) `model`'s layers; returns how many layers."""
+    found = phased_layers(model)
     if not enabled:
-        for blk in found:
-            blk.__dict__.pop("compiled", None)
+        for layer in found:
+            layer.__dict__.pop("compiled", None)
         model.__dict__.pop("compiled", None)
         return len(found)
     _check(model)
@@ -72,16 +72,16 @@ def compile_blocks(model: nn.Module, enabled: bool = True) -> int:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            16 * RECOMPILE_LIMIT)
     options = OPTIONS if next(model.parameters()).device.type == "cpu" else ACCELERATOR_OPTIONS
-    for blk in found:
-        blk.__dict__["compiled"] = _compiled_phases(type(blk), options)
+    for layer in found:
+        layer.__dict__["compiled"] = _compiled_phases(type(layer), options)
     if callable(getattr(model, MODEL_WHOLE, None)):
         model.__dict__["compiled"] = {MODEL_WHOLE: _compiled_model(type(model), options)}
     return len(found)
 
 
 def _compiled_model(cls: type, options: dict):
-    """The model's decode step (every block's decode and the logits) as one compiled function,
-    once per model class, backend and options: one graph call a step instead of one per block
+    """The model's decode step (every layer's decode and the logits) as one compiled function,
+    once per model class, backend and options: one graph call a step instead of one per layer
     (v4-small at batch 8, one process, alternating: 26.6-29.2 vs 32.5-38.1 ms a step)."""
     key = (cls, MODEL_WHOLE, BACKEND, tuple(sorted(options.items())))
     if key not in _COMPILED:
@@ -96,7 +96,7 @@ def _compile(fn, options: dict):
 
 
 def _compiled_phases(cls: type, options: dict) -> dict:
-    """The compiled phases of a block class, made once per process (and backend and options):
+    """The compiled phases of a layer class, made once per process (and backend and options):
     every engine and every layer of the class share them (dynamo keeps a graph per variant the
     calls meet, e.g. attention kind, under the same functions)."""
     key = (cls, BACKEND, tuple(sorted(options.items())))
@@ -110,9 +110,9 @@ def warm_up(run, block_size: int, vocab_size: int) -> None:
     takes seconds to minutes on 2 CPU cores; v4-small: ~5-8 minutes for all of them with a cold
     inductor cache, ~30 s warm): `run(prompts, max_tokens)` generates on a scratch engine.
     Variants: a prefill step (static size), pure decode steps of 3, 2 (one dynamic whole-model
-    graph) and 1 tokens (batch 1: its own whole-model graph, experts summed in it; block
+    graph) and 1 tokens (batch 1: its own whole-model graph, experts summed in it; planned
     decode's page count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another
-    size (dynamic). Decode steps the block-decode plan cannot take (engine/decode_plan.py) run
+    size (dynamic). Decode steps the decode plan cannot take (engine/decode_plan.py) run
     the phases, whose decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % (vocab_size - 3) for i in range(n)]
@@ -122,7 +122,7 @@ def warm_up(run, block_size: int, vocab_size: int) -> None:
 
 def _check(model: nn.Module) -> None:
     if any(getattr(m, "reduce", None) is not None for m in model.modules()):
-        raise ValueError("compiled blocks do not support tensor or expert parallelism yet: "
+        raise ValueError("compiled layers do not support tensor or expert parallelism yet: "
                          "run --tp / --ep without --compile")
     device = next(model.parameters()).device
     if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):

@@ -1,8 +1,8 @@
-"""CUDA graphs of block decode (`EngineConfig(cuda_graphs=True)`): a decode step replayed as one
+"""CUDA graphs of planned decode (`EngineConfig(cuda_graphs=True)`): a decode step replayed as one
 graph instead of thousands of kernel launches from Python.
 
 On a GPU a small model's decode step is host-bound: a v4-small step at batch 1 launched ~1,570
-kernels in ~26 ms of host time while the GPU was busy ~2.3 ms (H200). Block decode makes the
+kernels in ~26 ms of host time while the GPU was busy ~2.3 ms (H200). Planned decode makes the
 step pure tensor ops on a few per-step tensors (engine/decode_plan.py), so it can be captured:
 
     step sizes -> bucket (batch: next power of two; pages: next power of two)
@@ -16,7 +16,7 @@ step pure tensor ops on a few per-step tensors (engine/decode_plan.py), so it ca
 Graphs share one memory pool; the pool lanes and weights are the same tensors at every replay.
 The routed experts must be summed on the device (stacked, grouped matmuls): the host path reads
 the chosen ids back, which a graph cannot. Steps that do not plan (prefill, mixed steps, states
-block decode cannot take, more requests or pages than the largest bucket) run as before.
+planned decode cannot take, more requests or pages than the largest bucket) run as before.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class DecodeGraphs:
         if device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {device}")
         if not hasattr(model, "decode_step"):
-            raise ValueError(f"cuda_graphs needs block decode, which {type(model).__name__} does not have")
+            raise ValueError(f"cuda_graphs needs planned decode, which {type(model).__name__} does not have")
         if not _device_experts(model):
             raise ValueError("cuda_graphs needs the routed experts summed on the device (device_experts on): "
                              "the host path reads the chosen experts back every layer")
@@ -126,9 +126,10 @@ class DecodeGraphs:
 
 
 def _stacks(model) -> tuple:
-    """The experts' stack tensors every block reads (a cast or move replaces them, even inside the
+    """The experts' stack tensors every layer reads (a cast or move replaces them, even inside the
     same StackedExperts)."""
-    return tuple(t for blk in model.layers for t in (blk.ffn.stacked.w1s, blk.ffn.stacked.w3s, blk.ffn.stacked.w2s))
+    return tuple(t for layer in model.layers
+                 for t in (layer.ffn.stacked.w1s, layer.ffn.stacked.w3s, layer.ffn.stacked.w2s))
 
 
 def _same(now: tuple, captured: tuple) -> bool:
@@ -137,5 +138,5 @@ def _same(now: tuple, captured: tuple) -> bool:
 
 
 def _device_experts(model) -> bool:
-    """Whether every block's routed experts are summed on the device (no read-back of their ids)."""
-    return all(blk.ffn.stacked is not None and blk.ffn.stacked.on_device for blk in model.layers)
+    """Whether every layer's routed experts are summed on the device (no read-back of their ids)."""
+    return all(layer.ffn.stacked is not None and layer.ffn.stacked.on_device for layer in model.layers)

@@ -23,7 +23,7 @@ from kvcache.engine.layers.decode_step import DecodeStep, RatioStep
 
 RATIO_FIELDS = ("buf_slot", "buf_row", "closes", "carry", "count", "entry_at", "carry_slot", "visible")
 # Block tables are at least this wide (short histories padded with the scratch block, masked): a
-# one-page table would specialize a compiled graph on the size 1, and every block variant would
+# one-page table would specialize a compiled graph on the size 1, and every layer variant would
 # compile twice more at start (one page, more pages) for ~nothing saved at run time.
 MIN_PAGES = 2
 
@@ -83,7 +83,7 @@ class DecodePlan:
 
 
 def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int = 0) -> DecodePlan | None:
-    """The plan for one token per request (`layers`: the blocks' Attention modules; `states`: the
+    """The plan for one token per request (`layers`: the model layers' Attention modules; `states`: the
     requests' ModelStates at their current length), or None where the general path must run.
     `batch` / `pages` pad the step to that many rows / block-table columns (a CUDA graph's
     bucket; at least MIN_PAGES columns either way): padding reads and writes only the scratch

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.engine.block_pool import BlockPool, PoolExhausted
-from kvcache.engine.compiled import compile_blocks, warm_up as compiled_warmup
+from kvcache.engine.compiled import compile_layers, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
 from kvcache.engine.cache.connector import CacheConfig, KVConnector
 from kvcache.engine.kv_pool import KVPool
@@ -74,7 +74,7 @@ class LLMEngine:
         ratios = [r for r in mc.compress_ratios if r > 0]
         if any(config.block_size % r for r in ratios):
             raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
-        compile_blocks(model, config.compile)
+        compile_layers(model, config.compile)
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
         model.block_decode = config.block_decode
@@ -116,7 +116,7 @@ class LLMEngine:
                 scratch.step()
         t = time.perf_counter()
         compiled_warmup(run, self.config.block_size, self.model.config.vocab_size)
-        log.info("compiled blocks ready in %.1f s", time.perf_counter() - t)
+        log.info("compiled layers ready in %.1f s", time.perf_counter() - t)
 
     def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
         if cfg is None:

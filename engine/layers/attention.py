@@ -7,8 +7,8 @@
                        denominator only:  p_i = exp(s_i) / (sum_j exp(s_j) + exp(sink_h))
     o = sum_i p_i kv_i ─ RoPE(-t) on the rope dims ─ grouped wo_a (o_groups) ─ wo_b
 
-Long prompts are processed in query blocks of QUERY_BLOCK tokens, each against the window rows
-it can see, so memory stays O(block x (window + block + entries)), never O(T^2).
+Long prompts are processed in query tiles of QUERY_TILE tokens, each against the window rows
+it can see, so memory stays O(tile x (window + tile + entries)), never O(T^2).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.decode_step import masked_bias
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
-QUERY_BLOCK = 256
+QUERY_TILE = 256
 
 
 @dataclass
@@ -56,7 +56,7 @@ class AttentionState:
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, ratio: int | None = None):
-        """`ratio` overrides the config's compress ratio (drafter blocks sit past the backbone)."""
+        """`ratio` overrides the config's compress ratio (drafter stages sit past the backbone)."""
         super().__init__()
         c = config
         self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         return self.output(out, pos_all, rope, x.dtype)
 
     def inputs(self, x: torch.Tensor, pos_all: torch.Tensor, rope: RotaryTables):
-        """The token-wise half (no state; what a compiled block fuses): (q [1, N, H, D], the K = V
+        """The token-wise half (no state; what a compiled layer fuses): (q [1, N, H, D], the K = V
         rows kv [1, N, D], this layer's history inputs `pre`)."""
         qr, q, kv = self.qkv(x, pos_all, rope)
         return q, kv, self.project_history(x, qr, pos_all, rope)
@@ -122,10 +122,10 @@ class Attention(nn.Module):
              shared: list, pre: dict) -> Attended:
         """The state-dependent half: each request's new rows into its state, then the softmax over
         the keys its queries see, or (a pure decode step) just those keys: `attended` runs that
-        softmax, pure, so that a compiled block fuses it."""
+        softmax, pure, so that a compiled layer fuses it."""
         if len(q[0]) == len(positions):                                  # a pure decode step
             keys, bias = self._decode_keys(q, kv, positions, states, rope, shared, pre)
-            # the key count grows as history does: compiled blocks take it as a dynamic size at
+            # the key count grows as history does: compiled layers take it as a dynamic size at
             # once rather than compiling for two sizes first
             torch._dynamo.maybe_mark_dynamic(keys, 1)
             torch._dynamo.maybe_mark_dynamic(bias, 1)
@@ -234,9 +234,9 @@ class Attention(nn.Module):
         rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
         first_row = int(positions[0]) - prev.shape[1]
         entries, entry_bias = self.history(pre, positions, state, rope, shared)
-        out = torch.cat([self._block(q[:, i:i + QUERY_BLOCK], positions[i:i + QUERY_BLOCK], rows, first_row,
-                                     entries, None if entries is None else entry_bias(i, i + QUERY_BLOCK))
-                         for i in range(0, T, QUERY_BLOCK)], 1)              # [B, T, H, D]
+        out = torch.cat([self._tile(q[:, i:i + QUERY_TILE], positions[i:i + QUERY_TILE], rows, first_row,
+                                     entries, None if entries is None else entry_bias(i, i + QUERY_TILE))
+                         for i in range(0, T, QUERY_TILE)], 1)              # [B, T, H, D]
         state.window = rows[:, -(self.window - 1):] if self.window > 1 else rows[:, :0]
         return out
 
@@ -320,8 +320,8 @@ class Attention(nn.Module):
         ids = self.indexer.select_many(pre["iq"], pre["iw"], positions, keys)
         return [(e, lambda i, j, c=c: c[:, i:j]) for e, c in zip(ents, ids)]
 
-    def _block(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
-        """Attention of one query block [B, Tq, H, D] over its window rows and compressed entries.
+    def _tile(self, q, pos, rows, first_row, entries, chosen) -> torch.Tensor:
+        """Attention of one query tile [B, Tq, H, D] over its window rows and compressed entries.
         `chosen` is a bias over all entries [B, Tq, N] (HCA: few entries), or the ids each query
         selected [B, Tq, k] (-1: none), gathered so that the cost is k per query, not N."""
         lo = max(int(pos[0]) - self.window + 1 - first_row, 0)
@@ -374,11 +374,11 @@ def visible_bias(pos: torch.Tensor, n_entries: int, ratio: int, batch: int) -> t
 
 def core_or_attend(attn: Attention, attend, x: torch.Tensor, inputs, positions, states, rope: RotaryTables,
                    shared=None):
-    """The stateful middle of a phased block (engine/compiled.py) over a flattened batch
+    """The stateful middle of a phased layer (engine/compiled.py) over a flattened batch
     (`positions`/`states`/`shared`: lists, one entry per request, whose tokens sit contiguously in
     x [1, N, d]) or one request's values: (q, attn.core's Attended) for the `inputs` attn_in made,
-    or with `attend` (a DSpark block's own attention, called per request) (None, its projected
-    output)."""
+    or with `attend` (a DSpark stage's own attention over its draft, called per request) (None,
+    its projected output)."""
     if not isinstance(positions, list):
         positions, states, shared = [positions], [states], [shared]
     shared = shared if shared is not None else [None] * len(positions)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvcache.engine.model_config import ModelConfig
-from kvcache.engine.layers.attention import QUERY_BLOCK, Attention, AttentionState
+from kvcache.engine.layers.attention import QUERY_TILE, Attention, AttentionState
 from kvcache.engine.layers.history import make_rows
 from kvcache.engine.layers.kv_source import IndexKeys, SourceCompressor, SourceState, emit
 from kvcache.engine.layers.rope import RotaryTables
@@ -90,10 +90,10 @@ class SharedAttention(Attention):
         return entries, lambda i, j: topk[:, i:j]
 
     def _select(self, pre, positions, keys, ratio, shared) -> torch.Tensor:
-        """Top-k per query [B, T, k], computed block by block (scores are [B, Tq, N])."""
+        """Top-k per query [B, T, k], computed tile by tile (scores are [B, Tq, N])."""
         tops, cands = [], []
-        for i in range(0, len(positions), QUERY_BLOCK):
-            j = i + QUERY_BLOCK
+        for i in range(0, len(positions), QUERY_TILE):
+            j = i + QUERY_TILE
             s = self.indexer.scores_from(pre["iq"][:, i:j], pre["iw"][:, i:j], positions[i:j], keys, ratio)
             if self.is_candidate:
                 cands.append(candidate_mask(s, positions[i:j], ratio, self.block, self.top_blocks))

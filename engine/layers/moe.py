@@ -121,7 +121,7 @@ class MoE(nn.Module):
 
     def routed(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Routed:
         """What sum_k weights_k expert_k(x) needs. One token (a batch-1 decode step): its experts'
-        weights, summed later by `sum_pairs` (pure, so a compiled block fuses it; one token so
+        weights, summed later by `sum_pairs` (pure, so a compiled layer fuses it; one token so
         that no weight is passed twice, which a compiled graph would have to guard on). More:
         computed here, tokens grouped by expert, one matmul per active expert (not per token).
         Either way each token adds its terms in ascending expert order, whatever else is in the

@@ -1,14 +1,14 @@
 """DeepSeek-V4-Flash (`deepseek_v4`): the readable model file.
 
     ids ─ embed ─> hc_mult identical streams
-        ─ for each block:  hc_pre(attn) ─ attn_norm ─ Attention ─ hc_post
+        ─ for each layer:  hc_pre(attn) ─ attn_norm ─ Attention ─ hc_post
                            hc_pre(ffn)  ─ ffn_norm  ─ MoE       ─ hc_post
         ─ hc_head (learned collapse) ─ norm ─ head ─> logits
 
 Layer kinds come from `compress_ratios` (0: sliding window only, 4: CSA with the lightning
-indexer, other: HCA); the first `num_hash_layers` MoE layers route by token id. The MTP block
+indexer, other: HCA); the first `num_hash_layers` MoE layers route by token id. The MTP layer
 (`mtp.0`, V4 preview) loads and runs: h0 = e_proj(enorm(embed(next token))) on every stream
-+ h_proj(hnorm(target streams)), one SWA block, its own hc head and norm, the shared head.
++ h_proj(hnorm(target streams)), one SWA layer, its own hc head and norm, the shared head.
 Parameter names are the official checkpoint's (`layers.3.attn.wq_a.weight`, ...).
 """
 
@@ -45,7 +45,9 @@ class ModelState:
                           {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()})
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
+    """One transformer layer: mHC-mixed attention, then the mHC-mixed MoE (module doc)."""
+
     def __init__(self, config: ModelConfig, layer: int, ratio: int | None = None, hashed: bool | None = None):
         super().__init__()
         c = config
@@ -60,7 +62,7 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, positions, states, rope: RotaryTables, token_ids: torch.Tensor,
                 attend=None) -> torch.Tensor:
         """h [B, T, n, d] streams -> streams. `positions`/`states`: one request's, or lists (a
-        flattened batch). `attend` replaces the attention call (DSpark blocks). Phases: see
+        flattened batch). `attend` replaces the attention call (DSpark stages). Phases: see
         engine/compiled.py."""
         pos_all = torch.cat(positions if isinstance(positions, list) else [positions])
         x, post, comb, inputs = phase(self, "attn_in", h, pos_all, rope, attend is None)
@@ -71,8 +73,8 @@ class Block(nn.Module):
 
     def decode(self, h, pos, rope, token_ids, step: DecodeStep, lanes: dict) -> torch.Tensor:
         """A pure decode step of requests whose state is all in the pool (engine/decode_plan.py):
-        the same block as forward(), with no per-request Python and no host sync (the routed
-        experts' host path is one opaque op): compiled, every block's decode is part of one
+        the same layer as forward(), with no per-request Python and no host sync (the routed
+        experts' host path is one opaque op): compiled, every layer's decode is part of one
         graph for the whole step (the model's decode_layers)."""
         x, post, comb, (q, kv, pre) = self.attn_in(h, pos, rope, True)
         keys, bias = decode_keys(self.attn, kv, pre, step, lanes, rope)
@@ -116,8 +118,8 @@ def _head_params(module: nn.Module, c: ModelConfig) -> None:
     module.hc_head_scale = nn.Parameter(torch.ones(1))
 
 
-class MTPBlock(Block):
-    """`mtp.{i}`: a SWA block (non-hash MoE) that predicts the token after next from the
+class MTPLayer(DecoderLayer):
+    """`mtp.{i}`: a SWA layer (non-hash MoE) that predicts the token after next from the
     target's streams and the next token's embedding; its own hc head and norm."""
 
     def __init__(self, config: ModelConfig):
@@ -145,20 +147,20 @@ class DeepseekV4ForCausalLM(nn.Module):
         c = self.config = config
         self.rope = RotaryTables(c)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         _head_params(self, c)
         if "dspark_block_size" in c.extra:      # V4-Flash-0731 / -DSpark: a 3-stage DSpark drafter
             from kvcache.engine.models.dspark import make_stages
             self.mtp = make_stages(c)
-        else:                                   # the preview's MTP-1 block
-            self.mtp = nn.ModuleList(MTPBlock(c) for _ in range(c.num_nextn_predict_layers))
+        else:                                   # the preview's MTP-1 layer
+            self.mtp = nn.ModuleList(MTPLayer(c) for _ in range(c.num_nextn_predict_layers))
 
     def new_state(self, pool_view=None) -> ModelState:
         """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
-        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.layer(i))
-                           for i, blk in enumerate(self.layers)], 0, [m.attn.new_state() for m in self.mtp])
+        return ModelState([layer.attn.new_state(None if pool_view is None else pool_view.layer(i))
+                           for i, layer in enumerate(self.layers)], 0, [m.attn.new_state() for m in self.mtp])
 
     def run(self, chunks: list[torch.Tensor], states: list[ModelState], collect: tuple[int, ...] = ()):
         """One step over several requests: chunks[i] [T_i] continue states[i] (advanced). The tokens
@@ -166,8 +168,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         {layer: streams} for the layers in `collect`)."""
         tokens, positions, h = batch_inputs(self.embed, self.config, chunks, states)
         taps: dict[int, torch.Tensor] = {}
-        for i, blk in enumerate(self.layers):
-            h = blk(h, positions, [st.layers[i] for st in states], self.rope, tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, [st.layers[i] for st in states], self.rope, tokens)
             if i in collect:
                 taps[i] = h
         for st, ch in zip(states, chunks):
@@ -182,9 +184,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         if not getattr(self, "block_decode", True) or any(len(ch) != 1 for ch in chunks) \
                 or self.layers[0].ffn.stacked is None:
             return None
-        if any(blk.attn.reduce is not None or blk.ffn.reduce is not None for blk in self.layers):
+        if any(layer.attn.reduce is not None or layer.ffn.reduce is not None for layer in self.layers):
             return None                                           # tensor / expert parallelism
-        return plan_decode([blk.attn for blk in self.layers], states, self.embed.weight.device, batch, pages)
+        return plan_decode([layer.attn for layer in self.layers], states, self.embed.weight.device, batch, pages)
 
     def decode(self, chunks: list[torch.Tensor], states: list[ModelState], plan: DecodePlan) -> torch.Tensor:
         """step() for a planned decode step: logits [len(chunks), vocab], states advanced."""
@@ -197,7 +199,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The device work of a planned decode step, tensor ops only (what a CUDA graph captures):
         tokens [1, B] -> logits [B, vocab]; the lanes written."""
         h = hc_streams(self.embed, self.config, tokens)
-        # the pages read grow with the history: one dynamic size for compiled blocks from the start
+        # the pages read grow with the history: one dynamic size for compiled layers from the start
         # (1 page is a graph of its own), not a static graph for the first count seen
         torch._dynamo.maybe_mark_dynamic(step.tables, 1)
         # and so does the batch: dynamic from the first compile, not after a static graph for
@@ -210,12 +212,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         return (whole or type(self).decode_layers)(self, h, tokens, step, lanes)
 
     def decode_layers(self, h: torch.Tensor, tokens: torch.Tensor, step: DecodeStep, lanes: list[dict]) -> torch.Tensor:
-        """Every block's decode and the logits: a compiled decode step as one graph (compiled.py:
-        one graph call a step instead of one per block; a graph call's fixed cost, guards,
-        wrappers and sizes passed in, is most of what a batch-1 block's graph adds to its
+        """Every layer's decode and the logits: a compiled decode step as one graph (compiled.py:
+        one graph call a step instead of one per layer; a graph call's fixed cost, guards,
+        wrappers and sizes passed in, is most of what a batch-1 layer's graph adds to its
         matmuls, and at batch 8 one graph is ~10-20 % faster than eight)."""
-        for i, blk in enumerate(self.layers):
-            h = blk.decode(h, step.pos, self.rope, tokens, step, lanes[i])
+        for i, layer in enumerate(self.layers):
+            h = layer.decode(h, step.pos, self.rope, tokens, step, lanes[i])
         return self.logits(h)[0]
 
     def streams_at(self, token_ids: torch.Tensor, state: ModelState, collect: tuple[int, ...]):

@@ -1,7 +1,7 @@
 """DeepSeek-V4.1-Flash (`deepseek_v41`): the readable model file.
 
     ids ─ embed ─> hc_mult streams
-        ─ for each block L:  [Engram on layers 1, 14: n-gram memory into every stream]
+        ─ for each layer L:  [Engram on layers 1, 14: n-gram memory into every stream]
               mix_attn = hc(streams)       pre_a, post_a, comb_a     (from the streams now)
               x = collapse(streams, pre of the previous site)        "delayed pre"; layer 0: stream 0
               streams = post_a * Attention(attn_norm(x)) + comb_a^T streams
@@ -37,7 +37,9 @@ from kvcache.engine.layers.rope import RotaryTables
 from kvcache.engine.models.deepseek_v4 import ModelState, batch_inputs
 
 
-class Block41(nn.Module):
+class DecoderLayer41(nn.Module):
+    """One V4.1 transformer layer: Engram (some layers), shared-KV attention, MoE, delayed pre-mixes."""
+
     def __init__(self, config: ModelConfig, layer: int, ratio: int | None = None, n_experts: int | None = None,
                  top_k: int | None = None):
         super().__init__()
@@ -96,7 +98,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         c = self.config = config
         self.rope = RotaryTables(c)
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block41(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer41(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.decoder_start = max(c.kv_source_layer_ids) + 1
@@ -123,8 +125,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def new_state(self, pool_view=None) -> ModelState:
         """A request's empty state; `pool_view` (engine/kv_pool.py) keeps its history rows in the pool."""
-        return ModelState([blk.attn.new_state(None if pool_view is None else pool_view.layer(i))
-                           for i, blk in enumerate(self.layers)], 0,
+        return ModelState([layer.attn.new_state(None if pool_view is None else pool_view.layer(i))
+                           for i, layer in enumerate(self.layers)], 0,
                           [stage.attn.new_state() for stage in getattr(self, "mtp", [])])
 
     # ------------------------------------------------------------------ Engram inputs
@@ -163,17 +165,18 @@ class DeepseekV41ForCausalLM(nn.Module):
             values = torch.cat([v for v, _ in parts], 1)
             alive = torch.cat([a for _, a in parts], 1).to(h.device, non_blocking=True)
         pre, shared, taps = None, [{} for _ in chunks], {}
-        for i, (blk) in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):
             if i == self.decoder_start and self.prefill_keep_tokens is not None:
                 keep = self._kept_rows(positions, shared)
                 h, pre, tokens = h[:, keep], pre[:, keep], tokens[:, keep]
                 values = None if values is None else values[:, keep.cpu()]
                 alive = None if alive is None else alive[:, keep]
-            if hasattr(blk, "engram"):
+            if hasattr(layer, "engram"):
                 g = self._engram_geometry
-                rows = blk.engram.rows(values, g[0][blk.engram.slot], g[1][blk.engram.slot], g[2][blk.engram.slot])
-                h = blk.engram(h, rows.to(h.device, non_blocking=True), alive)
-            h, pre = blk(h, pre, positions, [st.layers[i] for st in states], self.rope, tokens, shared)
+                slot = layer.engram.slot
+                rows = layer.engram.rows(values, g[0][slot], g[1][slot], g[2][slot])
+                h = layer.engram(h, rows.to(h.device, non_blocking=True), alive)
+            h, pre = layer(h, pre, positions, [st.layers[i] for st in states], self.rope, tokens, shared)
             if i in collect:
                 taps[i] = h
         for st, ch in zip(states, chunks):

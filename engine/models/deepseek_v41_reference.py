@@ -90,15 +90,15 @@ def _engram_rows(model, ids, slot):
     return rows
 
 
-def _engram(blk, res, rows, alive, c):
-    e = torch.cat([blk.engram.embed.weight[r].float() for r in rows])
-    kv = blk.engram.wkv.weight.float() @ e
+def _engram(layer, res, rows, alive, c):
+    e = torch.cat([layer.engram.embed.weight[r].float() for r in rows])
+    kv = layer.engram.wkv.weight.float() @ e
     d = c.hidden_size
     value = kv[c.hc_mult * d:]
     out = []
     for k in range(c.hc_mult):
-        a = _rms(res[k], blk.engram.q_weight[k], c.rms_norm_eps)
-        b = _rms(kv[k * d:(k + 1) * d], blk.engram.k_weight[k], c.rms_norm_eps)
+        a = _rms(res[k], layer.engram.q_weight[k], c.rms_norm_eps)
+        b = _rms(kv[k * d:(k + 1) * d], layer.engram.k_weight[k], c.rms_norm_eps)
         dot = (a * b).sum() / math.sqrt(d)
         g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6))) if dot != 0 else \
             torch.sigmoid(torch.tensor(1e-3))
@@ -115,14 +115,14 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
     res = [model.embed.weight[t].float().expand(n, -1).clone() for t in ids]
     pre_prev = [None] * T
     kv_src = idx_top = cand = None
-    for L, blk in enumerate(model.layers):
-        a = blk.attn
-        if hasattr(blk, "engram"):
-            rows = _engram_rows(model, ids, blk.engram.slot)
-            res = [_engram(blk, res[t], rows[t], ids[t] != c.image_token_id, c) for t in range(T)]
-        mixes = [_mix(res[t], blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, c) for t in range(T)]
+    for L, layer in enumerate(model.layers):
+        a = layer.attn
+        if hasattr(layer, "engram"):
+            rows = _engram_rows(model, ids, layer.engram.slot)
+            res = [_engram(layer, res[t], rows[t], ids[t] != c.image_token_id, c) for t in range(T)]
+        mixes = [_mix(res[t], layer.hc_attn_fn, layer.hc_attn_base, layer.hc_attn_scale, c) for t in range(T)]
         xs = [res[t][0] if pre_prev[t] is None else (pre_prev[t][:, None] * res[t]).sum(0) for t in range(T)]
-        xs = [_rms(x, blk.attn_norm.weight, c.rms_norm_eps) for x in xs]
+        xs = [_rms(x, layer.attn_norm.weight, c.rms_norm_eps) for x in xs]
         table = freqs["main" if a.kind == "swa" else "compress"]
         qr = [_rms(a.wq_a.weight.float() @ x, a.q_norm.weight, c.rms_norm_eps) for x in xs]
         q = [torch.stack([_rope(h, t, table) for h in (a.wq_b.weight.float() @ qr[t]).view(c.num_attention_heads, -1)])
@@ -147,8 +147,8 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
             wo = a.wo_a.weight.float().view(c.o_groups, -1, g.shape[1])
             outs.append(a.wo_b.weight.float() @ torch.cat([wo[i] @ g[i] for i in range(c.o_groups)]))
         res = [_post(res[t], outs[t], mixes[t][1], mixes[t][2]) for t in range(T)]
-        fmix = [_mix(res[t], blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, c) for t in range(T)]
-        ys = [_moe(blk.ffn, _rms((mixes[t][0][:, None] * res[t]).sum(0), blk.ffn_norm.weight, c.rms_norm_eps),
+        fmix = [_mix(res[t], layer.hc_ffn_fn, layer.hc_ffn_base, layer.hc_ffn_scale, c) for t in range(T)]
+        ys = [_moe(layer.ffn, _rms((mixes[t][0][:, None] * res[t]).sum(0), layer.ffn_norm.weight, c.rms_norm_eps),
                    ids[t], c) for t in range(T)]
         res = [_post(res[t], ys[t], fmix[t][1], fmix[t][2]) for t in range(T)]
         pre_prev = [fmix[t][0] for t in range(T)]

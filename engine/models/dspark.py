@@ -1,6 +1,6 @@
 """DSpark drafter (`mtp.0`, `mtp.1`, `mtp.2`) of V4.1 and of V4-Flash-0731: its forward pass;
 drafting policy and verification belong to the engine's speculative decoding. V4's stages are V4
-blocks with their own pre-mixes and a learned hc head on the last stage; V4.1's use the delayed
+layers with their own pre-mixes and a learned hc head on the last stage; V4.1's use the delayed
 pre-mix. Both average each target layer's hc streams to form the context features (vLLM does so
 for V4.1; for V4 it is our reading, not confirmed by a public implementation).
 
@@ -8,9 +8,10 @@ for V4.1; for V4 it is our reading, not confirmed by a public implementation).
               concatenated ─ mtp.0.main_proj ─ mtp.0.main_norm ─> main_x [T, d]
               each stage writes kv_norm(wkv(main_x)), RoPE'd at the context positions, into its
               own sliding window (the drafter's only cache)
-    block:    [anchor, noise x (block_size - 1)] at the next positions, embedded to hc streams,
-              through the 3 stages (SWA blocks, dspark experts); block tokens see the context window
-              causally and each other in both directions; collapse with the last FFN pre -> h_i
+    draft:    a draft block, [anchor, noise x (dspark_block_size - 1)] at the next positions,
+              embedded to hc streams, through the 3 stages (SWA layers, dspark experts); draft
+              tokens see the context window causally and each other in both directions; collapse
+              with the last FFN pre -> h_i
     heads:    logits_i = head(mtp.2.norm(h_i)) + markov_head.head @ markov_head.embed[prev_i]
               confidence_i = sigmoid(confidence_head.proj([h_i ; markov_head.embed[prev_i]]))
               prev_1 = anchor, prev_i = the token drafted at i - 1
@@ -50,16 +51,17 @@ class ConfidenceHead(nn.Module):
 
 
 def make_stages(config: ModelConfig) -> nn.ModuleList:
-    """The drafter's stages under their official names (`mtp.0` .. `mtp.2`): V4.1 or V4 blocks."""
+    """The drafter's stages under their official names (`mtp.0` .. `mtp.2`): V4.1 or V4 layers."""
     c, x = config, config.extra
     n = max(c.num_nextn_predict_layers, len(x.get("dspark_target_layer_ids", [])) or 3)
     if c.is_v41:
-        from kvcache.engine.models.deepseek_v41 import Block41
-        stages = nn.ModuleList(Block41(c, c.num_hidden_layers + i, ratio=0, n_experts=x.get("dspark_n_routed_experts"),
-                                       top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
+        from kvcache.engine.models.deepseek_v41 import DecoderLayer41
+        stages = nn.ModuleList(DecoderLayer41(c, c.num_hidden_layers + i, ratio=0,
+                                              n_experts=x.get("dspark_n_routed_experts"),
+                                              top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
     else:
-        from kvcache.engine.models.deepseek_v4 import Block, _head_params
-        stages = nn.ModuleList(Block(c, c.num_hidden_layers + i, ratio=0, hashed=False) for i in range(n))
+        from kvcache.engine.models.deepseek_v4 import DecoderLayer, _head_params
+        stages = nn.ModuleList(DecoderLayer(c, c.num_hidden_layers + i, ratio=0, hashed=False) for i in range(n))
         _head_params(stages[-1], c)             # V4 keeps a learned hc head on the last stage
     targets = len(x.get("dspark_target_layer_ids", [])) or 3
     stages[0].main_proj = nn.Linear(targets * c.hidden_size, c.hidden_size, bias=False)
@@ -86,7 +88,7 @@ def write_context(model, taps: dict[int, torch.Tensor], positions: torch.Tensor,
 
 
 def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[AttentionState]) -> torch.Tensor:
-    """h_i [B, block, d] for the block [anchor, noise...] placed at positions start, start+1, ..."""
+    """h_i [B, size, d] for the draft block [anchor, noise...] placed at positions start, start+1, ..."""
     c = model.config
     size, noise = int(c.extra.get("dspark_block_size", 5)), int(c.extra.get("dspark_noise_token_id", 0))
     dev = anchor.device
@@ -95,7 +97,7 @@ def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[Attention
     h = model.embed(ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
     pre = None
     for stage, st in zip(model.mtp, states):
-        attend = _block_attention(stage.attn, model.rope)
+        attend = _draft_attention(stage.attn, model.rope)
         if c.is_v41:
             h, pre = stage(h, pre, positions, st, model.rope, ids, {}, attend=attend)
         else:
@@ -106,9 +108,9 @@ def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[Attention
     return hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, c.hc_eps, c.rms_norm_eps)
 
 
-def _block_attention(attn, rope):
-    """Attention of a draft block: the window (causal, within W) plus the whole block (bidirectional);
-    the block's rows are not kept (the window holds only accepted context)."""
+def _draft_attention(attn, rope):
+    """Attention of a draft block: the window (causal, within W) plus the whole draft (bidirectional);
+    the draft's rows are not kept (the window holds only accepted context)."""
     def run(x, positions, state: AttentionState, _rope, _shared):
         _, q, kv = attn.qkv(x, positions, rope)
         ctx = state.window if state.window is not None else kv.new_zeros((kv.shape[0], 0, kv.shape[-1]))
@@ -123,7 +125,7 @@ def _block_attention(attn, rope):
 
 
 def heads(model, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [B, V], confidence [B]) for one block position given the previous token [B]."""
+    """(logits [B, V], confidence [B]) for one draft position given the previous token [B]."""
     last = model.mtp[-1]
     transition, e = last.markov_head.bias(prev)
     logits = model.head(last.norm(hidden)).float() + transition.float()
@@ -133,7 +135,7 @@ def heads(model, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor
 
 
 def greedy_draft(model, anchor: torch.Tensor, start: int, states) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens [B, block] and confidences [B, block] of one draft block (the Markov loop)."""
+    """Greedy tokens [B, size] and confidences [B, size] of one draft block (the Markov loop)."""
     hidden = draft_hidden(model, anchor, start, states)
     prev, toks, confs = anchor, [], []
     for i in range(hidden.shape[1]):

@@ -1,4 +1,4 @@
-"""Compiled blocks (engine/compiled.py): same tokens and logits as eager, graphs really compiled,
+"""Compiled layers (engine/compiled.py): same tokens and logits as eager, graphs really compiled,
 the MoE's pair-by-pair sum equal to the grouped one, clear refusals."""
 
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache.engine.compiled import blocks, compile_blocks
+from kvcache.engine.compiled import compile_layers, phased_layers
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.llm import LLM
 from kvcache.engine.llm_engine import EngineConfig
@@ -52,13 +52,13 @@ def _matches_eager(config, backend: str, monkeypatch, warmup: bool) -> None:
         _one_graph_a_decode_step(model, prompts)
     if warmup:
         assert while_serving == 0                     # all of it at engine start (warm_up), none mid-request
-    assert all(blk.__dict__.get("compiled") for blk in blocks(model))
+    assert all(layer.__dict__.get("compiled") for layer in phased_layers(model))
     assert tokens == eager_tokens
     assert logits.keys() == eager_logits.keys()
     for key, ref in eager_logits.items():
         torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
-    compile_blocks(model, False)                      # and back: a later eager engine runs eager
-    assert not any(blk.__dict__.get("compiled") for blk in blocks(model)) and not model.__dict__.get("compiled")
+    compile_layers(model, False)                      # and back: a later eager engine runs eager
+    assert not any(layer.__dict__.get("compiled") for layer in phased_layers(model)) and not model.__dict__.get("compiled")
 
 
 def _one_graph_a_decode_step(model, prompts) -> None:
@@ -143,10 +143,10 @@ def test_compile_refuses_parallel_models():
     model = build_model(v4_config())
     model.layers[0].ffn.reduce = lambda t: t          # what engine/parallel.shard sets
     with pytest.raises(ValueError, match="without --compile"):
-        compile_blocks(model)
+        compile_layers(model)
 
 
 def test_compile_without_a_cpp_compiler_says_what_to_install(monkeypatch):
     monkeypatch.setattr("kvcache.engine.compiled.shutil.which", lambda name: None)
     with pytest.raises(ValueError, match="install g\\+\\+"):
-        compile_blocks(build_model(v4_config()))
+        compile_layers(build_model(v4_config()))

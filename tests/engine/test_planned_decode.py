@@ -1,4 +1,4 @@
-"""Block decode (engine/decode_plan.py, layers/decode_step.py): a pure decode step as tensor ops
+"""Planned decode (engine/decode_plan.py, layers/decode_step.py): a pure decode step as tensor ops
 gives the general path's tokens, logits and states; every such step takes it; writes land in
 the requests' own pages and slots or in the scratch ones; states it cannot take fall back."""
 
@@ -50,7 +50,7 @@ def _run(model, block_decode: bool, prompts, params=GREEDY, config=CFG):
 
 
 @torch.no_grad()
-def test_block_decode_matches_the_general_path(model):
+def test_planned_decode_matches_the_general_path(model):
     """Every pure decode step takes the plan; greedy tokens equal, logits within fp32 rounding
     (the window's keys sit in slot order with -inf padding: sums in another order)."""
     ps = _prompts()
@@ -66,7 +66,7 @@ def test_block_decode_matches_the_general_path(model):
 
 
 @torch.no_grad()
-def test_block_decode_under_preemption_forks_and_sampling(model):
+def test_planned_decode_under_preemption_forks_and_sampling(model):
     """A pool too small for everyone (preemption, recompute), n = 2 (forked slots and a copied
     partial block), seeded sampling: the same tokens as the general path."""
     tight = EngineConfig(block_size=16, num_blocks=9, max_tokens_per_step=32, max_running=5)
