@@ -40,10 +40,9 @@ import numpy as np
 import torch
 
 from kvcache.benchmarks import verbs
-from kvcache.engine.cache.connector import CacheConfig
+from kvcache.engine.config import CacheConfig, EngineConfig
 from kvcache.kvstore.hashing import snapshot_key
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.sampling import SamplingParams
 from kvcache.kvstore.types import Tier
 

@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from kvcache.engine.cache.connector import CacheConfig
+from kvcache.engine.config import CacheConfig
 from kvcache.engine.llm import LLM
 from kvcache.engine.sampling import SamplingParams
 

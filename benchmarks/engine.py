@@ -32,7 +32,7 @@ from kvcache.engine.checkpoint.init import random_weights
 from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.device import Placement, select, synchronize
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.roofline import ceiling, read_bandwidth
 from kvcache.engine.sampling import SamplingParams

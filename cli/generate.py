@@ -178,8 +178,7 @@ def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
 
 def _config(args):
     """The engine config, with a [cache] section from --cache-config / --cache / --cache-mode."""
-    from kvcache.engine.cache.connector import CacheConfig
-    from kvcache.engine.llm_engine import EngineConfig
+    from kvcache.engine.config import CacheConfig, EngineConfig
     if args.cache_config:
         cache = CacheConfig.load(args.cache_config, store=args.cache, mode=args.cache_mode)
     elif args.cache or args.cache_mode:

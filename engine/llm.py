@@ -13,7 +13,8 @@ import numbers
 import os
 from dataclasses import dataclass
 
-from kvcache.engine.llm_engine import EngineConfig, LLMEngine
+from kvcache.engine.config import EngineConfig
+from kvcache.engine.llm_engine import LLMEngine
 from kvcache.engine.cache.prefix_cache import CacheUsage
 from kvcache.engine.request import Metrics, Request
 from kvcache.engine.sampling import SamplingParams

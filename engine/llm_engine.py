@@ -22,7 +22,8 @@ import torch
 from kvcache.engine.block_pool import BlockPool, PoolExhausted
 from kvcache.engine.compiled import compile_layers, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
-from kvcache.engine.cache.connector import CacheConfig, KVConnector
+from kvcache.engine.cache.connector import KVConnector
+from kvcache.engine.config import CacheConfig, EngineConfig
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache
@@ -33,29 +34,6 @@ from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from kvcache.engine.cache.weights_id import weights_id
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 128            # tokens per KV block: a multiple of every compress ratio the model uses
-    num_blocks: int = 512
-    max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
-    max_running: int = 32
-    cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
-    compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
-    compile_warmup: bool = True      # with compile: compile every phase variant at start, not mid-request
-    # routed experts summed on the device (kernels/grouped_matmul.py), no host round trip per
-    # layer; None: on for accelerators with grouped matmuls (bf16 on recent PyTorch), off on the
-    # CPU (where the host path is faster). It is set on the model: engines sharing a model share it
-    device_experts: bool | None = None
-    # a decode step (one token per request, every state in the pool) as tensor ops only, with
-    # no per-request Python (engine/decode_plan.py, layers/decode_step.py; compiled: one graph
-    # for the whole step); False: the general path (Attention.core) for every step. Set on the
-    # model, like device_experts
-    block_decode: bool = True
-    # CUDA: replay block decode steps as CUDA graphs, one per (batch, pages) bucket
-    # (engine/decode_graphs.py); needs block_decode and device_experts
-    cuda_graphs: bool = False
 
 
 @dataclass

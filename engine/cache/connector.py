@@ -28,8 +28,8 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
+from kvcache.engine.config import CacheConfig
 from kvcache.kvstore.errors import StoreUnavailableError
 from kvcache.kvstore.hashing import Namespace, snapshot_key
 from kvcache.kvstore.types import PutItem
@@ -38,53 +38,6 @@ from kvcache.kvstore.types import TensorSpec, Tier
 log = logging.getLogger(__name__)
 TIERS = ("hbm", "dram", "nvme", "object")
 RETRY_S = 10.0      # a store that did not answer is tried again after this many seconds
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The engine's `[cache]` section (configs/engine-cache.toml documents each field)."""
-    store: str = ""                  # open_store spec: a directory, a store TOML, http://host:port, unix:///sock
-    token: str | None = None         # bearer token for a daemon (else $KVCACHE_TOKEN)
-    model_id: str = ""               # names the weights in block keys (e.g. "v4.1-flash@flash-1017"); empty: a
-                                     #   checksum of the weights at start (a store never mixes two models' KV)
-    mode: str = "replay"             # replay: rebuild windows/carry by recomputing the last blocks of a hit
-    replay_blocks: int = 0           #   (approximate; 0 = 4 sliding windows); exact: resume from a tail snapshot
-    save: bool = True                # save newly computed blocks (and snapshots in exact mode)
-    cost_model: bool = True          # skip a tier's blocks when loading them is slower than recomputing
-    pin_ttl_s: float = 10.0          # soft pins taken for a fetch (they lapse on their own after this)
-    max_pending_save_bytes: int = 512 << 20
-    snapshot_interval: int = 512     # exact mode: prefill chunks end on multiples of this (tokens), and each
-                                     #   such point gets a snapshot; a multiple of the block size
-    snapshot_memory_bytes: int = 256 << 20   # recent snapshots kept in the engine (the HBM tier of exact mode)
-    # first guesses of each tier's load bandwidth (bytes/s), replaced by measurements as loads happen
-    bandwidth: dict = field(default_factory=lambda: {"dram": 2e9, "nvme": 5e8, "object": 1e8})
-
-    def __post_init__(self):
-        if self.mode not in ("replay", "exact"):
-            raise ValueError(f"cache mode must be 'replay' or 'exact', got {self.mode!r}")
-        if self.snapshot_interval < 1:
-            raise ValueError("snapshot_interval must be a positive number of tokens")
-        if self.replay_blocks < 0:
-            raise ValueError("replay_blocks must be >= 0 (0: enough blocks for 4 sliding windows)")
-
-    @classmethod
-    def load(cls, path: str, **overrides) -> "CacheConfig":
-        """The [cache] section of a TOML file (configs/engine-cache.toml), then `overrides`."""
-        import tomllib
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        section = doc.get("cache")
-        if not isinstance(section, dict):
-            raise ValueError(f"{path}: no [cache] section (see configs/engine-cache.toml)")
-        return cls.from_dict({**section, **{k: v for k, v in overrides.items() if v is not None}})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CacheConfig":
-        known = set(cls.__dataclass_fields__)
-        bad = sorted(set(d) - known)
-        if bad:
-            raise ValueError(f"unknown [cache] settings {bad}; known: {sorted(known)}")
-        return cls(**d)
 
 
 def tier_label(t: Tier) -> str:

@@ -31,7 +31,8 @@ import torch
 
 from kvcache.engine.cache import snapshot
 from kvcache.engine.cache.block_payload import decode_blocks, encode_block
-from kvcache.engine.cache.connector import CacheConfig, KVConnector
+from kvcache.engine.cache.connector import KVConnector
+from kvcache.engine.config import CacheConfig
 from kvcache.engine.request import Request, Status
 from kvcache.kvstore.hashing import end_snapshot_key, hash_blocks, snapshot_key
 

@@ -105,7 +105,7 @@ def test_a_daemon_that_is_not_running_is_one_warning_and_an_uncached_run(model_d
 
 def test_the_usage_line_says_why_a_short_exact_prompt_leaves_no_snapshot():
     from kvcache.cli.generate import usage_line
-    from kvcache.engine.cache.connector import CacheConfig
+    from kvcache.engine.config import CacheConfig
     from kvcache.engine.cache.prefix_cache import CacheUsage
     short, long = CacheUsage(prompt_tokens=100), CacheUsage(prompt_tokens=700, cached_tokens={"dram": 512})
     assert "snapshot_interval" in usage_line(short, CacheConfig(mode="exact"))

@@ -194,9 +194,8 @@ def test_prefill_tokens_saved_is_what_engines_used_read_from_a_running_daemon(tm
     report's prefill tokens saved is the engine's cached tokens, read while the daemon runs."""
     import time
     import torch
-    from kvcache.engine.cache.connector import CacheConfig
+    from kvcache.engine.config import CacheConfig, EngineConfig
     from kvcache.engine.llm import LLM
-    from kvcache.engine.llm_engine import EngineConfig
     from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
     from kvcache.engine.sampling import SamplingParams
     from kvcache.client.sync_client import KVClient

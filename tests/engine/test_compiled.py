@@ -9,7 +9,7 @@ import torch
 from kvcache.engine.compiled import compile_layers, phased_layers
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config, v41_config

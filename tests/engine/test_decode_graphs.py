@@ -17,7 +17,7 @@ from kvcache.engine import decode_graphs as dg
 from kvcache.engine.decode_plan import step_views
 from kvcache.engine.layers.moe import stack_experts
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config

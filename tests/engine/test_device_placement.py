@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.request import FinishReason
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)

@@ -6,7 +6,7 @@ import torch
 
 from kvcache.engine.layers.engram import compressed_token_map
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
 from kvcache.engine.sampling import SamplingParams, uniform

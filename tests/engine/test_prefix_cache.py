@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvcache.engine.cache.connector import CacheConfig
+from kvcache.engine.config import CacheConfig, EngineConfig
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
 from kvcache.engine.sampling import SamplingParams
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore

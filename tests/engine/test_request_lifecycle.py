@@ -8,7 +8,8 @@ import torch
 
 from kvcache.engine.async_engine import AsyncEngine
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig, LLMEngine
+from kvcache.engine.config import EngineConfig
+from kvcache.engine.llm_engine import LLMEngine
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from kvcache.engine.sampling import SamplingParams
 from kvcache.engine.tokenizer import build_demo_tokenizer

@@ -11,7 +11,7 @@ import torch
 
 from kvcache.engine.layers.moe import MoE, stack_experts
 from kvcache.engine.llm import LLM
-from kvcache.engine.llm_engine import EngineConfig
+from kvcache.engine.config import EngineConfig
 from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)

@@ -22,7 +22,7 @@ def build(kind: str):
 
 def run(kind: str, shard_mode: str | None, rank: int, world: int):
     from kvcache.engine.llm import LLM
-    from kvcache.engine.llm_engine import EngineConfig
+    from kvcache.engine.config import EngineConfig
     from kvcache.engine.parallel import shard
     from kvcache.engine.sampling import SamplingParams
     model = build(kind)
