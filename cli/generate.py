@@ -13,7 +13,7 @@ EPILOG = """examples:
   kvcache generate --model /tmp/v4-tiny --prompt "A prefix cache" --max-tokens 32
   kvcache generate --model /tmp/v4-tiny --prompt-ids 0,17,42 --temperature 0.8 --top-p 0.9 --seed 1
   kvcache generate --model /tmp/v4-tiny --prompt "..." --cache http://127.0.0.1:8790 --cache-mode exact
-  kvcache generate --model /tmp/v4-tiny --prompt "..." --cache-config configs/engine-cache.toml
+  kvcache generate --model /tmp/v4-tiny --prompt "..." --config configs/engine.toml --cache-mode exact
   kvcache generate --model /tmp/v4-tiny --prompt "..." --compile
 """
 
@@ -38,7 +38,9 @@ def add_parser(sub) -> None:
                    "a store TOML, http://host:port or unix:///path.sock (kvcache serve)")
     p.add_argument("--cache-mode", choices=("replay", "exact"), help="replay (default): rebuild windows by "
                    "recomputing the hit's last blocks; exact: resume from tail snapshots, bit-identical")
-    p.add_argument("--cache-config", metavar="FILE", help="TOML with a [cache] section (configs/engine-cache.toml)")
+    p.add_argument("--config", "--cache-config", metavar="FILE", help="engine settings from this TOML ([engine] and "
+                   "[cache]: configs/engine.toml documents every key); --cache, --cache-mode and --compile "
+                   "given here override the file")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
@@ -55,10 +57,11 @@ def cmd_generate(args) -> int:
                             seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos).with_seed()
     if args.tp < 1:
         raise ValueError("--tp must be >= 1")
-    if args.compile and args.tp > 1:
+    config = _config(args)                        # a bad file is one error line, before any rank starts
+    if config.compile and args.tp > 1:
         raise ValueError("--compile does not support tensor or expert parallelism yet: drop --compile or --tp")
     if args.tp == 1:
-        return _generate(0, 1, args, params)
+        return _generate(0, 1, args, params, config)
     import logging
     import tempfile
     import torch.multiprocessing as mp
@@ -67,7 +70,7 @@ def cmd_generate(args) -> int:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as d:      # every rank samples with the same seed (drawn above)
         try:
-            mp.spawn(_rank, args=(args.tp, args, params, d), nprocs=args.tp, join=True)
+            mp.spawn(_rank, args=(args.tp, args, params, config, d), nprocs=args.tp, join=True)
         except mp.ProcessRaisedException as e:   # a rank's unexpected error: its last line, not a traceback
             print(f"kvcache generate: error: a rank failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
             return 1
@@ -81,7 +84,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _rank(rank: int, world: int, args, params, workdir: str) -> None:
+def _rank(rank: int, world: int, args, params, config, workdir: str) -> None:
     """One tensor-parallel rank: joins the group, generates in step with the others, and exits with
     _generate's status (mp.spawn ignores return values; a non-zero exit reaches cmd_generate). Bad
     input is written to workdir/error-<rank> for cmd_generate to print once."""
@@ -89,7 +92,7 @@ def _rank(rank: int, world: int, args, params, workdir: str) -> None:
     backend = "nccl" if args.device.startswith("cuda") else "hccl" if args.device.startswith("npu") else "gloo"
     dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)
     try:
-        status = _generate(rank, world, args, params)
+        status = _generate(rank, world, args, params, config)
         # every rank done before any tears down: a rank that left while its peer still talked
         # over gloo aborted the peer ("terminate called without an active exception", SIGABRT)
         dist.barrier()
@@ -105,18 +108,18 @@ def _rank(rank: int, world: int, args, params, workdir: str) -> None:
         sys.exit(status)
 
 
-def _generate(rank: int, world: int, args, params) -> int:
+def _generate(rank: int, world: int, args, params, config) -> int:
     from kvcache.cli.fmt import escape_controls
     from kvcache.engine.llm import LLM, load_checkpoint
     t0 = time.perf_counter()
-    if args.compile and rank == 0:
+    if config.compile and rank == 0:
         print("[compiling the model's layers before the first step: ~5-8 minutes for v4-small on 2 CPU cores "
               "the first time, under a minute once inductor's cache holds the graphs]", file=sys.stderr)
     model, tokenizer = load_checkpoint(args.model, args.device, progress=rank == 0 and sys.stderr.isatty())
     if world > 1:             # before the engine: it stacks the experts and compiles for the shapes it sees
         from kvcache.engine.parallel import shard
         shard(model, rank, world, tp=True, ep=args.ep)
-    llm = LLM(model=model, tokenizer=tokenizer, config=_config(args))
+    llm = LLM(model=model, tokenizer=tokenizer, config=config)
     load_s = time.perf_counter() - t0
     if rank > 0:                                  # the other ranks compute in step, silently
         sys.stdout = open("/dev/null", "w")
@@ -177,15 +180,15 @@ def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
 
 
 def _config(args):
-    """The engine config, with a [cache] section from --cache-config / --cache / --cache-mode."""
+    """The engine config: --config's file (else the defaults), then the flags over it: --cache and
+    --cache-mode set the cache's store and mode (a cache then, with the file's [cache] or without),
+    --compile compiles."""
+    import dataclasses
     from kvcache.engine.config import CacheConfig, EngineConfig
-    if args.cache_config:
-        cache = CacheConfig.load(args.cache_config, store=args.cache, mode=args.cache_mode)
-    elif args.cache or args.cache_mode:
-        cache = CacheConfig(store=args.cache or "", mode=args.cache_mode or "replay")
-    else:
-        cache = None
-    return EngineConfig(cache=cache, compile=args.compile)
+    config = EngineConfig.load(args.config) if args.config else EngineConfig()
+    flags = {k: v for k, v in (("store", args.cache), ("mode", args.cache_mode)) if v is not None}
+    cache = dataclasses.replace(config.cache or CacheConfig(), **flags) if flags else config.cache
+    return dataclasses.replace(config, cache=cache, compile=config.compile or args.compile)
 
 
 def _ids(text: str) -> list[int]:

@@ -1,18 +1,23 @@
 """The engine's settings: EngineConfig (the pool, the step budget, compilation, the decode path)
 and its `[cache]` section, CacheConfig (prefix reuse and the block store behind it).
 
-configs/engine.toml documents every setting with its default. The model's own config (parsed
-from config.json) is engine/model_config.py.
+configs/engine.toml documents every setting with its default; `EngineConfig.load(path)` reads
+such a file, strictly: an unknown key, a value of the wrong type or a bad value is an
+EngineConfigError naming the file and the key. The model's own config (parsed from config.json)
+is engine/model_config.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The engine's `[cache]` section (configs/engine-cache.toml documents each field)."""
+    """The engine's `[cache]` section (configs/engine.toml documents each field)."""
     store: str = ""                  # open_store spec: a directory, a store TOML, http://host:port, unix:///sock
     token: str | None = None         # bearer token for a daemon (else $KVCACHE_TOKEN)
     model_id: str = ""               # names the weights in block keys (e.g. "v4.1-flash@flash-1017"); empty: a
@@ -37,28 +42,10 @@ class CacheConfig:
         if self.replay_blocks < 0:
             raise ValueError("replay_blocks must be >= 0 (0: enough blocks for 4 sliding windows)")
 
-    @classmethod
-    def load(cls, path: str, **overrides) -> "CacheConfig":
-        """The [cache] section of a TOML file (configs/engine-cache.toml), then `overrides`."""
-        import tomllib
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        section = doc.get("cache")
-        if not isinstance(section, dict):
-            raise ValueError(f"{path}: no [cache] section (see configs/engine-cache.toml)")
-        return cls.from_dict({**section, **{k: v for k, v in overrides.items() if v is not None}})
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CacheConfig":
-        known = set(cls.__dataclass_fields__)
-        bad = sorted(set(d) - known)
-        if bad:
-            raise ValueError(f"unknown [cache] settings {bad}; known: {sorted(known)}")
-        return cls(**d)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's `[engine]` section, and its cache (configs/engine.toml documents each field)."""
     block_size: int = 128            # tokens per KV block: a multiple of every compress ratio the model uses
     num_blocks: int = 512
     max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
@@ -78,3 +65,109 @@ class EngineConfig:
     # CUDA: replay block decode steps as CUDA graphs, one per (batch, pages) bucket
     # (engine/decode_graphs.py); needs block_decode and device_experts
     cuda_graphs: bool = False
+
+    @classmethod
+    def load(cls, path: str) -> "EngineConfig":
+        """The settings of a TOML file like configs/engine.toml: [engine], and [cache] (absent, or
+        enabled = false: no prefix reuse). Every key is optional and defaults as here."""
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (FileNotFoundError, IsADirectoryError):
+            raise EngineConfigError(f"engine config {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise EngineConfigError(f"engine config {path} is not valid TOML: {e}") from None
+        try:
+            return cls.from_dict(raw)
+        except EngineConfigError as e:
+            raise EngineConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
+        """The settings of a parsed engine TOML (sections as tables)."""
+        unknown = sorted(set(d) - {"engine", "cache"})
+        if unknown:
+            raise EngineConfigError(f"unknown sections {unknown}; an engine config has [engine] and [cache]")
+        settings = _settings(cls, "engine", _table("engine", d.get("engine", {})))
+        cache = _cache(_table("cache", d["cache"])) if "cache" in d else None
+        return _build(cls, "engine", {**settings, "cache": cache})
+
+
+class EngineConfigError(ValueError):
+    """An engine config that cannot be used; the message names the file and the key."""
+
+
+_AUTO = {"device_experts"}              # `bool | None` settings: "auto" in TOML is None
+_POSITIVE = {"block_size", "num_blocks", "max_tokens_per_step", "max_running"}
+_TIERS = ("dram", "nvme", "object")     # the tiers a cache's bandwidth guesses name
+_KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+          "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+          "dict": lambda v: isinstance(v, Mapping)}
+
+
+def _cache(section: dict[str, Any]) -> CacheConfig | None:
+    enabled = section.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise EngineConfigError(f"[cache].enabled must be true or false, got {enabled!r}"[:160])
+    settings = _settings(CacheConfig, "cache", section)
+    if "bandwidth" in settings:          # a tier left out keeps its first guess
+        settings["bandwidth"] = {**CacheConfig().bandwidth, **_bandwidth(settings["bandwidth"])}
+    return _build(CacheConfig, "cache", settings) if enabled else None
+
+
+def _bandwidth(table: Mapping[str, Any]) -> dict[str, float]:
+    for tier, v in table.items():
+        if tier not in _TIERS:
+            raise EngineConfigError(f"unknown tier {str(tier)[:40]!r} in [cache.bandwidth]; known: {list(_TIERS)}")
+        if not _KINDS["float"](v) or v <= 0:
+            raise EngineConfigError(f"[cache.bandwidth].{tier} must be a positive number of bytes/s, got {v!r}"[:160])
+    return {tier: float(v) for tier, v in table.items()}
+
+
+def _table(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise EngineConfigError(f"[{name}] must be a table of settings, got {type(value).__name__} {str(value)[:40]!r}")
+    return dict(value)
+
+
+def _settings(klass, section: str, table: Mapping[str, Any]) -> dict[str, Any]:
+    """`table`'s keys as `klass` fields, each checked against its declared type: `*_mib`/`*_gib`
+    spell `*_bytes` fields; a field typed as another config (the engine's cache) is no key."""
+    types = {f.name: str(f.type).replace(" ", "").split("|") for f in fields(klass)}
+    out = {}
+    for key, value in table.items():
+        name, value = _sized(section, key, value, types)
+        kinds = types.get(name)
+        if kinds is None or not any(k in _KINDS for k in kinds):
+            known = sorted(n for n, ks in types.items() if any(k in _KINDS for k in ks))
+            raise EngineConfigError(f"unknown setting [{section}].{str(key)[:60]}; known: {known}")
+        if name in _AUTO and value == "auto":
+            value = None
+        elif not any(_KINDS[k](value) for k in kinds if k in _KINDS):
+            want = " or ".join(['"auto"'] * (name in _AUTO) + [k for k in kinds if k in _KINDS])
+            raise EngineConfigError(f"[{section}].{key} must be {want}, got {value!r}"[:160])
+        if "float" in kinds and _KINDS["int"](value):
+            value = float(value)
+        if name in _POSITIVE and value < 1:
+            raise EngineConfigError(f"[{section}].{key} must be at least 1, got {value!r}")
+        out[name] = value
+    return out
+
+
+def _sized(section: str, key: str, value: Any, types: Mapping[str, list[str]]) -> tuple[str, Any]:
+    for suffix, mult in (("_gib", 1 << 30), ("_mib", 1 << 20)):
+        name = key[: -len(suffix)] + "_bytes"
+        if key.endswith(suffix) and name in types:
+            if not _KINDS["float"](value) or not 0 <= value <= 1 << 30:
+                raise EngineConfigError(f"[{section}].{key} must be a number of {suffix[1:].upper()}, got {value!r}"[:160])
+            return name, int(value * mult)
+    return key, value
+
+
+def _build(klass, section: str, settings: dict[str, Any]):
+    """`klass(**settings)`, its own checks (a cache mode, an interval) said as the section's."""
+    try:
+        return klass(**settings)
+    except ValueError as e:
+        raise EngineConfigError(f"[{section}]: {e}") from None

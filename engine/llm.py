@@ -4,7 +4,9 @@
     for (out,) in llm.generate(["Hello", "Tell me"], SamplingParams(max_tokens=32, temperature=0)):
         print(out.text, out.finish_reason, out.metrics.ttft_s)     # one Completion per sample (n)
 
-`llm.engine.requests` holds the last call's requests (and anything still running).
+`llm.engine.requests` holds the last call's requests (and anything still running). The engine's
+settings come as `config=` (an EngineConfig: `EngineConfig.load("engine.toml")` reads them from
+TOML, configs/engine.toml documents each).
 """
 
 from __future__ import annotations
