@@ -95,9 +95,9 @@ def _memcpy_bandwidth(nbytes: int) -> float:
 
 def _store(root: str, fresh: bool = False):
     from kvcache.kvstore.config import StoreConfig
-    from kvcache.tiering.dram import DramConfig
-    from kvcache.tiering.nvme import NvmeConfig
-    from kvcache.tiering.object_config import ObjectConfig
+    from kvcache.tiering.config import DramConfig
+    from kvcache.tiering.config import NvmeConfig
+    from kvcache.tiering.config import ObjectConfig
     from kvcache.kvstore.store import BlockStore
     if fresh:
         shutil.rmtree(root, ignore_errors=True)

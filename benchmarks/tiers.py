@@ -46,8 +46,9 @@ from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import BlockMeta, Tier, raw_layout
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.dram import DramConfig, DramTier
-from kvcache.tiering.nvme import NvmeConfig, NvmeTier
+from kvcache.tiering.config import DramConfig, NvmeConfig
+from kvcache.tiering.dram import DramTier
+from kvcache.tiering.nvme import NvmeTier
 from kvcache.tiering.slab import SlabAllocator
 
 TARGETS = {"dram_get_vs_memcpy": 0.8, "dram_get_many_vs_memcpy": 0.8, "nvme_put_vs_raw_write": 0.7, "nvme_get_vs_raw_read": 0.7}

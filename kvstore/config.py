@@ -9,9 +9,7 @@ from typing import Any, Mapping
 
 from kvcache.kvstore.retention import RetentionPolicy
 from kvcache.kvstore.types import is_real
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
-from kvcache.tiering.object_config import ObjectConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig, ObjectConfig
 
 _WRITE_POLICIES = ("write-through", "write-back")
 

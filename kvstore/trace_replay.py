@@ -110,8 +110,8 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     from kvcache.kvstore.store import BlockStore
     from kvcache.kvstore.types import PutItem
     from kvcache.kvstore.types import Tier
-    from kvcache.tiering.dram import DramConfig
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import DramConfig
+    from kvcache.tiering.config import NvmeConfig
 
     class Clock:
         t = 1_700_000_000.0

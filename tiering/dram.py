@@ -37,40 +37,12 @@ from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
+from kvcache.tiering.config import DramConfig
 from kvcache.tiering.dram_eviction import DramEviction, EvictCallback, EvictedBlock
 from kvcache.tiering.dram_landings import DramLandings, address
 from kvcache.tiering.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DramConfig:
-    capacity_bytes: int = 1 << 30
-    page_bytes: int = 16 << 20
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
-    eviction: str = "lru"          # "lru": reads refresh recency; "fifo": insertion order only
-    pin_memory: str = "auto"       # "auto" | "on" | "off"
-    prefault: bool = True          # touch the arena at start-up, not on the first puts
-    shared_memory: bool | None = None  # local clients map the arena (None: on in `kvcache serve`)
-    admission: str = "always"      # write-through puts: "always" cache in DRAM, or "second-hit": only a
-                                   # block seen before (reads always admit); one-off blocks then never
-                                   # evict reused ones from a small DRAM (see benchmarks/README, replay)
-    admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
-    read_directory: bool = True    # with shared_memory: publish where put and leased blocks sit so local
-                                   # clients read them without a round trip (kvstore/shm_directory.py)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.low_watermark <= self.high_watermark <= 1:
-            raise ValueError("need 0 < dram.low_watermark <= dram.high_watermark <= 1")
-        if self.eviction not in ("lru", "fifo"):
-            raise ValueError(f"dram.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
-        if self.pin_memory not in ("auto", "on", "off"):
-            raise ValueError(f"dram.pin_memory must be auto, on or off, got {self.pin_memory!r}")
-        if self.admission not in ("always", "second-hit") or self.admission_memory < 1:
-            raise ValueError(f"dram.admission must be always or second-hit (with admission_memory >= 1), "
-                             f"got {self.admission!r}")
 
 
 @dataclass(slots=True)

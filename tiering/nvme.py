@@ -27,7 +27,6 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvcache.kvstore.block_format import FLAG_TOMBSTONE, Codec, encode_header
@@ -35,6 +34,7 @@ from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering import namespace_file
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
+from kvcache.tiering.config import NvmeConfig
 from kvcache.tiering.nvme_reads import NvmeReads, file_size
 from kvcache.tiering.segment_readers import SegmentReaders
 from kvcache.tiering.space_reserve import SpaceReserve
@@ -60,30 +60,6 @@ def _load_sync_file_range():
 
 _sync_file_range = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
-_FSYNC_POLICIES = ("always", "interval", "never")
-
-
-@dataclass(frozen=True)
-class NvmeConfig:
-    capacity_bytes: int = 64 << 30
-    segment_bytes: int = 256 << 20
-    fsync: str = "always"          # "always": durable on return; "interval": every fsync_interval_s; "never"
-    fsync_interval_s: float = 1.0
-    o_direct: bool = False
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    compact_below: float = 0.5     # compact a sealed segment whose live fraction drops below this
-    reserve_bytes: int = 4 << 20   # kept free for deletes on a full disk (tiering/space_reserve.py)
-
-    def __post_init__(self) -> None:
-        if self.fsync not in _FSYNC_POLICIES:
-            raise ValueError(f"nvme.fsync must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
-        if not 0 < self.low_watermark <= self.high_watermark <= 1:
-            raise ValueError("need 0 < nvme.low_watermark <= nvme.high_watermark <= 1")
-        if self.segment_bytes < 1 << 20:
-            raise ValueError("nvme.segment_bytes must be at least 1 MiB")
-        if self.reserve_bytes < 0:
-            raise ValueError("nvme.reserve_bytes must be >= 0")
 
 
 class NvmeTier(NvmeReads, BlockTier):

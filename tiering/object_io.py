@@ -11,6 +11,9 @@ failure: it counts as a success for the breaker and is raised as FileNotFoundErr
 Deadlines: calls on an async filesystem (s3fs) run on its event loop under
 `asyncio.wait_for`, which cancels the request at the deadline; calls on a synchronous one
 (local files) run in a small thread pool and the caller stops waiting at the deadline.
+
+`make_fs` builds the tier's filesystem with those deadlines and no retries of its own; fsspec
+(and s3fs for s3://) are imported only then.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from kvcache.kvstore.errors import StoreError
+from kvcache.tiering.config import ObjectConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,3 +146,26 @@ class FsIO:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_fs(cfg: ObjectConfig):
+    try:
+        import fsspec
+    except ImportError as e:
+        raise StoreError("the object tier needs fsspec (and s3fs for s3://): pip install 'kvcache[object]'") from e
+    proto, _ = cfg.split_url()
+    opts = dict(cfg.storage_options)
+    opts.setdefault("skip_instance_cache", True)   # we tune retries/timeouts on our own instance
+    if proto in ("s3", "s3a"):
+        ck = dict(opts.get("config_kwargs") or {})
+        ck.setdefault("connect_timeout", cfg.timeout_s)
+        ck.setdefault("read_timeout", cfg.timeout_s)
+        # no hidden botocore retries (a refused connection would sleep up to 1 s): the breaker decides
+        ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        opts["config_kwargs"] = ck
+    try:
+        return fsspec.filesystem(proto, **opts)
+    except ImportError as e:
+        raise StoreError(f"object tier url {cfg.url!r} needs a driver: {e} (for s3://: pip install s3fs)") from e
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"object tier url {cfg.url!r}: bad storage_options: {e}") from e

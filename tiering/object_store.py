@@ -42,8 +42,8 @@ from kvcache.kvstore.errors import CorruptBlockError, StoreError
 from kvcache.kvstore.types import DTYPE_SIZES, Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
 from kvcache.tiering.object_codec import CODEC_NAMES, ObjCodec, PayloadCodec, decode_header_any
-from kvcache.tiering.object_config import ObjectConfig, make_fs  # noqa: F401 (re-export)
-from kvcache.tiering.object_io import CircuitBreaker, FsIO, ObjectStoreUnavailable
+from kvcache.tiering.config import ObjectConfig
+from kvcache.tiering.object_io import CircuitBreaker, FsIO, ObjectStoreUnavailable, make_fs
 from kvcache.tiering.object_pack import PackBuilder, pack_name, parse_pack_name, read_index
 from kvcache.tiering.object_queue import DroppedCallback, StoredCallback, WriteBackQueue
 

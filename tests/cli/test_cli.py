@@ -14,7 +14,7 @@ from kvcache.kvstore import Namespace, hash_blocks
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import NvmeConfig
 
 
 def kvcache(*args, check=False):

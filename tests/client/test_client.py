@@ -20,8 +20,7 @@ from kvcache.client.open_store import open_store
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import TensorSpec
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 from tests.conftest import NS, make_keys, payload_for, put_blocks
 
 TOKEN_A, TOKEN_B, TOKEN_C = "tenant-a-token-0123456789", "tenant-b-token-0123456789", "tenant-c-token-0123456789"

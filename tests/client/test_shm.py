@@ -15,8 +15,8 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.leases import SOCKET
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, read_leased
 from kvcache.kvstore.store import BlockStore
-from kvcache.tiering.dram import DramConfig, DramTier
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
+from kvcache.tiering.dram import DramTier
 from tests.conftest import NS, FakeClock, make_keys, payload_for, put_blocks
 from tests.client.test_client import ServerThread
 

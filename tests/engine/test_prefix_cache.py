@@ -12,8 +12,7 @@ from kvcache.engine.llm import LLM
 from kvcache.engine.sampling import SamplingParams
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)
 
 CFG = EngineConfig(block_size=16, num_blocks=128, max_tokens_per_step=48, max_running=8)

@@ -31,8 +31,7 @@ import xxhash
 
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import Namespace
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 NS = Namespace("crash-model@rev1", "raw/v1", 16, name="crash")
 MIN_PAYLOAD, MAX_PAYLOAD = 1 << 10, 300 << 10

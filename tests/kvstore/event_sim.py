@@ -13,8 +13,7 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.event_log import ParquetEventLog
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import Tier
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 from tests.conftest import NS, make_keys, put_blocks
 
 # tenant -> (blocks per prompt, first token of its documents); beta's 4,800-token prompts overflow 1 MiB of DRAM

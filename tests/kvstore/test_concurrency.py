@@ -21,8 +21,7 @@ from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 NS = Namespace("concurrency-model@rev1", "raw/v1", 16, name="conc")
 N_KEEP, N_DOOMED = 500, 500           # kept blocks are never deleted; doomed ones are

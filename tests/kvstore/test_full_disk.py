@@ -13,7 +13,8 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.nvme import NvmeConfig, NvmeTier
+from kvcache.tiering.config import NvmeConfig
+from kvcache.tiering.nvme import NvmeTier
 from tests.tiering.faults_common import NS, key_for, payload_for
 
 

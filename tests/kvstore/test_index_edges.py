@@ -18,8 +18,7 @@ from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import Tier
 from kvcache.tiering import object_store
-from kvcache.tiering.nvme import NvmeConfig
-from kvcache.tiering.object_config import ObjectConfig
+from kvcache.tiering.config import NvmeConfig, ObjectConfig
 from kvcache.tiering.object_io import ObjectStoreUnavailable
 from tests.tiering.faults_common import NS, key_for, make_config, payload_for
 

@@ -123,7 +123,7 @@ def test_compaction_moves_live_blocks(make_store, clock):
 
 
 def test_nvme_capacity_eviction_prefers_least_recent(make_store, clock):
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import NvmeConfig
     cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
     s = make_store(dram_mib=None, nvme_config=cfg)
     keys = make_keys(300)
@@ -149,7 +149,7 @@ def test_nvme_capacity_eviction_prefers_least_recent(make_store, clock):
 
 def test_puts_make_room_without_a_gc_thread(make_store, clock):
     """A full NVMe tier evicts and compacts on the put path: puts never fail for space."""
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import NvmeConfig
     cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
     s = make_store(dram_mib=None, nvme_config=cfg)
     keys = make_keys(1000)
@@ -207,7 +207,7 @@ def test_expiry_never_writes_back_a_stale_scan(make_store, clock, monkeypatch):
 
 def test_capacity_eviction_skips_a_victim_pinned_after_sampling(make_store, clock, monkeypatch):
     import dataclasses
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import NvmeConfig
     cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
     s = make_store(dram_mib=None, nvme_config=cfg)
     keys = make_keys(100)

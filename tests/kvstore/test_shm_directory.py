@@ -15,7 +15,8 @@ from kvcache.client.async_client import DaemonError, KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.types import PutItem
 from kvcache.tiering.base import BlockWrite
-from kvcache.tiering.dram import DramConfig, DramTier
+from kvcache.tiering.config import DramConfig
+from kvcache.tiering.dram import DramTier
 from tests.conftest import NS, ListSink, make_keys, payload_for, put_blocks
 from tests.client.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401  (fixture)
 
@@ -316,7 +317,7 @@ def test_a_dead_daemons_table_is_never_read(tmp_path, monkeypatch):
 def test_leases_and_touches_record_labelled_get_events(tmp_path):
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.store import BlockStore
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import NvmeConfig
 
     sink = ListSink()
     cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=2 << 20, page_bytes=1 << 20, prefault=False,

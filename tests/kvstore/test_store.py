@@ -204,8 +204,8 @@ def test_batched_gets(make_store):
 def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.store import BlockStore
-    from kvcache.tiering.dram import DramConfig
-    from kvcache.tiering.nvme import NvmeConfig
+    from kvcache.tiering.config import DramConfig
+    from kvcache.tiering.config import NvmeConfig
     cfg = StoreConfig(str(tmp_path / "s"), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False,
                                                           admission="second-hit"),
                       nvme=NvmeConfig(segment_bytes=1 << 20))

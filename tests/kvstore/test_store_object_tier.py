@@ -7,8 +7,7 @@ from kvcache.gc.collector import Collector
 from kvcache.gc.fsck import check
 from kvcache.kvstore import Tier
 from kvcache.kvstore.config import StoreConfig
-from kvcache.tiering.nvme import NvmeConfig
-from kvcache.tiering.object_config import ObjectConfig
+from kvcache.tiering.config import NvmeConfig, ObjectConfig
 from tests.conftest import make_keys, payload_for, put_blocks
 
 
@@ -80,7 +79,7 @@ def test_object_tier_needs_nvme(tmp_path):
 
 
 def test_lookup_prefetches_object_only_blocks_into_dram(make_store, tmp_path, clock):
-    from kvcache.tiering.object_config import ObjectConfig
+    from kvcache.tiering.config import ObjectConfig
     cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05)
     s = make_store(dram_mib=4, object_store=cfg)
     keys = make_keys(8)
@@ -100,7 +99,7 @@ def test_lookup_prefetches_object_only_blocks_into_dram(make_store, tmp_path, cl
 
 
 def test_gc_reclaims_sparse_and_dead_packs(make_store, tmp_path, clock):
-    from kvcache.tiering.object_config import ObjectConfig
+    from kvcache.tiering.config import ObjectConfig
     cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05, pack_max_blocks=20)
     s = make_store(dram_mib=None, object_store=cfg)
     keys = make_keys(200)
@@ -127,7 +126,7 @@ def test_gc_reclaims_sparse_and_dead_packs(make_store, tmp_path, clock):
 
 def test_index_rebuilt_from_packs_keeps_object_only_blocks_and_deletes(make_store, tmp_path, clock):
     import shutil
-    from kvcache.tiering.object_config import ObjectConfig
+    from kvcache.tiering.config import ObjectConfig
     cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05, pack_max_blocks=10)
     s = make_store(dram_mib=None, object_store=cfg)
     keys = make_keys(40)

@@ -19,8 +19,7 @@ from kvcache.client.async_client import AsyncKVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 NS = Namespace("bulk-model@1", "raw/v1", 16, name="bulk")
 KEYS = hash_blocks(NS, np.arange(16 * 64))

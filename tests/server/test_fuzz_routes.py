@@ -41,8 +41,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.store import BlockStore
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 ALICE, ADMIN = "a" * 32, "c" * 32
 NS = Namespace("fuzz-model@1", "raw/v1", 16, name="fuzz")

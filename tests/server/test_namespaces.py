@@ -18,8 +18,7 @@ from kvcache.kvstore.hashing import tenant_namespace_id
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
 from tests.server.test_tenancy import TOKENS, register, serve, store_config  # noqa: F401 (fixture)
 

@@ -19,8 +19,7 @@ from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, client, put, register  # noqa: F401
 

@@ -11,8 +11,7 @@ from kvcache.server.config import ServerConfig, TokenInfo, parse_env_tokens
 from kvcache.kvstore import Namespace, hash_blocks, wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 NS = Namespace("srv-model@1", "raw/v1", 16, name="srv")
 KEYS = hash_blocks(NS, np.arange(16 * 8))

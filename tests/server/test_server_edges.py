@@ -12,7 +12,7 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, KEYS, NS, auth, client, payload, put, register  # noqa: F401
 
 

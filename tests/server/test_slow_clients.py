@@ -25,7 +25,7 @@ from kvcache.kvstore.errors import BlockFormatError
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.client.sync_client import KVClient
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import NvmeConfig
 
 NS = Namespace("slow-model@1", "raw/v1", 16, name="slow")
 KEYS = hash_blocks(NS, np.arange(16 * 64))

@@ -18,7 +18,7 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import NvmeConfig
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
 
 CAROL, DAVE, PROM = "d" * 32, "e" * 32, "f" * 32

@@ -11,8 +11,7 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 NS = Namespace("faults-model@rev1", "raw/v1", 16, name="faults")
 NS_SHA = Namespace("faults-model@rev1", "raw/v1", 16, algo=HashAlgo.SHA256, name="faults-sha")

@@ -17,7 +17,8 @@ import pytest
 
 from kvcache.kvstore.types import TensorSpec, raw_layout
 from kvcache.tiering.base import BlockWrite
-from kvcache.tiering.object_store import ObjectConfig, ObjectTier
+from kvcache.tiering.config import ObjectConfig
+from kvcache.tiering.object_store import ObjectTier
 
 pytest.importorskip("fsspec", reason="the object tier needs fsspec: pip install fsspec")
 from fsspec.implementations.local import LocalFileSystem  # noqa: E402

@@ -5,7 +5,8 @@ import pytest
 from kvcache.kvstore.errors import TierFullError
 from kvcache.kvstore.types import raw_layout
 from kvcache.tiering.base import BlockWrite
-from kvcache.tiering.dram import DramConfig, DramTier
+from kvcache.tiering.config import DramConfig
+from kvcache.tiering.dram import DramTier
 from kvcache.tiering.slab import SlabAllocator, size_classes
 
 KB = 1024

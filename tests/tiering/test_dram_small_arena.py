@@ -6,7 +6,8 @@ import logging
 import random
 
 from kvcache.tiering.base import BlockWrite
-from kvcache.tiering.dram import DramConfig, DramTier
+from kvcache.tiering.config import DramConfig
+from kvcache.tiering.dram import DramTier
 from kvcache.tiering.slab import SlabAllocator
 
 

@@ -15,7 +15,7 @@ from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.tiering import nvme as nvme_mod
 from kvcache.tiering.base import Placement
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import NvmeConfig
 from tests.tiering.faults_common import NS, key_for, make_config, open_store, payload_for
 
 

@@ -21,8 +21,7 @@ from kvcache.kvstore.errors import (
 )
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.tiering.dram import DramConfig
-from kvcache.tiering.nvme import NvmeConfig
+from kvcache.tiering.config import DramConfig, NvmeConfig
 
 from tests.tiering.faults_common import NS, key_for, payload_for, make_config, open_store, fill
 

@@ -15,7 +15,8 @@ from kvcache.kvstore.errors import CorruptBlockError
 from kvcache.kvstore.types import raw_layout
 from kvcache.tiering.base import BlockWrite, Placement
 from kvcache.tiering.object_codec import ObjCodec, decode_header_any, shuffle2, unshuffle2_into
-from kvcache.tiering.object_store import ObjectConfig, ObjectTier
+from kvcache.tiering.config import ObjectConfig
+from kvcache.tiering.object_store import ObjectTier
 
 pytest.importorskip("fsspec", reason="the object tier needs fsspec: pip install fsspec")
 

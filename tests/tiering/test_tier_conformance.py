@@ -6,9 +6,10 @@ import pytest
 
 from kvcache.kvstore.types import raw_layout
 from kvcache.tiering.base import BlockWrite, Placement
-from kvcache.tiering.dram import DramConfig, DramTier
-from kvcache.tiering.nvme import NvmeConfig, NvmeTier
-from kvcache.tiering.object_store import ObjectConfig, ObjectTier
+from kvcache.tiering.config import DramConfig, NvmeConfig, ObjectConfig
+from kvcache.tiering.dram import DramTier
+from kvcache.tiering.nvme import NvmeTier
+from kvcache.tiering.object_store import ObjectTier
 
 NS_ID = bytes(range(16))
 

@@ -1,4 +1,12 @@
-"""ObjectConfig: the object tier's settings (TOML section [object]), and its filesystem.
+"""The tiers' settings, one class per tier (TOML sections [dram], [nvme], [object] of a store
+config: configs/store.toml documents each key; kvstore/config.py reads the file).
+
+    DramConfig    the host-memory arena: capacity, size-class pages, watermarks, eviction,
+                  pinning, shared memory and the read directory, admission
+    NvmeConfig    segment files: capacity, segment size, fsync policy, O_DIRECT, watermarks,
+                  compaction, the space reserved for deletes on a full disk
+    ObjectConfig  packs in an object store (fsspec URL): packing, codec, the upload queue,
+                  deadlines and the circuit breaker, the bucket's lifecycle rule
 
     [object]
     url = "s3://my-bucket/kvcache"          # or "file:///mnt/shared/kvcache", "/abs/dir"
@@ -8,18 +16,68 @@
     timeout_s = 10.0
     [object.storage_options]                 # handed to fsspec.filesystem(protocol, ...)
     endpoint_url = "http://127.0.0.1:9000"
-
-fsspec (and s3fs for s3://) are imported only when a tier is opened.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache.kvstore.errors import StoreError
 from kvcache.tiering.object_codec import CODEC_NAMES
 
 _CODECS = (*CODEC_NAMES, "auto")
+_FSYNC_POLICIES = ("always", "interval", "never")
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    capacity_bytes: int = 1 << 30
+    page_bytes: int = 16 << 20
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    eviction: str = "lru"          # "lru": reads refresh recency; "fifo": insertion order only
+    pin_memory: str = "auto"       # "auto" | "on" | "off"
+    prefault: bool = True          # touch the arena at start-up, not on the first puts
+    shared_memory: bool | None = None  # local clients map the arena (None: on in `kvcache serve`)
+    admission: str = "always"      # write-through puts: "always" cache in DRAM, or "second-hit": only a
+                                   # block seen before (reads always admit); one-off blocks then never
+                                   # evict reused ones from a small DRAM (see benchmarks/README, replay)
+    admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
+    read_directory: bool = True    # with shared_memory: publish where put and leased blocks sit so local
+                                   # clients read them without a round trip (kvstore/shm_directory.py)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < dram.low_watermark <= dram.high_watermark <= 1")
+        if self.eviction not in ("lru", "fifo"):
+            raise ValueError(f"dram.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+        if self.pin_memory not in ("auto", "on", "off"):
+            raise ValueError(f"dram.pin_memory must be auto, on or off, got {self.pin_memory!r}")
+        if self.admission not in ("always", "second-hit") or self.admission_memory < 1:
+            raise ValueError(f"dram.admission must be always or second-hit (with admission_memory >= 1), "
+                             f"got {self.admission!r}")
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    capacity_bytes: int = 64 << 30
+    segment_bytes: int = 256 << 20
+    fsync: str = "always"          # "always": durable on return; "interval": every fsync_interval_s; "never"
+    fsync_interval_s: float = 1.0
+    o_direct: bool = False
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    compact_below: float = 0.5     # compact a sealed segment whose live fraction drops below this
+    reserve_bytes: int = 4 << 20   # kept free for deletes on a full disk (tiering/space_reserve.py)
+
+    def __post_init__(self) -> None:
+        if self.fsync not in _FSYNC_POLICIES:
+            raise ValueError(f"nvme.fsync must be one of {_FSYNC_POLICIES}, got {self.fsync!r}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError("need 0 < nvme.low_watermark <= nvme.high_watermark <= 1")
+        if self.segment_bytes < 1 << 20:
+            raise ValueError("nvme.segment_bytes must be at least 1 MiB")
+        if self.reserve_bytes < 0:
+            raise ValueError("nvme.reserve_bytes must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -82,26 +140,3 @@ class ObjectConfig:
             proto, path = self.url.split("://", 1)
             return proto.lower(), path
         return "file", self.url
-
-
-def make_fs(cfg: ObjectConfig):
-    try:
-        import fsspec
-    except ImportError as e:
-        raise StoreError("the object tier needs fsspec (and s3fs for s3://): pip install 'kvcache[object]'") from e
-    proto, _ = cfg.split_url()
-    opts = dict(cfg.storage_options)
-    opts.setdefault("skip_instance_cache", True)   # we tune retries/timeouts on our own instance
-    if proto in ("s3", "s3a"):
-        ck = dict(opts.get("config_kwargs") or {})
-        ck.setdefault("connect_timeout", cfg.timeout_s)
-        ck.setdefault("read_timeout", cfg.timeout_s)
-        # no hidden botocore retries (a refused connection would sleep up to 1 s): the breaker decides
-        ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-        opts["config_kwargs"] = ck
-    try:
-        return fsspec.filesystem(proto, **opts)
-    except ImportError as e:
-        raise StoreError(f"object tier url {cfg.url!r} needs a driver: {e} (for s3://: pip install s3fs)") from e
-    except (ValueError, TypeError) as e:
-        raise StoreError(f"object tier url {cfg.url!r}: bad storage_options: {e}") from e
