@@ -111,7 +111,7 @@ def warm_up(run, block_size: int, vocab_size: int) -> None:
     inductor cache, ~30 s warm): `run(prompts, max_tokens)` generates on a scratch engine.
     Variants: a prefill step (static size), pure decode steps of 3, 2 (one dynamic whole-model
     graph) and 1 tokens (batch 1: its own whole-model graph, experts summed in it; planned
-    decode's page count is dynamic and never 1, decode_plan.MIN_PAGES), a prefill of another
+    decode's block count is dynamic and never 1, decode_plan.MIN_BLOCKS), a prefill of another
     size (dynamic). Decode steps the decode plan cannot take (engine/decode_plan.py) run
     the phases, whose decode graphs this leaves to the first such step."""
     def ids(n: int, seed: int) -> list[int]:

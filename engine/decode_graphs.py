@@ -5,7 +5,7 @@ On a GPU a small model's decode step is host-bound: a v4-small step at batch 1 l
 kernels in ~26 ms of host time while the GPU was busy ~2.3 ms (H200). Planned decode makes the
 step pure tensor ops on a few per-step tensors (engine/decode_plan.py), so it can be captured:
 
-    step sizes -> bucket (batch: next power of two; pages: next power of two)
+    step sizes -> bucket (batch: next power of two; blocks: next power of two)
     first time a bucket is met:  warm the step up on a null plan (every row padding: it writes
         only the pool's scratch block and slot, so no request's state moves), then capture
         model.decode_step reading static input buffers  ->  (graph, inputs, tokens, logits)
@@ -16,7 +16,7 @@ step pure tensor ops on a few per-step tensors (engine/decode_plan.py), so it ca
 Graphs share one memory pool; the pool lanes and weights are the same tensors at every replay.
 The routed experts must be summed on the device (stacked, grouped matmuls): the host path reads
 the chosen ids back, which a graph cannot. Steps that do not plan (prefill, mixed steps, states
-planned decode cannot take, more requests or pages than the largest bucket) run as before.
+planned decode cannot take, more requests or blocks than the largest bucket) run as before.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def bucket(n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, block_size: int, max_batch: int, max_pages: int):
+    def __init__(self, model, block_size: int, max_batch: int, max_blocks: int):
         device = model.embed.weight.device
         if device.type != "cuda":
             raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {device}")
@@ -58,7 +58,7 @@ class DecodeGraphs:
             raise ValueError("cuda_graphs needs the routed experts summed on the device (device_experts on): "
                              "the host path reads the chosen experts back every layer")
         self.model, self.block_size = model, block_size
-        self.max_batch, self.max_pages = bucket(max_batch), bucket(max_pages)
+        self.max_batch, self.max_blocks = bucket(max_batch), bucket(max_blocks)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
         self.failed: str | None = None         # a capture failed: graphs off for this engine, said once
@@ -73,14 +73,14 @@ class DecodeGraphs:
             return None
         if not _device_experts(self.model):      # another engine on this model turned them off since
             return None
-        pages = bucket(max(-(-(st.length + 1) // self.block_size) for st in states))
-        if pages > self.max_pages:
+        blocks = bucket(max(-(-(st.length + 1) // self.block_size) for st in states))
+        if blocks > self.max_blocks:
             return None
-        plan = self.model.plan_decode(chunks, states, bucket(len(chunks)), pages)
+        plan = self.model.plan_decode(chunks, states, bucket(len(chunks)), blocks)
         if plan is None:
             return None
         tokens = checked_tokens(self.model.config, chunks, states, plan.batch)
-        g = self.graphs.get((plan.batch, plan.pages))
+        g = self.graphs.get((plan.batch, plan.blocks))
         if g is None:
             try:
                 g = self._capture(plan)
@@ -106,7 +106,7 @@ class DecodeGraphs:
         tokens = torch.zeros((1, plan.batch), dtype=torch.long, device=device)
 
         def run():     # step_views inside: its flags (closes = values != 0) must be ops the graph replays
-            return self.model.decode_step(tokens, step_views(inputs, plan.batch, plan.pages, plan.ratios), plan.lanes)
+            return self.model.decode_step(tokens, step_views(inputs, plan.batch, plan.blocks, plan.ratios), plan.lanes)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):            # compiles, RoPE tables, cuBLAS workspaces: not in the graph
@@ -121,7 +121,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 logits = run()
         g = _Graph(graph, inputs, tokens, logits, plan.lanes, _stacks(self.model))
-        self.graphs[(plan.batch, plan.pages)] = g
+        self.graphs[(plan.batch, plan.blocks)] = g
         return g
 
 

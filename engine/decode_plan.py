@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.engine.layers.history import PagedRows, slot_of
+from kvcache.engine.layers.history import BlockRows, slot_of
 from kvcache.engine.layers.decode_step import DecodeStep, RatioStep
 
 RATIO_FIELDS = ("buf_slot", "buf_row", "closes", "carry", "count", "entry_at", "carry_slot", "visible")
 # Block tables are at least this wide (short histories padded with the scratch block, masked): a
-# one-page table would specialize a compiled graph on the size 1, and every layer variant would
-# compile twice more at start (one page, more pages) for ~nothing saved at run time.
-MIN_PAGES = 2
+# one-block table would specialize a compiled graph on the size 1, and every layer variant would
+# compile twice more at start (one block, more blocks) for ~nothing saved at run time.
+MIN_BLOCKS = 2
 
 
 @dataclass
@@ -39,7 +39,7 @@ class _Compressors:
 class DecodePlan:
     host: torch.Tensor                               # every per-request value, packed (step_views' layout)
     batch: int                                       # rows (requests, then padding)
-    pages: int                                       # block-table columns
+    blocks: int                                      # block-table columns
     ratios: tuple[int, ...]
     lanes: list[dict[str, torch.Tensor]]             # per layer: its lanes by name ("window", "entries", ...)
     states: list                                     # the requests' ModelStates
@@ -53,7 +53,7 @@ class DecodePlan:
     def step(self) -> DecodeStep:
         """The step's tensors on the device (one host-to-device copy, made on first use)."""
         if self._step is None:
-            self._step = step_views(self.host.to(self.device, non_blocking=True), self.batch, self.pages, self.ratios)
+            self._step = step_views(self.host.to(self.device, non_blocking=True), self.batch, self.blocks, self.ratios)
         return self._step
 
     def null_host(self) -> torch.Tensor:
@@ -61,7 +61,7 @@ class DecodePlan:
         and block (e.g. to warm a CUDA graph up before capturing it, without touching a request)."""
         rows = {"pos": [], "slots": [], "window_rows": []}
         per_ratio = {m: {f: [] for f in RATIO_FIELDS} for m in self.ratios}
-        return _packed(rows, per_ratio, [], self.ratios, self.scratch, self.batch, self.pages)
+        return _packed(rows, per_ratio, [], self.ratios, self.scratch, self.batch, self.blocks)
 
     def commit(self) -> None:
         """The step ran: advance the host-side counts (lengths, window rows, buffers, entries, carries)."""
@@ -82,11 +82,11 @@ class DecodePlan:
                     o.n = o.lane.shape[1]
 
 
-def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int = 0) -> DecodePlan | None:
+def plan_decode(layers: list, states: list, device, batch: int = 0, blocks: int = 0) -> DecodePlan | None:
     """The plan for one token per request (`layers`: the model layers' Attention modules; `states`: the
     requests' ModelStates at their current length), or None where the general path must run.
-    `batch` / `pages` pad the step to that many rows / block-table columns (a CUDA graph's
-    bucket; at least MIN_PAGES columns either way): padding reads and writes only the scratch
+    `batch` / `blocks` pad the step to that many rows / block-table columns (a CUDA graph's
+    bucket; at least MIN_BLOCKS columns either way): padding reads and writes only the scratch
     block and slot."""
     lanes = _lanes(layers, states[0].layers)
     if lanes is None:
@@ -110,15 +110,15 @@ def plan_decode(layers: list, states: list, device, batch: int = 0, pages: int =
     if len(set(rows["slots"])) < len(states):
         return None                                    # one request twice: its slot would be written twice
     nb = max(-(-(p + 1) // scratch.block_size) for p in rows["pos"]) if scratch.block_size else 0
-    if (batch and len(states) > batch) or (pages and nb > pages):
+    if (batch and len(states) > batch) or (blocks and nb > blocks):
         return None                                    # bigger than the bucket asked for
-    B, nb = max(batch, len(states)), max(pages, nb, MIN_PAGES) if scratch.block_size else 0
+    B, nb = max(batch, len(states)), max(blocks, nb, MIN_BLOCKS) if scratch.block_size else 0
     host = _packed(rows, per_ratio, tables, ratios, scratch, B, nb)
     return DecodePlan(host, B, nb, ratios, lanes, states, windows, comps, torch.device(device), scratch)
 
 
 def _packed(rows: dict, per_ratio: dict, tables: list, ratios, scratch: "_Scratch", batch: int,
-            pages: int) -> torch.Tensor:
+            blocks: int) -> torch.Tensor:
     """The host tensor step_views reads, the rows past the requests' padding: every write of a
     padding row goes to the scratch slot and block, and it reads nothing but those."""
     for _ in range(batch - len(rows["pos"])):
@@ -131,14 +131,14 @@ def _packed(rows: dict, per_ratio: dict, tables: list, ratios, scratch: "_Scratc
     flat = [rows["pos"], rows["slots"], rows["window_rows"]]
     for m in ratios:
         flat += [per_ratio[m][f] for f in RATIO_FIELDS]
-    table_ids = [t[j] if j < len(t) else scratch.block for t in tables for j in range(pages)]
+    table_ids = [t[j] if j < len(t) else scratch.block for t in tables for j in range(blocks)]
     return torch.tensor([v for row in flat for v in row] + table_ids, dtype=torch.long, device="cpu")
 
 
-def step_views(packed: torch.Tensor, batch: int, pages: int, ratios: tuple[int, ...]) -> DecodeStep:
+def step_views(packed: torch.Tensor, batch: int, blocks: int, ratios: tuple[int, ...]) -> DecodeStep:
     """A DecodeStep made of views into `packed` (a plan's values on the device): [3 + 8 per ratio,
-    batch] per-request rows, then the block tables [batch, pages] row-major (a transposed view
-    would change its strides with batch and pages, and compiled graphs guard on strides)."""
+    batch] per-request rows, then the block tables [batch, blocks] row-major (a transposed
+    view would change its strides with batch and blocks, and compiled graphs guard on strides)."""
     n = 3 + len(RATIO_FIELDS) * len(ratios)
     values = packed[: n * batch].view(n, batch)
     steps = {}
@@ -146,7 +146,7 @@ def step_views(packed: torch.Tensor, batch: int, pages: int, ratios: tuple[int, 
         v = dict(zip(RATIO_FIELDS, values[3 + i * len(RATIO_FIELDS): 3 + (i + 1) * len(RATIO_FIELDS)]))
         v["closes"], v["carry"] = v["closes"] != 0, v["carry"] != 0
         steps[m] = RatioStep(**v)
-    return DecodeStep(values[0], values[1], values[2], packed[n * batch: n * batch + batch * pages].view(batch, pages),
+    return DecodeStep(values[0], values[1], values[2], packed[n * batch: n * batch + batch * blocks].view(batch, blocks),
                       steps)
 
 
@@ -155,15 +155,15 @@ class _Scratch:
     """KVPool's scratch slot and block (the last of every lane) and the pool's block geometry."""
     slot: int
     block: int
-    block_size: int                 # tokens per block (0: no paged lanes)
+    block_size: int                 # tokens per block (0: no block lanes)
     per_block: dict[int, int]       # rows per block in a ratio's lanes
 
     @staticmethod
     def of(lanes, layers) -> "_Scratch":
-        paged = [(a.ratio, ln["entries"]) for a, ln in zip(layers, lanes) if "entries" in ln]
-        per_block = {m: lane.shape[1] for m, lane in paged}
-        return _Scratch(lanes[0]["window"].shape[0] - 1, paged[0][1].shape[0] - 1 if paged else 0,
-                        paged[0][0] * paged[0][1].shape[1] if paged else 0, per_block)
+        pooled = [(a.ratio, ln["entries"]) for a, ln in zip(layers, lanes) if "entries" in ln]
+        per_block = {m: lane.shape[1] for m, lane in pooled}
+        return _Scratch(lanes[0]["window"].shape[0] - 1, pooled[0][1].shape[0] - 1 if pooled else 0,
+                        pooled[0][0] * pooled[0][1].shape[1] if pooled else 0, per_block)
 
     def row(self, m: int) -> int:
         return self.block * self.per_block[m]
@@ -180,7 +180,7 @@ def _lanes(layers, first) -> list[dict] | None:
         for cs, prefix, kind in ((s.compressor, "", "entries"), (s.index, "i_", "index")):
             if cs is None:
                 continue
-            if not isinstance(cs.rows, PagedRows):
+            if not isinstance(cs.rows, BlockRows):
                 return None
             lanes[kind] = cs.rows.lane
             for name in ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate"):
@@ -211,7 +211,7 @@ def _request(layers, lanes, st, ratios, per_ratio, scratch: "_Scratch"):
                 continue
             m = comp.ratio
             rows = cs.rows
-            if not isinstance(rows, PagedRows) or rows.lane is not ln.get(kind) or (table is not None
+            if not isinstance(rows, BlockRows) or rows.lane is not ln.get(kind) or (table is not None
                                                                                    and rows.table is not table):
                 return None
             table = rows.table

@@ -1,4 +1,4 @@
-"""What a model caches per request, as data: the paged cache and the block store read this.
+"""What a model caches per request, as data: the KV pool and the block store read this.
 
     group        layers         grows with tokens?            one row per     row
     window       every layer    no: the last W rows           token           head_dim latent (K = V)

@@ -1,6 +1,6 @@
 """The KV pool's storage: every lane of the model's KV layout, preallocated once.
 
-    block lanes (history, paged by token blocks; BlockPool ids address them)
+    block lanes (history, in blocks of block_size tokens; BlockPool ids address them)
       (layer, "entries")   [num_blocks, block_size // ratio, head_dim]        compressed rows
       (layer, "index")     [num_blocks, block_size // ratio, index_head_dim]  index keys
       block b of a request covers its tokens [b * block_size, (b + 1) * block_size) in every lane
@@ -16,7 +16,7 @@ decode step written as tensor ops (layers/decode_step.py) sends the writes that 
 there (rows that close no window) instead of branching per request.
 
 A request's block table addresses all block lanes at once, so one block id is one content-addressed
-unit: what the store saves and loads (issue 6). Windows and carry are not content-addressed: they
+unit: what the store saves and loads. Windows and carry are not content-addressed: they
 live in the request's slot and are rebuilt (bounded replay) or snapshotted, never shared.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.engine.layers.history import PagedRows, SlotRows
+from kvcache.engine.layers.history import BlockRows, SlotRows
 
 
 class KVPool:
@@ -126,8 +126,8 @@ class PoolView:
     def layer(self, i: int) -> "PoolView":
         return PoolView(self.pool, self.table, self.slot, i)
 
-    def rows(self, kind: str) -> PagedRows:
-        return PagedRows(self.pool.lanes[(self.layer_id, kind)], self.table)
+    def rows(self, kind: str) -> BlockRows:
+        return BlockRows(self.pool.lanes[(self.layer_id, kind)], self.table)
 
     def attach(self, obj, name: str, lane_name: str | None = None) -> None:
         setattr(obj, name, SlotRows(self.pool.slot_lanes[(self.layer_id, lane_name or name)], self.slot))

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import PagedRows, SlotField, clone_field, make_rows, padded_rows, slot_of
+from kvcache.engine.layers.history import BlockRows, SlotField, clone_field, make_rows, padded_rows, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.decode_step import masked_bias
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
@@ -164,8 +164,8 @@ class Attention(nn.Module):
         (_slide_full_windows) update for the whole batch, the rest per request; then one padded
         softmax for the whole batch over (keys [B, S = window + chosen entries, D], bias [B, S])."""
         seen = self._slide_full_windows(kv, states)
-        if all(s is not None for s in seen) and self._paged_histories(states):
-            return self._decode_keys_paged(torch.cat(seen), pre, positions, states, rope)
+        if all(s is not None for s in seen) and self._pooled_histories(states):
+            return self._decode_keys_pooled(torch.cat(seen), pre, positions, states, rope)
         B, rows, biases = len(positions), [], []
         histories = self.decode_histories(pre, positions, states, rope, shared)
         for i, (pos, st) in enumerate(zip(positions, states)):
@@ -195,19 +195,19 @@ class Attention(nn.Module):
                 K[i, : r.shape[0]], M[i, : r.shape[0]] = r, b
         return K, M
 
-    def _paged_histories(self, states) -> bool:
-        """Whether every request's history is pool pages of the same lanes (the engine's case),
-        so that _decode_keys_paged can read them all with one gather per lane."""
+    def _pooled_histories(self, states) -> bool:
+        """Whether every request's history is pool blocks of the same lanes (the engine's case),
+        so that _decode_keys_pooled can read them all with one gather per lane."""
         if type(self).decode_histories is not Attention.decode_histories:      # V4.1: shared history
             return False
         comps = [] if self.compressor is None else [[st.compressor for st in states]]
         if self.indexer is not None:
             comps.append([st.index for st in states])
-        return all(isinstance(c.rows, PagedRows) and c.rows.lane is cs[0].rows.lane for cs in comps for c in cs)
+        return all(isinstance(c.rows, BlockRows) and c.rows.lane is cs[0].rows.lane for cs in comps for c in cs)
 
-    def _decode_keys_paged(self, window: torch.Tensor, pre, positions, states, rope):
+    def _decode_keys_pooled(self, window: torch.Tensor, pre, positions, states, rope):
         """_decode_keys with no per-request work once the windows have slid (window [B, W, D]):
-        the compressors absorb every row, each lane's pages are read padded in one gather, HCA
+        the compressors absorb every row, each lane's blocks are read padded in one gather, HCA
         masks what each query may not see yet, CSA's indexer picks top-k for all at once. The
         same keys and masks as the per-request path, with -inf padding where a request has fewer."""
         zeros = window.new_zeros(window.shape[:2])

@@ -107,7 +107,7 @@ class Compressor(nn.Module):
         (_close_windows); states without slots in the batch's lanes take absorb().
         Same states and entries as B absorb() calls, which cost two slot rewrites each.
         Returns every state's entries so far, or with views=False nothing (the caller reads the
-        states' rows itself, e.g. all requests' pages in one gather)."""
+        states' rows itself, e.g. all requests' blocks in one gather)."""
         fast, closing, slow, lanes = [], [], [], None
         for i, st in enumerate(states):
             a, g = slot_of(st, "buf_kv"), slot_of(st, "buf_gate")

@@ -9,9 +9,9 @@ reads the same DecodeStep; only the lanes differ. Per layer:
               the slot is rewritten: slid by one when full, else the row appended at its count
     compress  the new row goes to the open window's buffer slot; every request pools the window
               its row would close (a [B, 2m] softmax: cheaper than a data-dependent branch), and
-              only those whose row closes one write the entry into their page and the CSA carry
+              only those whose row closes one write the entry into their block and the CSA carry
               into their slot; the others write into the pool's scratch block and slot
-    history   every request's pages in one gather [B, nb * rows_per_block, D], rows not visible
+    history   every request's blocks in one gather [B, nb * rows_per_block, D], rows not visible
               yet zeroed; HCA masks them, CSA's indexer picks top-k among the visible ones
 
     writes that must go nowhere ─> the scratch block / slot (KVPool keeps one of each per lane)
@@ -75,7 +75,7 @@ def window_keys(kv: torch.Tensor, lane: torch.Tensor, step: DecodeStep) -> tuple
 def close_windows(comp, kv: torch.Tensor, gate: torch.Tensor, lanes: dict, prefix: str, rows_lane: torch.Tensor,
                   r: RatioStep, slots: torch.Tensor, rope) -> None:
     """A compressor's new rows kv, gate [B, c*d] into the buffers; the windows they close pooled
-    and written to their pages (what Compressor.absorb_many does, as tensor ops)."""
+    and written to their blocks (what Compressor.absorb_many does, as tensor ops)."""
     m, d = comp.ratio, comp.head_dim
     buf_kv, buf_gate = lanes[prefix + "buf_kv"], lanes[prefix + "buf_gate"]
     win_kv = torch.cat([buf_kv[slots, : m - 1].to(kv.dtype), kv[:, None]], 1)          # [B, m, c*d]
@@ -105,20 +105,20 @@ def decode_keys(attn, kv: torch.Tensor, pre: dict, step: DecodeStep, lanes: dict
         return keys, bias
     r = step.ratios[attn.ratio]
     close_windows(attn.compressor, pre["kv"][0], pre["gate"][0], lanes, "", lanes["entries"], r, step.slots, rope)
-    entries, hidden = paged_rows(lanes["entries"], step.tables, r.visible)
+    entries, hidden = table_rows(lanes["entries"], step.tables, r.visible)
     if attn.indexer is None:                                          # HCA: every closed window
         return torch.cat([keys, entries], 1), torch.cat([bias, masked_bias(hidden)], 1)
     close_windows(attn.indexer.compressor, pre["ikv"][0], pre["igate"][0], lanes, "i_", lanes["index"], r,
                   step.slots, rope)
-    index_keys, _ = paged_rows(lanes["index"], step.tables, r.visible)
+    index_keys, _ = table_rows(lanes["index"], step.tables, r.visible)
     ids = attn.indexer.select_visible(pre["iq"][0], pre["iw"][0], r.visible, index_keys)     # [B, k], -1 none
     picked = entries.gather(1, ids.clamp(min=0)[..., None].expand(-1, -1, entries.shape[-1]))
     return torch.cat([keys, picked], 1), torch.cat([bias, masked_bias(ids < 0)], 1)
 
 
-def paged_rows(lane: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def table_rows(lane: torch.Tensor, tables: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every request's rows in one gather [B, nb * rows_per_block, dim] (fp32), rows at or past
-    `visible` zeroed (padding, pages of the scratch block, stale rows), and that mask [B, N]."""
+    `visible` zeroed (padding, rows of the scratch block, stale rows), and that mask [B, N]."""
     B = tables.shape[0]
     rows = lane[tables].reshape(B, -1, lane.shape[-1]).float()
     hidden = torch.arange(rows.shape[1], device=rows.device)[None, :] >= visible[:, None]

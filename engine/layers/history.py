@@ -1,8 +1,8 @@
 """Where a request's history rows live (compressed entries, index keys): a growing tensor, or
-pages of the engine's KV pool.
+blocks of the engine's KV pool.
 
     DenseRows   one tensor per request, grown by concatenation (a model used on its own)
-    PagedRows   rows in a pool lane [num_blocks, rows_per_block, dim], addressed through the
+    BlockRows   rows in a pool lane [num_blocks, rows_per_block, dim], addressed through the
                 request's block table (the engine): row r sits in block table[r // rows_per_block],
                 slot r % rows_per_block, so a block of `block_size` tokens holds exactly the rows its
                 tokens produced: what the store saves and loads per block
@@ -32,7 +32,7 @@ class DenseRows:
         return DenseRows(self.dim, self._rows.clone())
 
 
-class PagedRows:
+class BlockRows:
     def __init__(self, lane: torch.Tensor, table: list[int], count: int = 0):
         self.lane, self.table, self._count = lane, table, count     # `table` is the request's list (it grows)
         self.per_block, self.dim = lane.shape[1], lane.shape[2]
@@ -62,23 +62,23 @@ class PagedRows:
 
     def view(self) -> torch.Tensor:
         nb = -(-self._count // self.per_block)
-        pages = self.lane[torch.tensor(self.table[:nb], dtype=torch.long, device=self.lane.device)]
-        return pages.reshape(-1, self.dim)[: self._count][None].float()
+        blocks = self.lane[torch.tensor(self.table[:nb], dtype=torch.long, device=self.lane.device)]
+        return blocks.reshape(-1, self.dim)[: self._count][None].float()
 
-    def clone(self, table: list[int] | None = None) -> "PagedRows":
+    def clone(self, table: list[int] | None = None) -> "BlockRows":
         """The same rows seen through another table (a forked request whose blocks hold a copy)."""
-        return PagedRows(self.lane, self.table if table is None else table, self._count)
+        return BlockRows(self.lane, self.table if table is None else table, self._count)
 
 
-def padded_rows(rows: list[PagedRows]) -> tuple[torch.Tensor, list[int]]:
+def padded_rows(rows: list[BlockRows]) -> tuple[torch.Tensor, list[int]]:
     """Several requests' rows in one lane as one tensor [B, N, dim] (fp32) read with one gather,
     and each request's count; rows past a request's count are zeros."""
     first = rows[0]
     pb = first.per_block
     nb = max(-(-r.count // pb) for r in rows)
     table = [r.table[:nb] + [0] * (nb - len(r.table[:nb])) for r in rows]
-    pages = first.lane[torch.tensor(table, dtype=torch.long, device=first.lane.device)]
-    out = pages.reshape(len(rows), nb * pb, first.dim).float()
+    blocks = first.lane[torch.tensor(table, dtype=torch.long, device=first.lane.device)]
+    out = blocks.reshape(len(rows), nb * pb, first.dim).float()
     counts = [r.count for r in rows]
     if any(c < nb * pb for c in counts):             # another request's (or stale) rows: zeroed
         pad = torch.arange(nb * pb, device=out.device)[None, :] >= torch.tensor(counts, device=out.device)[:, None]
@@ -87,7 +87,7 @@ def padded_rows(rows: list[PagedRows]) -> tuple[torch.Tensor, list[int]]:
 
 
 def make_rows(dim: int, lanes, kind: str, device=None):
-    """PagedRows from the pool view `lanes(kind)` when given, else DenseRows (on `device`)."""
+    """BlockRows from the pool view `lanes(kind)` when given, else DenseRows (on `device`)."""
     return DenseRows(dim, device=device) if lanes is None else lanes(kind)
 
 

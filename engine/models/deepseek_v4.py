@@ -177,16 +177,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return h, positions, taps
 
     def plan_decode(self, chunks: list[torch.Tensor], states: list[ModelState], batch: int = 0,
-                    pages: int = 0) -> DecodePlan | None:
+                    blocks: int = 0) -> DecodePlan | None:
         """A DecodePlan when this step is one token per request with every state in the pool
         and the routed experts stacked (the engine's usual decode step), else None; `batch` /
-        `pages` pad it (engine/decode_graphs.py)."""
+        `blocks` pad it (engine/decode_graphs.py)."""
         if not getattr(self, "block_decode", True) or any(len(ch) != 1 for ch in chunks) \
                 or self.layers[0].ffn.stacked is None:
             return None
         if any(layer.attn.reduce is not None or layer.ffn.reduce is not None for layer in self.layers):
             return None                                           # tensor / expert parallelism
-        return plan_decode([layer.attn for layer in self.layers], states, self.embed.weight.device, batch, pages)
+        return plan_decode([layer.attn for layer in self.layers], states, self.embed.weight.device, batch, blocks)
 
     def decode(self, chunks: list[torch.Tensor], states: list[ModelState], plan: DecodePlan) -> torch.Tensor:
         """step() for a planned decode step: logits [len(chunks), vocab], states advanced."""
@@ -199,8 +199,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The device work of a planned decode step, tensor ops only (what a CUDA graph captures):
         tokens [1, B] -> logits [B, vocab]; the lanes written."""
         h = hc_streams(self.embed, self.config, tokens)
-        # the pages read grow with the history: one dynamic size for compiled layers from the start
-        # (1 page is a graph of its own), not a static graph for the first count seen
+        # the blocks read grow with the history: one dynamic size for compiled layers from the start
+        # (1 block is a graph of its own), not a static graph for the first count seen
         torch._dynamo.maybe_mark_dynamic(step.tables, 1)
         # and so does the batch: dynamic from the first compile, not after a static graph for
         # the first size seen (a whole-step compile takes minutes on 2 cores; batch 1 gets its own)

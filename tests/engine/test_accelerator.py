@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 # requests of different lengths: decode batches shrink 4 -> 2 -> 1 as they finish and the longest
-# outgrows 4 pages, so CUDA graphs meet several (batch, pages) buckets (equal lengths meet one)
+# outgrows 4 blocks, so CUDA graphs meet several (batch, blocks) buckets (equal lengths meet one)
 STAGGERED = [dataclasses.replace(GREEDY, max_tokens=n) for n in (70, 30, 12, 45)]
 
 
@@ -157,7 +157,7 @@ def test_cuda_graphs_match_the_uncaptured_steps(compiled):
     llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((req.prompt[0], pos), logits.float().cpu())
     tokens = [o[0].token_ids for o in llm.generate(_prompts(), STAGGERED)]
     assert llm.engine.decode_graphs.failed is None
-    assert _graph_decode_steps(llm) >= 3                      # buckets: 4 requests down to 1, 4 and 8 pages
+    assert _graph_decode_steps(llm) >= 3                      # buckets: 4 requests down to 1, 4 and 8 blocks
     assert tokens == ref_tokens
     for k, ref in ref_logits.items():
         torch.testing.assert_close(seen[k], ref, rtol=1e-3, atol=1e-3)

@@ -2,7 +2,7 @@
 
 A stand-in graph "captures" by keeping the step function bound to the bucket's static buffers and
 "replays" by running it again into the captured output buffer. So what these tests check is the
-part a GPU run would depend on and that runs the same here: steps padded to (batch, pages)
+part a GPU run would depend on and that runs the same here: steps padded to (batch, blocks)
 buckets, per-step values reaching the step only through the static buffers, padding rows that
 touch no request's state, and graphs dropped when the experts are restacked. (Whether CUDA can
 capture the step is tests/engine/test_accelerator.py's, on a GPU.)
@@ -23,7 +23,7 @@ from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config
 
 CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4, device_experts=True)
-# different lengths: decode batches shrink 4 -> 2 -> 1 and the longest request outgrows 4 pages
+# different lengths: decode batches shrink 4 -> 2 -> 1 and the longest request outgrows 4 blocks
 STAGGERED = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (70, 30, 12, 45)]
 
 
@@ -40,9 +40,9 @@ class _Replay:
 class _CpuGraphs(dg.DecodeGraphs):
     """DecodeGraphs with the CUDA graph replaced by _Replay (same buffers, same bucket plans)."""
 
-    def __init__(self, model, block_size, max_batch, max_pages):
+    def __init__(self, model, block_size, max_batch, max_blocks):
         self.model, self.block_size = model, block_size
-        self.max_batch, self.max_pages = dg.bucket(max_batch), dg.bucket(max_pages)
+        self.max_batch, self.max_blocks = dg.bucket(max_batch), dg.bucket(max_blocks)
         self.graphs, self.failed, self.captures, self.replays = {}, None, 0, 0
 
     def logits(self, chunks, states):
@@ -56,12 +56,12 @@ class _CpuGraphs(dg.DecodeGraphs):
         tokens = torch.zeros((1, plan.batch), dtype=torch.long)
 
         def run():
-            return self.model.decode_step(tokens, step_views(inputs, plan.batch, plan.pages, plan.ratios), plan.lanes)
+            return self.model.decode_step(tokens, step_views(inputs, plan.batch, plan.blocks, plan.ratios), plan.lanes)
         for _ in range(2):           # the warm-up on the null plan: must move no request's state
             run()
         out = run().clone()
         g = dg._Graph(_Replay(run, out), inputs, tokens, out, plan.lanes, dg._stacks(self.model))
-        self.graphs[(plan.batch, plan.pages)] = g
+        self.graphs[(plan.batch, plan.blocks)] = g
         return g
 
 
@@ -90,7 +90,7 @@ def test_bucketed_replays_give_the_unpadded_steps_tokens_and_logits(model):
     want_tokens, want, _ = _generate(model, _prompts(), graphs=False)
     tokens, got, graphs = _generate(model, _prompts(), graphs=True)
     assert graphs.failed is None
-    assert sorted(graphs.graphs) == [(1, 8), (2, 8), (4, 4), (4, 8)]     # (batch, pages) buckets met
+    assert sorted(graphs.graphs) == [(1, 8), (2, 8), (4, 4), (4, 8)]     # (batch, blocks) buckets met
     assert graphs.captures == 4 and graphs.replays > 60                  # each captured once, replayed
     assert tokens == want_tokens
     assert got.keys() == want.keys()

@@ -170,7 +170,7 @@ def test_completed_blocks_get_content_keys_that_outlive_the_request(model):
 
 @torch.no_grad()
 def test_history_rows_live_in_the_pool_blocks(model):
-    from kvcache.engine.layers.history import PagedRows
+    from kvcache.engine.layers.history import BlockRows
     llm = LLM(model=model, config=CFG)
     prompt = (prompts(1)[0] * 4)[:50]
     req = llm.engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
@@ -182,7 +182,7 @@ def test_history_rows_live_in_the_pool_blocks(model):
     assert owners and llm.engine.kv.nbytes > 0
     for i in owners:
         paged = req.state.layers[i].compressor.rows
-        assert isinstance(paged, PagedRows) and paged.table is req.block_ids
+        assert isinstance(paged, BlockRows) and paged.table is req.block_ids
         want = dense.layers[i].compressor.entries
         assert torch.allclose(paged.view(), want, atol=1e-5) and paged.count == want.shape[1] > 0
         lane = paged.lane                               # block 0 of the request holds rows 0 .. per_block-1

@@ -1,6 +1,6 @@
 """Planned decode (engine/decode_plan.py, layers/decode_step.py): a pure decode step as tensor ops
 gives the general path's tokens, logits and states; every such step takes it; writes land in
-the requests' own pages and slots or in the scratch ones; states it cannot take fall back."""
+the requests' own blocks and slots or in the scratch ones; states it cannot take fall back."""
 
 import dataclasses
 
@@ -25,7 +25,7 @@ def model():
 
 def _prompts():
     """Lengths around the window (8), the ratios (4, 16) and blocks (16): windows that fill up
-    while decoding, entries that close in the first steps, a second and a third page."""
+    while decoding, entries that close in the first steps, a second and a third block."""
     g = torch.Generator().manual_seed(3)
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 3, 7, 15, 16, 33)]
 
@@ -89,8 +89,8 @@ def _engine_with_state(model, prompt_len: int, decode_steps: int):
 
 
 @torch.no_grad()
-def test_writes_land_in_own_pages_slots_or_scratch(model):
-    """Over a decode step, the only lanes rows that change are the request's own pages and slot,
+def test_writes_land_in_own_blocks_slots_or_scratch(model):
+    """Over a decode step, the only lanes rows that change are the request's own blocks and slot,
     and the scratch block and slot."""
     eng, req = _engine_with_state(model, 13, 2)
     before = {k: v.clone() for k, v in (*eng.kv.lanes.items(), *eng.kv.slot_lanes.items())}
@@ -130,12 +130,12 @@ def test_states_it_cannot_take_fall_back(model):
 
 @torch.no_grad()
 def test_padded_steps_give_the_same_logits(model):
-    """A step padded to a bucket (what a CUDA graph replays: 8 rows, 4 pages) gives the real rows'
+    """A step padded to a bucket (what a CUDA graph replays: 8 rows, 4 blocks) gives the real rows'
     logits of the unpadded step, and its padding writes only the scratch block and slot."""
     ps = _prompts()[2:]
     ref_tokens, ref_logits, _ = _run(model, True, ps)
     plan = DeepseekV4ForCausalLM.plan_decode
-    model.plan_decode = lambda chunks, states: plan(model, chunks, states, batch=8, pages=4)
+    model.plan_decode = lambda chunks, states: plan(model, chunks, states, batch=8, blocks=4)
     try:
         llm = LLM(model=model, config=CFG)
         seen = {}
@@ -150,13 +150,13 @@ def test_padded_steps_give_the_same_logits(model):
 
 @torch.no_grad()
 def test_a_null_plan_writes_only_the_scratch(model):
-    """Every row padding (how a CUDA graph is warmed up before capture): the requests' pages and
+    """Every row padding (how a CUDA graph is warmed up before capture): the requests' blocks and
     slots stay as they were."""
     from kvcache.engine.decode_plan import step_views
     eng, req = _engine_with_state(model, 21, 3)
-    plan = model.plan_decode([torch.tensor([req.output[-1]])], [req.state], batch=4, pages=2)
+    plan = model.plan_decode([torch.tensor([req.output[-1]])], [req.state], batch=4, blocks=2)
     before = {k: v.clone() for k, v in (*eng.kv.lanes.items(), *eng.kv.slot_lanes.items())}
-    null = step_views(plan.null_host(), plan.batch, plan.pages, plan.ratios)
+    null = step_views(plan.null_host(), plan.batch, plan.blocks, plan.ratios)
     model.decode_step(torch.zeros((1, plan.batch), dtype=torch.long), null, plan.lanes)
     for key, lane in (*eng.kv.lanes.items(), *eng.kv.slot_lanes.items()):
         scratch = eng.kv.scratch_block if key in eng.kv.lanes else eng.kv.scratch_slot
