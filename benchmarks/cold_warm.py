@@ -99,12 +99,13 @@ def _store(root: str, fresh: bool = False):
     from kvcache.tiering.config import NvmeConfig
     from kvcache.tiering.config import ObjectConfig
     from kvcache.kvstore.store import BlockStore
+    from kvcache.gc.collector import Collector
     if fresh:
         shutil.rmtree(root, ignore_errors=True)
     return BlockStore(StoreConfig(os.path.join(root, "data"), dram=DramConfig(capacity_bytes=1 << 30, prefault=False),
                                   nvme=NvmeConfig(fsync="always"),
                                   object_store=ObjectConfig(url=f"file://{root}/bucket", pack_linger_s=0.05),
-                                  event_log=False))
+                                  event_log=False), maintenance=Collector)
 
 
 def _rss_bytes() -> int:

@@ -39,6 +39,7 @@ from kvcache.benchmarks.args import parse_sizes, size_label
 from kvcache.benchmarks.baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
                                           scratch_dir)
 from kvcache.benchmarks.record import load_now, machine_info, write_results
+from kvcache.gc.collector import Collector
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace, hash_blocks
 from kvcache.kvstore.index import Index
@@ -168,7 +169,7 @@ def bench_dram(w: Workload, out: memoryview, region: memoryview, root: str, repe
         tier = DramTier(cfg)
         cleanup.callback(tier.close)
         store = _scoped(cleanup, os.path.join(root, "dram-store"),
-                        lambda p: BlockStore(StoreConfig(p, dram=cfg, nvme=None)))
+                        lambda p: BlockStore(StoreConfig(p, dram=cfg, nvme=None), maintenance=Collector))
         store.register_namespace(_NS)
         return _rounds(lambda r: _dram_round(w, out, region, tier, store, writes, items, r), w.nbytes, repeats, bar)
 
@@ -189,7 +190,7 @@ def _nvme_round(w: Workload, out: memoryview, root: str, writes, items, nvme: Nv
         cleanup.callback(os.close, fd)
         tier = _scoped(cleanup, os.path.join(root, "tier"), lambda p: NvmeTier(p, nvme))
         store = _scoped(cleanup, os.path.join(root, "store"),
-                        lambda p: BlockStore(StoreConfig(p, dram=None, nvme=nvme)))
+                        lambda p: BlockStore(StoreConfig(p, dram=None, nvme=nvme), maintenance=Collector))
         store.register_namespace(_NS)
         where: dict[bytes, Placement] = {}
         for j, (a, b) in enumerate(w.batches):
@@ -247,7 +248,7 @@ def bench_lookup(root: str, n_blocks: int, runs: int, progress: bool) -> dict:
     chain = hash_blocks(_NS, np.arange(m * _NS.block_size, dtype=np.int32) % 100_000)
     data_dir = os.path.join(root, "lookup")
     build_s = build_index(os.path.join(data_dir, "index"), n_blocks, chain, progress)
-    store = BlockStore(StoreConfig(data_dir, dram=None, nvme=NvmeConfig(fsync="always")))
+    store = BlockStore(StoreConfig(data_dir, dram=None, nvme=NvmeConfig(fsync="always")), maintenance=Collector)
     env, db = store.index.env, store.index._blocks
 
     def raw() -> None:

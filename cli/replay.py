@@ -64,10 +64,11 @@ def _progress():
 
 
 def cmd_replay(args) -> int:
+    from kvcache.gc.collector import Collector
     from kvcache.kvstore.trace_replay import run
     bpt, source = _bytes_per_token(args)
     doc = run(args.trace, bpt, [_tokens(t) for t in args.dram_tokens.split(",")], _tokens(args.nvme_tokens),
-              args.scale, args.limit, args.retention_hours, progress=_progress())
+              args.scale, args.limit, args.retention_hours, progress=_progress(), maintenance=Collector)
     doc["kv_bytes_source"] = source
     print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
           f"({source}): a 512-token block is {doc['block_bytes_real'] / 1024:.0f} KiB (replayed at 1/{args.scale})")

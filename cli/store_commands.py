@@ -80,14 +80,16 @@ def refuse_if_in_use(data_dir: str, verb: str) -> None:
 
 
 def open_offline_store(args):
-    """The store without a DRAM tier: maintenance needs no arena."""
+    """The store without a DRAM tier (maintenance needs no arena), with its collector for puts' make_room."""
+    from kvcache.gc.collector import Collector
     from kvcache.kvstore.store import BlockStore
     import os
     if not os.path.isdir(args.data_dir):
         raise FileNotFoundError(f"data directory {args.data_dir} does not exist")
     refuse_if_in_use(args.data_dir, args.command)
     cfg = StoreConfig.load(args.config, args.data_dir) if args.config else StoreConfig(args.data_dir)
-    return BlockStore(dataclasses.replace(cfg, dram=None, write_policy="write-through", gc_interval_s=0))
+    return BlockStore(dataclasses.replace(cfg, dram=None, write_policy="write-through", gc_interval_s=0),
+                      maintenance=Collector)
 
 
 def cmd_stats(args) -> int:

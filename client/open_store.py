@@ -37,12 +37,13 @@ def open_store(spec: str, *, token: str | None = None, data_dir: str | None = No
 
 
 def _open_local(path: str, data_dir: str | None, options: dict):
+    from kvcache.gc.collector import Collector     # the store is handed its collector, as the daemon's is
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.store import BlockStore
     if path.endswith(".toml") or os.path.isfile(path):
         if options:
             raise ValueError(f"settings {sorted(options)} belong in the TOML config {path}")
-        return BlockStore(StoreConfig.load(path, data_dir))
+        return BlockStore(StoreConfig.load(path, data_dir), maintenance=Collector)
     if data_dir is not None:
         raise ValueError("data_dir applies to a TOML config; the spec already names the data directory")
-    return BlockStore(StoreConfig(data_dir=path, **options))
+    return BlockStore(StoreConfig(data_dir=path, **options), maintenance=Collector)

@@ -9,6 +9,10 @@ One `Collector.step()` does at most:
                   live records forward, commit the new places, then unlink it
   4. object packs: the same for one object-tier pack (gc/pack_collector.py)
 Reads never wait for GC to learn that a block expired: the store checks expiry itself.
+
+The store is handed its collector, never imports it: `BlockStore(config, maintenance=Collector)`
+(Collector is the factory: called with the store, it keeps the store's kvstore.protocol.Maintenance
+contract), as the daemon, client.open_store, the CLI, benchmarks and trace replay open theirs.
 """
 
 from __future__ import annotations
@@ -375,8 +379,3 @@ def _created(path: str) -> float:
         return 0.0
     finally:
         os.close(fd)
-
-
-def start_background_gc(store, interval_s: float):
-    from kvcache.kvstore.periodic import Periodic
-    return Periodic("kvcache-gc", interval_s, Collector(store).step)

@@ -24,7 +24,7 @@ class StoreConfig:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     index_map_bytes: int = 64 << 30        # LMDB map size (virtual; the file grows as needed)
     touch_flush_s: float = 1.0             # how often buffered access times reach the index
-    gc_interval_s: float = 0.0             # >0: a background thread runs bounded GC steps
+    gc_interval_s: float = 0.0             # >0: a thread runs the store's collector's steps (needs one)
     event_log: bool = True                 # `kvcache serve` keeps store events in events_dir (`kvcache report`)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,9 @@ takes whatever `client.open_store` returns. The contracts hold for every impleme
 one differs (the daemon takes the tenant from the bearer token; only BlockStore has flush()),
 its own docstring says so.
 
+`Maintenance` is the other seam, below the store: what BlockStore asks of the collector it is
+handed at construction (gc/ is built on kvstore, never imported by it).
+
 Errors (kvstore/errors.py), common to every method:
   * a miss is never an error: an absent or expired block is None / False / not counted;
   * a corrupt copy is a miss too (quarantined, never served); CorruptBlockError never surfaces;
@@ -150,3 +153,26 @@ class AsyncStore(Protocol):
     async def __aenter__(self) -> "AsyncStore": ...
 
     async def __aexit__(self, *exc) -> None: ...
+
+
+class RoomMade(Protocol):
+    """What a collector's make_room reports back to the store (gc/collector.py's GcReport)."""
+
+    evicted: int                       # blocks whose NVMe copy was dropped
+
+
+@runtime_checkable
+class Maintenance(Protocol):
+    """What BlockStore asks of the collector it is handed (`BlockStore(config, maintenance=...)`,
+    a factory called with the store; gc/collector.py's Collector is the one kvcache wires). The
+    store never imports GC: whoever opens a store for real (the daemon, open_store, the CLI,
+    benchmarks, trace replay) hands it the collector."""
+
+    def step(self) -> object:
+        """One bounded GC step (expiry, capacity eviction, compaction). The store's background
+        thread calls it every `gc_interval_s` seconds; an exception is logged and retried."""
+
+    def make_room(self) -> RoomMade:
+        """Bounded work for a put that found the NVMe tier over its high watermark, called under
+        the store lock before the put's records are written. Finding nothing to evict is no
+        error: the put goes on, and a disk that really is full answers TierFullError."""

@@ -11,6 +11,12 @@ Gets, promotion and prefetch live in kvstore/reads.py (the read half); puts, wri
 demotion and flush in kvstore/writes.py (the write half); registering and renaming
 namespaces in kvstore/namespaces.py.
 
+The collector is handed in, never imported (gc/ is built on kvstore): `maintenance=Collector`
+(kvcache.gc.collector). With it, a put over the NVMe high watermark makes room first and
+`gc_interval_s > 0` runs GC steps in a thread. A bare `BlockStore(config)` evicts nothing: such
+a put goes on as if every block were pinned (warned once; a really full disk is TierFullError),
+and `gc_interval_s > 0` is refused (ValueError): nothing would carry it out.
+
 Lock order: the store lock, then the DRAM tier's lock. Every DRAM mutation (put, pin,
 delete, promotion) happens under the store lock, because DRAM eviction calls back into
 the store to demote. DRAM reads take only the DRAM lock, briefly.
@@ -35,6 +41,7 @@ from kvcache.kvstore.lockfile import lock_data_dir
 from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.leases import StoreLeases
 from kvcache.kvstore.namespaces import StoreNamespaces
+from kvcache.kvstore.protocol import Maintenance
 from kvcache.kvstore.reads import StoreReads
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.writes import StoreWrites
@@ -46,6 +53,7 @@ from kvcache.tiering.nvme import NvmeTier
 __all__ = ["BlockStore"]
 log = logging.getLogger(__name__)
 MAX_PENDING_TOUCHES = 100_000
+MaintenanceFactory = Callable[["BlockStore"], Maintenance]
 
 
 def _recorded_if_possible(callback):
@@ -67,7 +75,11 @@ _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` cos
 
 class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
-                 events: EventSink | None = None):
+                 events: EventSink | None = None, maintenance: MaintenanceFactory | None = None):
+        """`maintenance`: the collector's factory (see the module docstring); None: no GC."""
+        if config.gc_interval_s > 0 and maintenance is None:
+            raise ValueError(f"gc_interval_s = {config.gc_interval_s} needs a collector: open the store with "
+                             "BlockStore(config, maintenance=kvcache.gc.collector.Collector)")
         self.config = config
         self.clock = clock
         self.events: EventSink = events or NullSink()
@@ -94,15 +106,16 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
             self._lockfile.close()
             raise
         _warn_if_lifecycle_shorter(config)
-        self._collector = None
         self._prefetcher = None
         self._prefetching: dict = {}       # key -> Future of its object -> DRAM prefetch
         self._closed = False
         # access times reach the index from a thread of their own, never a reader's get
         self._threads = [Periodic("kvcache-touch", config.touch_flush_s, self.index.flush_touches)]
+        # one collector for puts' make_room, another for the background steps (each its own cursor)
+        self._collector = maintenance(self) if maintenance is not None else None
+        self._warned_no_collector = False
         if config.gc_interval_s > 0:
-            from kvcache.gc.collector import start_background_gc
-            self._threads.append(start_background_gc(self, config.gc_interval_s))
+            self._threads.append(Periodic("kvcache-gc", config.gc_interval_s, maintenance(self).step))
 
     # ---------------------------------------------------------------- metadata
     def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:

@@ -12,6 +12,9 @@
     blocks are `block_bytes` long: a model's KV bytes per token x 512, divided by `scale` so the
     replay fits a dev machine (capacities are divided by the same factor, so ratios hold)
 
+The collector is handed in (`maintenance=kvcache.gc.collector.Collector`, as to BlockStore): the
+replay studies the store's eviction, and kvstore never imports GC.
+
 Baselines computed on the same trace: the unlimited-capacity hit rate (no eviction, no expiry)
 and a plain LRU cache of the same capacity. Rates are token-weighted prefix hit rates.
 """
@@ -25,9 +28,12 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvcache.kvstore.store import MaintenanceFactory
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -102,8 +108,9 @@ def _key(hash_id: int) -> bytes:
 
 def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, nvme_bytes: int,
                  retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None,
-                 admission: str = "always") -> dict:
-    """Hit rates per tier (token-weighted) of the real store over the trace, and over time."""
+                 admission: str = "always", *, maintenance: MaintenanceFactory) -> dict:
+    """Hit rates per tier (token-weighted) of the real store over the trace, and over time;
+    `maintenance` is the store's collector (see the module docstring)."""
     from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
@@ -134,7 +141,7 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     buckets: dict[int, dict] = {}
     started = time.perf_counter()
     try:
-        with BlockStore(cfg, clock=clock) as store:
+        with BlockStore(cfg, clock=clock, maintenance=maintenance) as store:
             store.register_namespace(ns)
             t0 = trace[0].time_s if trace else 0.0
             for req in trace:
@@ -171,10 +178,10 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
 
 def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
         limit: int | None = None, retention_hours: float = 72.0, progress: bool | Callable[[int], Any] = True,
-        admissions: tuple[str, ...] = ("always", "second-hit")) -> dict:
+        admissions: tuple[str, ...] = ("always", "second-hit"), *, maintenance: MaintenanceFactory) -> dict:
     """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines.
     `progress`: a tqdm bar (True), none (False), or a factory given the number of request
-    replays that returns a context manager with tqdm's update(n)."""
+    replays that returns a context manager with tqdm's update(n). `maintenance`: the stores' collector."""
     trace = load_trace(trace_path, limit)
     block_real = kv_bytes_per_token * TRACE_BLOCK_TOKENS
     block_bytes = max(64, int(round(block_real / scale)))
@@ -184,7 +191,8 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     with _progress_bar(progress, len(trace) * len(dram_tokens) * len(admissions)) as bar:
         for dram in dram_tokens:
             runs = {a: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
-                                    retention_hours, progress=bar, admission=a) for a in admissions}
+                                    retention_hours, progress=bar, admission=a, maintenance=maintenance)
+                    for a in admissions}
             results.append({"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]],
                             "policies": runs,
                             "lru_dram_only_hit_rate": lru_hit_rate(trace, max(1, dram // TRACE_BLOCK_TOKENS)),

@@ -8,7 +8,7 @@ Put, write-back:
 
 Validation runs under the store lock, so two puts of one block never both insert it.
 A mixin only to keep each file readable: it uses BlockStore's state (config, tiers, index,
-`_dram_meta`, `_lock`, counters) and is not meant to be used on its own.
+`_dram_meta`, `_lock`, counters, the collector it was handed) and is not meant to be used on its own.
 """
 
 from __future__ import annotations
@@ -146,9 +146,15 @@ class StoreWrites:
         return False
 
     def _make_room(self) -> None:
-        from kvcache.gc.collector import Collector
+        """The NVMe tier is over its high watermark: the collector handed to the store evicts.
+        A store without one has nothing to evict with, and the put goes on (see kvstore/store.py)."""
         if self._collector is None:
-            self._collector = Collector(self)
+            if not self._warned_no_collector:
+                self._warned_no_collector = True
+                log.warning("NVMe tier at %s is over its high watermark and this store has no collector: "
+                            "nothing is evicted (open it with maintenance=kvcache.gc.collector.Collector)",
+                            self.nvme.root)
+            return
         rep = self._collector.make_room()
         self.stats_counters["evictions_nvme"] += rep.evicted
 

@@ -12,6 +12,7 @@ import stat
 import tomllib
 from dataclasses import dataclass
 
+from kvcache.gc.collector import Collector
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.server.app import build_app
@@ -115,7 +116,7 @@ def run(over: Overrides) -> None:
     store_cfg, server_cfg = load_configs(over)
     events = open_event_log(store_cfg)
     try:
-        store = BlockStore(store_cfg, events=events)
+        store = BlockStore(store_cfg, events=events, maintenance=Collector)
     except BaseException:
         if events is not None:
             events.close()

@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+from kvcache.gc.collector import Collector
 from kvcache.kvstore import Namespace, hash_blocks
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
@@ -58,12 +59,13 @@ def clock():
 def make_store(tmp_path, clock):
     stores = []
 
-    def factory(dram_mib: float | None = 4, nvme: bool = True, subdir: str = "data", **kw):
+    def factory(dram_mib: float | None = 4, nvme: bool = True, subdir: str = "data", maintenance=Collector, **kw):
+        """A store with its collector, as the daemon and open_store wire it (maintenance=None: bare)."""
         dram = None if dram_mib is None else DramConfig(capacity_bytes=int(dram_mib * (1 << 20)),
                                                         page_bytes=1 << 20, prefault=False)
         nvme_cfg = kw.pop("nvme_config", NvmeConfig(segment_bytes=1 << 20)) if nvme else None
         cfg = StoreConfig(str(tmp_path / subdir), dram=dram, nvme=nvme_cfg, **kw)
-        store = BlockStore(cfg, clock=clock)
+        store = BlockStore(cfg, clock=clock, maintenance=maintenance)
         store.register_namespace(NS)
         stores.append(store)
         return store

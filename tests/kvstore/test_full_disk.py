@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from kvcache.gc.collector import Collector
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.store import BlockStore
@@ -36,7 +37,7 @@ def _config(data_dir, reserve: int = 512 << 10) -> StoreConfig:
 
 
 def _open(data_dir, **kw) -> BlockStore:
-    s = BlockStore(_config(data_dir, **kw))
+    s = BlockStore(_config(data_dir, **kw), maintenance=Collector)     # puts make room, as in the daemon
     s.register_namespace(NS)
     return s
 
@@ -58,7 +59,7 @@ def _fill_disk(path) -> None:
 
 def _rebuilt(data_dir) -> BlockStore:
     shutil.rmtree(os.path.join(data_dir, "index"))
-    return BlockStore(_config(data_dir))
+    return BlockStore(_config(data_dir), maintenance=Collector)
 
 
 def test_gc_evicts_against_the_disk_when_it_is_smaller_than_configured(small_fs):
@@ -158,11 +159,11 @@ def test_a_namespace_registered_on_a_full_disk_is_refused_then_registered(small_
     s.register_namespace(NS2)
     _put(s, [0])                                         # a segment, so that a lost index is rebuilt
     s.close()
-    s = BlockStore(_config(small_fs / "d"))
+    s = BlockStore(_config(small_fs / "d"), maintenance=Collector)
     assert NS2.id in s.namespaces
     s.close()
     shutil.rmtree(small_fs / "d" / "index")             # a rebuild knows it from namespaces.json
-    s = BlockStore(_config(small_fs / "d"))
+    s = BlockStore(_config(small_fs / "d"), maintenance=Collector)
     assert NS2.id in s.namespaces
     s.close()
 
@@ -228,7 +229,6 @@ def test_a_full_disk_drops_an_unpinned_segment_rather_than_a_mostly_pinned_spars
 def test_a_forced_compaction_copies_when_the_free_space_is_unknown(tmp_path, monkeypatch):
     """statvfs failing (free_bytes -1) is not a full disk: make_room compacts the sparsest segment
     by copying its live blocks forward, and evicts none of them."""
-    from kvcache.gc.collector import Collector
     s = _open(tmp_path / "d")
     _put(s, range(100))                                  # ~3 MiB in 1 MiB segments
     first = s.index.get(key_for(0)).segment_id

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvcache.gc.collector import Collector
 from kvcache.kvstore.trace_replay import TraceRequest, load_trace, lru_hit_rate, store_replay, unlimited_hit_rate
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
@@ -33,9 +34,9 @@ def test_baselines_by_hand():
 def test_store_replay_stays_within_the_baselines():
     trace = [req(i * 10.0, [0] + [1000 * (i % 30) + j for j in range(1, 6)]) for i in range(90)]
     u = unlimited_hit_rate(trace)["token_hit_rate"]
-    big = store_replay(trace, 4096, dram_bytes=8 << 20, nvme_bytes=64 << 20)
+    big = store_replay(trace, 4096, dram_bytes=8 << 20, nvme_bytes=64 << 20, maintenance=Collector)
     assert big["token_hit_rate"] == pytest.approx(u)                       # everything fits: every prefix hits
-    small = store_replay(trace, 4096, dram_bytes=2 << 20, nvme_bytes=96 * 4096)
+    small = store_replay(trace, 4096, dram_bytes=2 << 20, nvme_bytes=96 * 4096, maintenance=Collector)
     assert 0 < small["token_hit_rate"] < u and small["dram_hit_rate"] + small["nvme_hit_rate"] == pytest.approx(
         small["token_hit_rate"])
     assert sum(b["tokens"] for b in small["over_time"]) == sum(sum(r.block_tokens()) for r in trace)

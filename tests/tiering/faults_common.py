@@ -7,6 +7,7 @@ import random
 
 import xxhash
 
+from kvcache.gc.collector import Collector
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.hashing import HashAlgo, Namespace
 from kvcache.kvstore.store import BlockStore
@@ -35,7 +36,7 @@ def make_config(data_dir, dram: bool = True) -> StoreConfig:
 
 
 def open_store(data_dir, dram: bool = True) -> BlockStore:
-    s = BlockStore(make_config(data_dir, dram))
+    s = BlockStore(make_config(data_dir, dram), maintenance=Collector)     # puts make room, as in the daemon
     s.register_namespace(NS)
     return s
 
