@@ -96,6 +96,17 @@ class BlockPool:
     def lookup(self, key: bytes) -> int | None:
         return self._by_key.get(key)
 
+    def forget_cached(self) -> int:
+        """Drop the content key of every block no request holds: cached blocks become free, so
+        no later lookup finds them; held blocks keep their keys. Returns how many were dropped."""
+        dropped = 0
+        for blk in self.blocks:
+            if blk.ref_count == 0 and blk.key is not None:
+                self._by_key.pop(blk.key, None)
+                blk.key = None
+                dropped += 1
+        return dropped
+
     def counts(self) -> dict[str, int]:
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         cached = sum(1 for b in self.blocks if b.ref_count == 0 and b.key is not None)

@@ -26,9 +26,9 @@ from kvcache.engine.cache.connector import KVConnector
 from kvcache.engine.config import CacheConfig, EngineConfig
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
-from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache
+from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
 from kvcache.kvstore.hashing import Namespace, hash_blocks
-from kvcache.engine.request import FinishReason, Request, Status
+from kvcache.engine.request import FinishReason, Request
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from kvcache.engine.cache.weights_id import weights_id
@@ -70,13 +70,11 @@ class LLMEngine:
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv) + ("/exact" if exact else ""),
                                           weights_id(model, config.cache))
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
-                                   reset_state=self._drop_state)
+                                   reset_state=self._drop_state, on_finish=self._on_finish,
+                                   cut=snapshot_cut(config.cache) if config.cache is not None else None)
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
-        if self.cache is not None:
-            self.scheduler._cut = self.cache.cut
-            self.scheduler.on_finish = self.cache.on_finish
         if config.compile and config.compile_warmup:
             self._warm_up_compiled()
 
@@ -104,7 +102,8 @@ class LLMEngine:
             from kvcache.client.open_store import open_store
             store = open_store(cfg.store, **({"token": cfg.token} if cfg.token else {}))
         conn = KVConnector(store, self.namespace, block_layout(self.kv), cfg) if store is not None else None
-        return PrefixCache(self, conn, cfg)
+        queues = QueueView(lambda: self.scheduler.waiting, self.scheduler.has_runnable)
+        return PrefixCache(self.pool, self.kv, self.model, self.namespace, conn, cfg, queues)
 
     def reset_prefix_cache(self) -> None:
         """Forget the prefixes held in this engine's pool (the store keeps its copies)."""
@@ -128,6 +127,7 @@ class LLMEngine:
         if "/" in request_id:
             raise ValueError(f"request id {request_id!r} has a '/': it names an n > 1 request's samples (id/1 ...)")
         req = Request(ids, params.with_seed(), priority, request_id)
+        req.prompt_keys = hash_blocks(self.namespace, ids)     # once: the pool's keys and the store lookup
         if self.cache is not None:
             req.usage = CacheUsage(prompt_tokens=len(ids))
         if req.request_id in self.requests:
@@ -238,6 +238,11 @@ class LLMEngine:
         if self.cache is not None:
             self.cache.forget(req)
 
+    def _on_finish(self, req: Request, reason: FinishReason) -> None:
+        """A request is finishing, its blocks and state still held: the cache saves them."""
+        if self.cache is not None:
+            self.cache.on_finish(req, reason)
+
     def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
         sampled, forked, failed, now = {}, [], [], time.perf_counter()
@@ -281,10 +286,13 @@ class LLMEngine:
         full = min(computed, req.num_tokens) // self.pool.block_size
         if full <= len(req.block_keys) or req.finished:
             return
-        bs = self.pool.block_size
-        parent = req.block_keys[-1] if req.block_keys else None
-        new = hash_blocks(self.namespace, req.tokens[len(req.block_keys) * bs: full * bs], parent=parent)
-        for i, key in enumerate(new, start=len(req.block_keys)):
+        bs, have = self.pool.block_size, len(req.block_keys)
+        new = req.prompt_keys[have:full]                 # the prompt's keys were hashed when it was added
+        start = have + len(new)
+        if full > start:                                 # blocks of generated tokens
+            parent = (req.block_keys + new)[-1] if start else None
+            new = new + hash_blocks(self.namespace, req.tokens[start * bs: full * bs], parent=parent)
+        for i, key in enumerate(new, start=have):
             self.pool.set_key(req.block_ids[i], key)
         req.block_keys += new
 
@@ -296,27 +304,18 @@ class LLMEngine:
         children = []
         for i in range(1, parent.params.n):
             child = Request(list(parent.prompt), parent.params, parent.priority, f"{parent.request_id}/{i}",
-                            stream=i, parent=parent, arrival_seq=parent.arrival_seq)
+                            stream=i, parent=parent, arrival_seq=parent.arrival_seq, prompt_keys=parent.prompt_keys)
             children.append(child)
             child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
             child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
             if parent.usage is not None:            # its prompt came the parent's way (a hit or not)
                 child.usage = dataclasses.replace(parent.usage, cached_tokens=dict(parent.usage.cached_tokens))
             self.requests[child.request_id] = child
-            tail = len(parent.block_ids) - full
-            full_batch = len(self.scheduler.running) >= self.scheduler.max_running
-            if tail > self.pool.num_free() or not self.kv.free_slots or full_batch:  # no room: recomputes later
-                self.scheduler.waiting.append(child)
-            else:
-                shared = parent.block_ids[:full]
-                self.pool.share(shared)
-                own = self.pool.allocate(tail)
+            own = self.scheduler.fork(child, parent, slot_free=bool(self.kv.free_slots))
+            if own is not None:                                         # it runs now (else: recomputes later)
                 self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
-                child.block_ids = shared + own
-                child.state, child.num_computed = parent.state.clone(self._view(child)), len(parent.prompt)
-                child.status = Status.RUNNING
-                self.scheduler.running.append(child)
-            reason = self.scheduler._stop_reason(child, child.output[-1], self._stop_string)
+                child.state = parent.state.clone(self._view(child))
+            reason = self.scheduler.stop_reason(child, child.output[-1], self._stop_string)
             if reason is not None:                                      # a stop, or max_tokens 1
                 self.scheduler.abort(child, reason)
         return children

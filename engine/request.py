@@ -61,6 +61,9 @@ class Request:
     num_computed: int = 0            # tokens whose KV the state holds
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)   # content keys of its full, computed blocks
+    # content keys of every full block of the prompt, hashed once when the request is added: the
+    # pool's keys and the store lookup both read them (a re-plan after a preemption hashes nothing)
+    prompt_keys: list[bytes] = field(default_factory=list)
     slot: int | None = None          # its KV pool slot (windows, compressor carry) while it has a state
     metrics: Metrics = field(default_factory=Metrics)
     arrival_seq: int = field(default_factory=lambda: next(_ids))
@@ -68,7 +71,7 @@ class Request:
     text: str = ""                   # detokenised output (when a tokenizer is attached)
     text_cut: bool = False           # a stop string cut `text`: later decodes leave it as it is
     usage: object = None             # engine.cache.prefix_cache.CacheUsage when a cache is configured
-    resume: object = None            # after a prefix hit: how its first state is built (prefix_cache.Resume)
+    resume: object = None            # after a prefix hit: how its first state is built (cache.prefix_cache.Resume)
     cache_planned: bool = False      # the prefix cache has looked this request up
     saved_blocks: int = 0            # leading full blocks already saved to (or loaded from) the cache
 

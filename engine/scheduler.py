@@ -45,8 +45,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_tokens_per_step: int = 512, max_running: int = 64,
-                 lookahead: int = 0, reset_state=None, eos_id: int | None = None, cut=None):
-        """`cut(req, start, n) -> n'` may shorten a prefill chunk (e.g. to end on a snapshot point)."""
+                 lookahead: int = 0, reset_state=None, eos_id: int | None = None, cut=None, on_finish=None):
+        """`cut(req, start, n) -> n'` may shorten a prefill chunk (e.g. to end on a snapshot point);
+        `on_finish(req, reason)` runs before a finishing request lets go of anything (its blocks
+        and state still held: the prefix cache saves them); `reset_state(req)` after a request
+        lost its state (finished or preempted)."""
         if max_tokens_per_step < 1 or max_running < 1:
             raise ValueError("max_tokens_per_step and max_running must be >= 1")
         self.pool, self.budget, self.max_running, self.lookahead = pool, max_tokens_per_step, max_running, lookahead
@@ -55,7 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._reset_state = reset_state or (lambda req: None)
         self._cut = cut or (lambda req, start, n: n)
-        self.on_finish = lambda req, reason: None     # called before a finishing request lets go of anything
+        self.on_finish = on_finish or (lambda req, reason: None)
 
     # ------------------------------------------------------------------ queue
     def check_fits(self, prompt: list[int], params) -> None:
@@ -80,6 +83,29 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_runnable(self) -> bool:
+        """Whether anything could run besides requests whose prefix is still loading."""
+        return bool(self.running) or any(r.status is not Status.WAITING_FOR_KV for r in self.waiting)
+
+    def fork(self, child: Request, parent: Request, slot_free: bool) -> list[int] | None:
+        """Queue an n > 1 sample forked from `parent` after its prefill. With room in the batch,
+        the pool and a free state slot (`slot_free`) it runs at once: it shares the parent's full
+        prompt blocks, and the returned fresh blocks are its own for the partial last block (the
+        caller copies the parent's KV into them and clones the state). Else it waits and
+        recomputes later (None)."""
+        full = len(parent.prompt) // self.pool.block_size
+        tail = len(parent.block_ids) - full
+        if tail > self.pool.num_free() or not slot_free or len(self.running) >= self.max_running:
+            self.waiting.append(child)
+            return None
+        shared = parent.block_ids[:full]
+        self.pool.share(shared)
+        own = self.pool.allocate(tail)
+        child.block_ids, child.num_computed = shared + own, len(parent.prompt)
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return own
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -178,7 +204,7 @@ class Scheduler:
             if tok is None:
                 continue
             req.output.append(tok)
-            reason = self._stop_reason(req, tok, stop_check)
+            reason = self.stop_reason(req, tok, stop_check)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -189,7 +215,8 @@ class Scheduler:
         p = req.params
         return tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_id)
 
-    def _stop_reason(self, req: Request, tok: int, stop_check) -> FinishReason | None:
+    def stop_reason(self, req: Request, tok: int, stop_check=None) -> FinishReason | None:
+        """Why `req` stops after sampling `tok` (a stop token, a stop string, max_tokens), or None."""
         p = req.params
         if self.is_stop_token(req, tok):
             return FinishReason.STOP

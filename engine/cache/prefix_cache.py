@@ -2,7 +2,8 @@
 through the connector. A request waits (WAITING_FOR_KV) while its blocks load; others keep running.
 
     a waiting request, first seen ─ plan():
-        keys of its prompt's full blocks (at least one prompt token is always left to compute)
+        keys of its prompt's full blocks, hashed once when it was added (`Request.prompt_keys`;
+        at least one prompt token is always left to compute)
         hbm   = the longest run of those keys still held by the BlockPool
         store = tiers of the rest (connector.lookup), cut where loading costs more than recomputing
         exact : end at the longest block boundary with a tail snapshot (engine memory, then store)
@@ -18,6 +19,11 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
 
 Requests whose prefix another request is loading wait for that load and then hit the pool, so a
 prefix shared by concurrent requests is fetched once.
+
+The cache is built from its collaborators (the block pool, the KV tensors, the model, the
+namespace, the connector, the config) and a read-only view of the scheduler's queues
+(`QueueView`); it never holds the engine. It changes a request's status and blocks, never a
+queue: the scheduler admits a request whose load is done like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,8 +40,10 @@ from kvcache.engine.cache import snapshot
 from kvcache.engine.cache.block_payload import decode_blocks, encode_block
 from kvcache.engine.cache.connector import KVConnector
 from kvcache.engine.config import CacheConfig
-from kvcache.engine.request import Request, Status
-from kvcache.kvstore.hashing import end_snapshot_key, hash_blocks, snapshot_key
+from kvcache.engine.block_pool import BlockPool
+from kvcache.engine.kv_pool import KVPool
+from kvcache.engine.request import FinishReason, Request, Status
+from kvcache.kvstore.hashing import Namespace, end_snapshot_key, snapshot_key
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,22 @@ class Resume:
     snapshot: dict | None = None  # exact mode; None: bounded replay from `length`
 
 
+@dataclass(frozen=True)
+class QueueView:
+    """What the prefix cache reads of the scheduler (it never edits the queues)."""
+    waiting: Callable[[], Sequence[Request]]     # the waiting queue, in no particular order
+    has_runnable: Callable[[], bool]             # anything to run besides requests still loading
+
+
+@dataclass
+class _Hit:
+    """What a finished load gives a request: its leading `blocks` keyed blocks and, in exact
+    mode after an end snapshot, the pool block holding that snapshot's partial block."""
+    blocks: int = 0
+    resume: Resume | None = None
+    tail: int | None = None
+
+
 @dataclass
 class _Plan:
     req: Request
@@ -77,10 +102,14 @@ class _Plan:
 
 
 class PrefixCache:
-    def __init__(self, engine, connector: KVConnector | None, config: CacheConfig):
-        self.engine, self.connector, self.config = engine, connector, config
-        self.bs = engine.pool.block_size
-        window = max(1, getattr(engine.model.config, "sliding_window", 0) or 1)
+    def __init__(self, pool: BlockPool, kv: KVPool, model, namespace: Namespace, connector: KVConnector | None,
+                 config: CacheConfig, queues: QueueView):
+        """`model` builds and restores request states (fresh ones, from snapshots, at a block
+        boundary); `connector` is None for an engine whose cache is its own pool only."""
+        self.pool, self.kv, self.model, self.namespace = pool, kv, model, namespace
+        self.connector, self.config, self.queues = connector, config, queues
+        self.bs = pool.block_size
+        window = max(1, getattr(model.config, "sliding_window", 0) or 1)
         self.replay_blocks = config.replay_blocks or max(1, -(-4 * window // self.bs))
         if config.mode == "exact" and config.snapshot_interval % self.bs:
             raise ValueError(f"cache.snapshot_interval {config.snapshot_interval} must be a multiple of the "
@@ -96,21 +125,20 @@ class PrefixCache:
     def poll(self) -> None:
         for plan in [p for p in self.plans.values() if p.future is None or p.future.done()]:
             self._apply(plan)
-        for req in list(self.engine.scheduler.waiting):
+        for req in list(self.queues.waiting()):
             if not req.cache_planned and req.num_computed == 0 and not req.block_ids and req.parent is None:
                 self._plan(req)
-        sched = self.engine.scheduler
-        if self.plans and not sched.running and all(r.status is Status.WAITING_FOR_KV for r in sched.waiting):
+        if self.plans and not self.queues.has_runnable():
             first = next(iter(self.plans.values()))      # nothing else to run: wait for a load
             if first.future is not None:
                 first.future.result()
                 self._apply(first)
 
     def _plan(self, req: Request) -> None:
-        pool, n_full = self.engine.pool, (len(req.prompt) - 1) // self.bs
+        pool, n_full = self.pool, (len(req.prompt) - 1) // self.bs
         req.usage.prompt_tokens = len(req.prompt)
         req.usage.cached_tokens = {}                     # a re-plan (after a preemption) reports its own hit
-        keys = hash_blocks(self.engine.namespace, req.prompt[: n_full * self.bs]) if n_full else []
+        keys = req.prompt_keys[:n_full]
         hbm = 0
         while hbm < len(keys) and pool.lookup(keys[hbm]) is not None:
             hbm += 1
@@ -150,7 +178,18 @@ class PrefixCache:
         """(blocks to use, snapshot bytes from memory, snapshot key in the store, end) for a hit of
         k blocks; end > 0 when an earlier request ended inside block k (exact mode resumes there)."""
         if self.config.mode == "replay":
-            return (k if k > self.replay_blocks else 0), None, None, 0
+            return self._replay_boundary(k)
+        return self._exact_boundary(req, keys, k)
+
+    def _replay_boundary(self, k: int) -> tuple[int, None, None, int]:
+        """Replay mode loads the whole hit, or nothing when it is no longer than the blocks it
+        would recompute anyway (`replay_blocks`). No snapshot: windows and carry are rebuilt."""
+        return (k if k > self.replay_blocks else 0), None, None, 0
+
+    def _exact_boundary(self, req, keys, k: int) -> tuple[int, bytes | None, bytes | None, int]:
+        """Exact mode uses a hit only up to a point with a tail snapshot: an earlier request's end
+        after (or inside) the hit's last block, else the last block boundary with one (engine
+        memory first, then the store); no snapshot, no hit: the request must resume bit for bit."""
         found = self._end_snapshot(req, keys, k)       # an earlier request ended after the hit's blocks
         if found is not None:
             return (k, *found)
@@ -172,9 +211,9 @@ class PrefixCache:
     def _end_snapshot(self, req, keys, k: int):
         """The longest earlier request end in (k*bs, (k+1)*bs) that this prompt continues:
         (snapshot bytes in memory, its key in the store, end) or None. One batched exists call."""
-        prev = keys[k - 1] if k else self.engine.namespace.id
+        prev = keys[k - 1] if k else self.namespace.id
         ends = range(min((k + 1) * self.bs - 1, len(req.prompt) - 1), k * self.bs, -1)
-        size = self.engine.namespace.algo.digest_size
+        size = self.namespace.algo.digest_size
         cands = [(L, end_snapshot_key(prev, req.prompt[k * self.bs: L], size)) for L in ends]
         for L, key in cands:
             if key in self.snapshots:
@@ -187,54 +226,74 @@ class PrefixCache:
     def _apply(self, plan: _Plan) -> None:
         """A load finished (or needed none): give the request its blocks and resume point."""
         del self.plans[plan.req.request_id]
-        req, pool, kv = plan.req, self.engine.pool, self.engine.kv
-        kv_bytes = self.connector.block_bytes if self.connector is not None else 0
+        req = plan.req
         fetched, snap, nbytes, dt = plan.future.result() if plan.future is not None else ([], None, 0, 0.0)
         self.inflight.difference_update(plan.keys[plan.hbm:])
         if req.finished:
             return
+        loaded = self._decode_fetched(plan, fetched)
+        held = plan.hbm + len(loaded)
+        u = req.usage
+        u.failed_blocks, u.bytes_loaded, u.load_s = len(fetched) - len(loaded), nbytes, dt
+        if self.config.mode == "exact":
+            hit = self._exact_hit(plan, held, plan.snap_mem or snap)
+        else:
+            hit = self._replay_hit(held)
+        self._hold(plan, req.block_ids + loaded, hit)
+
+    def _decode_fetched(self, plan: _Plan, fetched: list) -> list[int]:
+        """Fresh pool blocks holding the fetched payloads, keyed, up to the first that failed (or
+        did not fit, or found no free block): the hit ends there."""
+        pool = self.pool
+        kv_bytes = self.connector.block_bytes if self.connector is not None else 0
         bids = pool.allocate(min(len(fetched), pool.num_free()))
         ok = next((i for i, p in enumerate(fetched[: len(bids)]) if p is None or memoryview(p).nbytes != kv_bytes),
                   len(bids))
-        decode_blocks(kv, bids[:ok], fetched[:ok])
+        decode_blocks(self.kv, bids[:ok], fetched[:ok])
         pool.release(bids[ok:])
         for key, bid in zip(plan.keys[plan.hbm: plan.hbm + ok], bids[:ok]):
             pool.set_key(bid, key)
-        held = plan.hbm + ok
-        u = req.usage
-        u.failed_blocks, u.bytes_loaded, u.load_s = len(fetched) - ok, nbytes, dt
-        snap = plan.snap_mem or snap
-        if self.config.mode == "exact" and (held < plan.use or snap is None):
-            use, resume = 0, None                        # exact or nothing: recompute from the start
-        elif self.config.mode == "exact" and (state := self._fitting(snap, plan.end or held * self.bs)) is None:
-            use, resume = 0, None                        # not a snapshot of this model here: a miss
-        elif self.config.mode == "exact":
-            use, resume = held, Resume(held * self.bs, held * self.bs, state)
-            if plan.end:
-                tail = self._partial_block(resume.snapshot)
-                if tail is None:
-                    use, resume = 0, None
-                else:
-                    bids.insert(ok, tail)
-                    ok += 1
-                    resume.length = resume.loaded = plan.end
-        else:
-            use = held if held > self.replay_blocks else 0
-            start = (use - self.replay_blocks) * self.bs
-            resume = Resume(start, use * self.bs) if use else None
-            u.replayed_tokens = use * self.bs - start if use else 0
-        n_keys = use
-        if resume is not None and plan.end:
-            use += 1                                     # + the partial block from the end snapshot
-        all_bids = req.block_ids + bids[:ok]
-        pool.release(all_bids[use:])
-        req.block_ids, req.block_keys = all_bids[:use], list(plan.keys[:n_keys])
+        return bids[:ok]
+
+    def _exact_hit(self, plan: _Plan, held: int, snap) -> _Hit:
+        """Exact mode: every planned block held and a snapshot that fits this model where the hit
+        ends, so the request resumes bit for bit (its output equals a cold run's); anything less
+        is no hit at all (recompute from the start), never an approximate resume."""
+        if held < plan.use or snap is None:
+            return _Hit()
+        state = self._fitting(snap, plan.end or held * self.bs)
+        if state is None:
+            return _Hit()                                # not a snapshot of this model here: a miss
+        if not plan.end:
+            return _Hit(held, Resume(held * self.bs, held * self.bs, state))
+        tail = self._partial_block(state)                # an earlier request's end inside the next block
+        if tail is None:
+            return _Hit()
+        return _Hit(held, Resume(plan.end, plan.end, state), tail)
+
+    def _replay_hit(self, held: int) -> _Hit:
+        """Replay mode: keep every block held and recompute the last `replay_blocks` of them from
+        an empty window and carry, writing no history row below the loaded ones (the write
+        floor): loaded rows stay exact, windows and carry are approximate, the replay bounded."""
+        if held <= self.replay_blocks:
+            return _Hit()
+        return _Hit(held, Resume((held - self.replay_blocks) * self.bs, held * self.bs))
+
+    def _hold(self, plan: _Plan, bids: list[int], hit: _Hit) -> None:
+        """The request keeps the hit's blocks (the rest go back) and becomes schedulable."""
+        req, u = plan.req, plan.req.usage
+        if hit.tail is not None:
+            bids = bids + [hit.tail]
+        use = hit.blocks + (hit.tail is not None)
+        self.pool.release(bids[use:])
+        req.block_ids, req.block_keys = bids[:use], list(plan.keys[:hit.blocks])
         req.saved_blocks = len(req.block_keys)
-        req.resume = resume
-        req.num_computed = resume.length if resume else 0
+        req.resume = r = hit.resume
+        req.num_computed = r.length if r else 0
+        u.replayed_tokens = r.loaded - r.length if r else 0
         for tier in plan.tiers[: len(req.block_keys)]:
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + self.bs
-        if resume is not None and plan.end:              # the tail came with the snapshot
+        if hit.tail is not None:                         # the tail came with the snapshot
             tier = "hbm" if plan.snap_mem else (plan.tiers[-1] if plan.tiers else "dram")
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + plan.end - len(req.block_keys) * self.bs
         req.status = Status.WAITING
@@ -245,7 +304,7 @@ class PrefixCache:
         if state is None:
             return None
         if self._template is None:
-            self._template = snapshot.capture(self.engine.model.new_state())
+            self._template = snapshot.capture(self.model.new_state())
         why = snapshot.misfit(self._template, state, length)
         if why is not None:
             log.warning("a tail snapshot from the store does not fit (%s): recomputing instead", why)
@@ -256,13 +315,13 @@ class PrefixCache:
         """A pool block holding the end snapshot's partial block rows (None: no block free, or
         rows that do not fit this pool's blocks: a store's bytes are input, a miss, never a
         failed step)."""
-        pool = self.engine.pool
+        pool = self.pool
         partial = snap.get("partial")
         if not isinstance(partial, torch.Tensor) or not pool.num_free():
             return None
         [bid] = pool.allocate(1)
         try:
-            decode_blocks(self.engine.kv, [bid], [partial.contiguous().numpy().tobytes()])
+            decode_blocks(self.kv, [bid], [partial.contiguous().numpy().tobytes()])
         except (ValueError, TypeError, RuntimeError) as e:
             log.warning("end snapshot's partial block does not fit the pool (%s): a miss", e)
             pool.release([bid])
@@ -273,16 +332,8 @@ class PrefixCache:
         """The first state of a request that resumes after a hit."""
         r = req.resume
         if r.snapshot is not None:
-            return snapshot.restore(self.engine.model, view, r.snapshot)
-        return snapshot.at_boundary(self.engine.model, view, r.length, r.loaded, self.bs, req.prompt)
-
-    def cut(self, req: Request, start: int, n: int) -> int:
-        """Exact mode: a prefill chunk ends at the next snapshot point (then it gets a snapshot)."""
-        if self.config.mode != "exact" or not self.config.save:
-            return n
-        step = self.config.snapshot_interval
-        nxt = (start // step + 1) * step
-        return nxt - start if start < nxt < start + n and nxt < len(req.prompt) else n
+            return snapshot.restore(self.model, view, r.snapshot)
+        return snapshot.at_boundary(self.model, view, r.length, r.loaded, self.bs, req.prompt)
 
     # ------------------------------------------------------------ after a step
     def after_step(self, chunks, seconds: float) -> None:
@@ -307,7 +358,6 @@ class PrefixCache:
         """A request is finishing (its blocks and state still held): save its last full blocks
         and, in exact mode, a snapshot of where it ended, so a follow-up prompt (the next chat
         turn) resumes exactly there."""
-        from kvcache.engine.request import FinishReason
         if not self.config.save or req.state is None or reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return
         self._save_blocks(req)
@@ -319,16 +369,16 @@ class PrefixCache:
             if k:
                 self._save_snapshot(req.block_keys[k - 1], req)
             return
-        prev = req.block_keys[k - 1] if k else self.engine.namespace.id
-        key = end_snapshot_key(prev, req.tokens[k * self.bs: L], self.engine.namespace.algo.digest_size)
+        prev = req.block_keys[k - 1] if k else self.namespace.id
+        key = end_snapshot_key(prev, req.tokens[k * self.bs: L], self.namespace.algo.digest_size)
         snap = snapshot.capture(req.state)
-        snap["partial"] = torch.frombuffer(bytearray(encode_block(self.engine.kv, req.block_ids[k])), dtype=torch.uint8)
+        snap["partial"] = torch.frombuffer(bytearray(encode_block(self.kv, req.block_ids[k])), dtype=torch.uint8)
         self._remember(key, snapshot.encode(snap))
 
     def _save_blocks(self, req: Request) -> None:
         new = range(req.saved_blocks, len(req.block_keys))
         if self.connector is not None and len(new):
-            kv = self.engine.kv
+            kv = self.kv
             self.connector.save([(req.block_keys[i], encode_block(kv, req.block_ids[i])) for i in new])
         req.saved_blocks = len(req.block_keys)
 
@@ -349,17 +399,26 @@ class PrefixCache:
     def reset(self) -> None:
         """Forget every prefix the engine itself holds (pool block keys, snapshots in memory);
         the store keeps its copies. For benchmarks and operators (vLLM's reset_prefix_cache)."""
-        pool = self.engine.pool
-        for blk in pool.blocks:
-            if blk.ref_count == 0 and blk.key is not None:
-                pool._by_key.pop(blk.key, None)
-                blk.key = None
+        self.pool.forget_cached()
         self.snapshots.clear()
         self._snap_bytes = 0
 
     def forget(self, req: Request) -> None:
         """The request lost its state (preempted, failed): plan again when it is next admitted."""
         req.cache_planned, req.resume, req.saved_blocks = False, None, 0
+
+
+def snapshot_cut(config: CacheConfig):
+    """The scheduler's `cut` for exact mode with saving: a prefill chunk ends at the next
+    snapshot point (then it gets a snapshot); None for every other cache (chunks stay whole)."""
+    if config.mode != "exact" or not config.save:
+        return None
+    step = config.snapshot_interval
+
+    def cut(req: Request, start: int, n: int) -> int:
+        nxt = (start // step + 1) * step
+        return nxt - start if start < nxt < start + n and nxt < len(req.prompt) else n
+    return cut
 
 
 def _decoded(snap) -> dict | None:

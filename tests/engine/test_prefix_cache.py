@@ -452,3 +452,24 @@ def test_a_daemon_not_up_yet_is_a_miss_then_used_once_it_answers(model, tmp_path
             d.proc.wait()
     gc.collect()
     assert "Unclosed" not in caplog.text
+
+
+@torch.no_grad()
+def test_each_prompt_is_hashed_once(model, tmp_path, monkeypatch):
+    """A prompt's block keys are computed once, when it is added: the pool's keys and the store
+    lookup (here a miss, then a pool hit, then a store hit in a new engine) both use them."""
+    from kvcache.engine import llm_engine
+    hashed, real = [], llm_engine.hash_blocks
+    monkeypatch.setattr(llm_engine, "hash_blocks", lambda ns, toks, *a, **k: hashed.append(len(toks)) or
+                        real(ns, toks, *a, **k))
+    P, Qs = prompts(43)
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # no generated block fills up
+    store = open_store(tmp_path)
+    with LLM(model=model, config=cached("replay"), store=store) as llm:
+        first = llm.generate([P + Qs[0]], short)[0][0]
+        again = llm.generate([P + Qs[0]], short)[0][0]
+    with LLM(model=model, config=cached("replay"), store=store) as llm:
+        stored = llm.generate([P + Qs[0]], short)[0][0]
+    store.close()
+    assert hashed == [len(P + Qs[0])] * 3
+    assert first.usage.total_cached == 0 and again.usage.cached_tokens.get("hbm") and stored.usage.total_cached

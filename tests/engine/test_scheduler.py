@@ -102,3 +102,39 @@ def test_requests_larger_than_the_pool_are_refused_and_abort_frees():
     assert r.block_ids
     s.abort(r)
     assert r.finished and r.finish_reason is FinishReason.ABORT and s.pool.counts()["used"] == 0
+
+
+def test_forget_cached_drops_only_unheld_keys():
+    pool = BlockPool(4, 16)
+    a = pool.allocate(2)
+    pool.set_key(a[0], b"held")
+    pool.set_key(a[1], b"cached")
+    pool.release([a[1]])
+    assert pool.forget_cached() == 1
+    assert pool.lookup(b"cached") is None and pool.lookup(b"held") == a[0]
+    pool.check()
+
+
+def test_fork_shares_prompt_blocks_or_queues_the_sample():
+    pool = BlockPool(8, 16)
+    s = Scheduler(pool, max_tokens_per_step=64, max_running=2)
+    parent = req(20)                       # one full prompt block and a partial one
+    s.add(parent)
+    run_step(s)
+    kid = Request(parent.prompt, parent.params, stream=1, parent=parent, arrival_seq=parent.arrival_seq)
+    own = s.fork(kid, parent, slot_free=True)
+    assert own is not None and len(own) == len(parent.block_ids) - 1
+    assert kid.block_ids == parent.block_ids[:1] + own and pool.blocks[parent.block_ids[0]].ref_count == 2
+    assert kid.status is Status.RUNNING and kid in s.running and kid.num_computed == 20
+    late = Request(parent.prompt, parent.params, stream=2, parent=parent, arrival_seq=parent.arrival_seq)
+    assert s.fork(late, parent, slot_free=True) is None          # max_running: it waits and recomputes
+    assert late in s.waiting and not late.block_ids
+    assert s.has_runnable()
+
+
+def test_has_runnable_ignores_requests_still_loading():
+    s = Scheduler(BlockPool(4, 16))
+    r = req(4)
+    s.add(r)
+    r.status = Status.WAITING_FOR_KV
+    assert s.has_work() and not s.has_runnable()
