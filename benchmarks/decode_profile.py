@@ -34,7 +34,7 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def profile_decode(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts,
-                   block_decode: bool = True, cuda_graphs: bool = False) -> dict:
+                   planned_decode: bool = True, cuda_graphs: bool = False) -> dict:
     place = select(device)
     cfg = ModelConfig.load(os.path.join(CONFIG_DIR, f"{config}.json"))
     model = random_weights(build_model(cfg), 0).eval().to(place.device, place.dtype)
@@ -43,7 +43,7 @@ def profile_decode(config: str, device: str, batch: int, steps: int, compile_: b
     llm = LLM(model=model, config=EngineConfig(block_size=block, num_blocks=max(64, batch * 4 + 8),
                                                max_tokens_per_step=max(512, 128 * batch), max_running=batch,
                                                compile=compile_, device_experts=device_experts,
-                                               block_decode=block_decode, cuda_graphs=cuda_graphs))
+                                               planned_decode=planned_decode, cuda_graphs=cuda_graphs))
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     llm.generate(prompts, params)                                  # every kernel and graph met once
     t = time.perf_counter()
@@ -66,14 +66,14 @@ def profile_decode(config: str, device: str, batch: int, steps: int, compile_: b
 
 
 def run(config: str, device: str, batch: int, steps: int, compile_: bool, device_experts, out_dir: str,
-        block_decode: bool = True, cuda_graphs: bool = False) -> dict:
+        planned_decode: bool = True, cuda_graphs: bool = False) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    r = profile_decode(config, device, batch, steps, compile_, device_experts, block_decode, cuda_graphs)
+    r = profile_decode(config, device, batch, steps, compile_, device_experts, planned_decode, cuda_graphs)
     doc = {"benchmark": "decode_profile", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "machine": {**machine_info(out_dir), "torch": torch.__version__},
            "config": {"config": config, "device": device, "batch": batch, "steps": steps, "compiled": compile_,
                       "device_experts": {None: "auto", True: "on", False: "off"}[device_experts],
-                      "block_decode": block_decode, "cuda_graphs": cuda_graphs},
+                      "planned_decode": planned_decode, "cuda_graphs": cuda_graphs},
            "results": r}
     write_results(doc, out_dir, f"decode_profile_{device.split(':')[0]}")
     return doc
@@ -81,7 +81,8 @@ def run(config: str, device: str, batch: int, steps: int, compile_: bool, device
 
 def format_report(doc: dict) -> str:
     c, r = doc["config"], doc["results"]
-    how = (("compiled" if c["compiled"] else "eager") + ("" if c.get("block_decode", True) else ", general decode")
+    planned = c.get("planned_decode", c.get("block_decode", True))    # older results say block_decode
+    how = (("compiled" if c["compiled"] else "eager") + ("" if planned else ", general decode")
            + (", CUDA graphs" if c.get("cuda_graphs") else ""))
     lines = [f"{c['config']} b{c['batch']} on {c['device']} ({how}): TPOT "
              f"{r['tpot_ms']:.2f} ms, {r['launches_per_step']:.0f} launches, {r['syncs_per_step']:.0f} syncs, "
@@ -95,7 +96,7 @@ def format_report(doc: dict) -> str:
 # ---------------------------------------------------------------- CLI
 def run_args(args: argparse.Namespace) -> int:
     doc = run(args.config, args.device, args.batch, args.steps, not args.eager, verbs.EXPERTS[args.device_experts],
-              args.out_dir, block_decode=not args.general_decode, cuda_graphs=args.cuda_graphs)
+              args.out_dir, planned_decode=not args.general_decode, cuda_graphs=args.cuda_graphs)
     print(format_report(doc))
     print(f"wrote {doc['files']['json']}")
     return 0

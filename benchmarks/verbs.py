@@ -192,7 +192,7 @@ examples:
   kvcache bench decode-profile --device cuda --batch 8 --eager --device-experts off
   kvcache bench decode-profile --device cuda --batch 1 --cuda-graphs    # decode steps as CUDA graphs
   kvcache bench decode-profile --device cpu --batch 1                   # CPU: op calls, not launches
-  kvcache bench decode-profile --device cpu --batch 1 --general-decode  # the A/B for block decode
+  kvcache bench decode-profile --device cpu --batch 1 --general-decode  # the A/B for planned decode
 """
 
 
@@ -204,7 +204,7 @@ def add_profile_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEF
     p.add_argument("--eager", action="store_true", help="the uncompiled engine")
     p.add_argument("--device-experts", choices=tuple(EXPERTS), default="auto")
     p.add_argument("--general-decode", action="store_true",
-                   help="decode steps by the general path (EngineConfig(block_decode=False)), for the A/B")
+                   help="decode steps by the general path (EngineConfig(planned_decode=False)), for the A/B")
     p.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed as CUDA graphs")
     p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
                    help=f"where the JSON report goes (default: {default_out_dir})")

@@ -51,7 +51,7 @@ class EngineConfig:
     max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
     max_running: int = 32
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
-    compile: bool = False            # torch.compile the blocks' token-wise phases (engine/compiled.py)
+    compile: bool = False            # torch.compile the layers' token-wise phases (engine/compiled.py)
     compile_warmup: bool = True      # with compile: compile every phase variant at start, not mid-request
     # routed experts summed on the device (kernels/grouped_matmul.py), no host round trip per
     # layer; None: on for accelerators with grouped matmuls (bf16 on recent PyTorch), off on the
@@ -61,9 +61,9 @@ class EngineConfig:
     # no per-request Python (engine/decode_plan.py, layers/decode_step.py; compiled: one graph
     # for the whole step); False: the general path (Attention.core) for every step. Set on the
     # model, like device_experts
-    block_decode: bool = True
-    # CUDA: replay block decode steps as CUDA graphs, one per (batch, pages) bucket
-    # (engine/decode_graphs.py); needs block_decode and device_experts
+    planned_decode: bool = True
+    # CUDA: replay planned decode steps as CUDA graphs, one per (batch, blocks) bucket
+    # (engine/decode_graphs.py); needs planned_decode and device_experts
     cuda_graphs: bool = False
 
     @classmethod

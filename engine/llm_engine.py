@@ -55,12 +55,12 @@ class LLMEngine:
         compile_layers(model, config.compile)
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
-        model.block_decode = config.block_decode
+        model.planned_decode = config.planned_decode
         self.decode_graphs = None
         if config.cuda_graphs:
             from kvcache.engine.decode_graphs import DecodeGraphs
-            if not config.block_decode:
-                raise ValueError("cuda_graphs replays block decode steps: set block_decode = true")
+            if not config.planned_decode:
+                raise ValueError("cuda_graphs replays planned decode steps: set planned_decode = true")
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)

@@ -181,7 +181,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """A DecodePlan when this step is one token per request with every state in the pool
         and the routed experts stacked (the engine's usual decode step), else None; `batch` /
         `blocks` pad it (engine/decode_graphs.py)."""
-        if not getattr(self, "block_decode", True) or any(len(ch) != 1 for ch in chunks) \
+        if not getattr(self, "planned_decode", True) or any(len(ch) != 1 for ch in chunks) \
                 or self.layers[0].ffn.stacked is None:
             return None
         if any(layer.attn.reduce is not None or layer.ffn.reduce is not None for layer in self.layers):

@@ -7,7 +7,7 @@ that no tensor lands off the model's device.
     batched == one by one                       greedy tokens, fp32
     exact prefix reuse                          warm logits == cold logits bit for bit, bf16
     compiled (Triton) == eager                  greedy tokens, logits within 1e-3, fp32
-    CUDA graphs (block decode replayed)         greedy tokens, logits within 1e-3 of no graphs,
+    CUDA graphs (planned decode replayed)         greedy tokens, logits within 1e-3 of no graphs,
                                                 eager and compiled, fp32; bf16 graphs captured
 """
 

@@ -123,5 +123,5 @@ def test_buckets_are_powers_of_two():
 def test_graphs_refuse_a_cpu_model(model):
     with pytest.raises(ValueError, match="CUDA device"):
         dg.DecodeGraphs(model, 16, 4, 64)
-    with pytest.raises(ValueError, match="block_decode"):
-        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True, block_decode=False))
+    with pytest.raises(ValueError, match="planned_decode"):
+        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True, planned_decode=False))

@@ -30,8 +30,8 @@ def _prompts():
     return [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1, 3, 7, 15, 16, 33)]
 
 
-def _run(model, block_decode: bool, prompts, params=GREEDY, config=CFG):
-    llm = LLM(model=model, config=dataclasses.replace(config, block_decode=block_decode))
+def _run(model, planned_decode: bool, prompts, params=GREEDY, config=CFG):
+    llm = LLM(model=model, config=dataclasses.replace(config, planned_decode=planned_decode))
     seen, planned = {}, []
     llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((tuple(req.prompt), req.stream, pos), logits.clone())
     plan = model.plan_decode
@@ -62,7 +62,7 @@ def test_planned_decode_matches_the_general_path(model):
         torch.testing.assert_close(logits[k], ref, rtol=1e-5, atol=1e-5)
     decode_steps = [hit for pure, hit in planned if pure]
     assert len(decode_steps) > 20 and all(decode_steps)
-    assert not any(hit for pure, hit in ref_planned)                 # block_decode=False: never
+    assert not any(hit for pure, hit in ref_planned)                 # planned_decode=False: never
 
 
 @torch.no_grad()
@@ -168,5 +168,5 @@ def test_a_null_plan_writes_only_the_scratch(model):
 def test_cuda_graphs_are_refused_where_they_cannot_run(model):
     with pytest.raises(ValueError, match="CUDA device"):
         LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True))
-    with pytest.raises(ValueError, match="block_decode"):
-        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True, block_decode=False))
+    with pytest.raises(ValueError, match="planned_decode"):
+        LLM(model=model, config=dataclasses.replace(CFG, cuda_graphs=True, planned_decode=False))

@@ -80,7 +80,7 @@ def test_host_stacks_are_linear_and_a_compiled_token_sums_in_the_graph():
 
 
 def test_device_experts_are_off_by_default_on_the_cpu():
-    """On the CPU the engine stacks the experts (block decode's op reads the stacks) but sums them
+    """On the CPU the engine stacks the experts (planned decode's op reads the stacks) but sums them
     by the host path."""
     from kvcache.engine.layers.moe import device_experts_pay
     model = build_model(v4_config(num_nextn_predict_layers=0))
