@@ -109,13 +109,15 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
         self._prefetcher = None
         self._prefetching: dict = {}       # key -> Future of its object -> DRAM prefetch
         self._closed = False
+        # one collector for puts' make_room, another for the background steps (each its own cursor),
+        # both made before a thread starts
+        self._collector = maintenance(self) if maintenance is not None else None
+        background = maintenance(self) if config.gc_interval_s > 0 else None
+        self._warned_no_collector = False
         # access times reach the index from a thread of their own, never a reader's get
         self._threads = [Periodic("kvcache-touch", config.touch_flush_s, self.index.flush_touches)]
-        # one collector for puts' make_room, another for the background steps (each its own cursor)
-        self._collector = maintenance(self) if maintenance is not None else None
-        self._warned_no_collector = False
-        if config.gc_interval_s > 0:
-            self._threads.append(Periodic("kvcache-gc", config.gc_interval_s, maintenance(self).step))
+        if background is not None:
+            self._threads.append(Periodic("kvcache-gc", config.gc_interval_s, background.step))
 
     # ---------------------------------------------------------------- metadata
     def _metas(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
