@@ -218,8 +218,9 @@ def _breakeven(per_length: dict) -> dict:
     return out
 
 
-def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int = 16, out_dir: str = "benchmarks/results",
-        seed: int = 0, progress: bool = True, workloads=("document", "chat", "shared")) -> dict:
+def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int = 16,
+        out_dir: str = "benchmarks/results", seed: int = 0, progress: bool = True,
+        workloads=("document", "chat", "shared")) -> dict:
     from tqdm import tqdm
     from kvcache.benchmarks.model import CONFIG_DIR
     from kvcache.engine.checkpoint.init import random_weights

@@ -148,7 +148,8 @@ def run(configs: list[str], batches: list[int], out_dir: str, prompt_tokens: int
            "config": {"configs": configs, "batches": batches, "prompt_tokens": prompt_tokens,
                       "output_tokens": out_tokens, "seed": seed, "device": place.device,
                       "device_experts": {None: "auto", True: "on", False: "off"}[device_experts],
-                      "cuda_graphs": cuda_graphs, "dtype": f"{str(place.dtype).removeprefix('torch.')} weights", "sampling": "greedy",
+                      "cuda_graphs": cuda_graphs, "dtype": f"{str(place.dtype).removeprefix('torch.')} weights",
+                      "sampling": "greedy",
                       "ours": ("EngineConfig(compile=True) after a warm-up run that compiles (compile_warmup_s); "
                                "ours_eager: the same engine uncompiled") if compile_ else "the eager engine (--eager)",
                       "baseline": "transformers DeepseekV4ForCausalLM.generate, same weights, eager attention"},

@@ -39,7 +39,8 @@ def hf_twin(model, config: ModelConfig):
     hca = sorted({r for r in config.compress_ratios if r not in (0, 4)}) or [128]
     kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", hca[0]: "heavily_compressed_attention"}
     y = config.yarn
-    rope = ({"rope_type": "yarn", "factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+    rope = ({"rope_type": "yarn", "factor": y.factor,
+             "original_max_position_embeddings": y.original_max_position_embeddings,
              "beta_fast": y.beta_fast, "beta_slow": y.beta_slow} if y else None)
     hc = DeepseekV4Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=n,

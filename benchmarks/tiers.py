@@ -52,7 +52,8 @@ from kvcache.tiering.dram import DramTier
 from kvcache.tiering.nvme import NvmeTier
 from kvcache.tiering.slab import SlabAllocator
 
-TARGETS = {"dram_get_vs_memcpy": 0.8, "dram_get_many_vs_memcpy": 0.8, "nvme_put_vs_raw_write": 0.7, "nvme_get_vs_raw_read": 0.7}
+TARGETS = {"dram_get_vs_memcpy": 0.8, "dram_get_many_vs_memcpy": 0.8,
+           "nvme_put_vs_raw_write": 0.7, "nvme_get_vs_raw_read": 0.7}
 # ratio name -> (table label, section, measured op, baseline label, baseline op)
 RATIOS = {
     "dram_get_vs_memcpy": ("dram get (store)", "dram", "store_get", "memcpy", "memcpy_get"),

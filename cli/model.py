@@ -138,7 +138,8 @@ def cmd_info(args) -> int:
         print(json.dumps(facts, indent=2))
         return 0
     kinds = facts["layer_kinds"]
-    print(f"{config.model_type}: {facts['layers']} layers ({', '.join(f'{k} x{kinds.count(k)}' for k in sorted(set(kinds)))}),"
+    counted = ", ".join(f"{k} x{kinds.count(k)}" for k in sorted(set(kinds)))
+    print(f"{config.model_type}: {facts['layers']} layers ({counted}),"
           f" hidden {config.hidden_size}, {config.num_attention_heads} heads x {config.head_dim}, window "
           f"{config.sliding_window}, {config.n_routed_experts} experts top-{config.num_experts_per_tok}")
     print(f"parameters: {facts['parameters']:,} ({facts['activated_per_token']:,} activated per token)")
@@ -150,7 +151,8 @@ def cmd_info(args) -> int:
               f"1 row / {g['tokens_per_row']} tok   bf16 {g['bf16_bytes_per_token']:>9.1f} B/token")
     for fmt, b in facts["kv_history_bytes_per_token"].items():
         print(f"  total in {fmt:<26} {b:>9.1f} B/token")
-    print(f"  sliding windows (bounded): {facts['kv_window_bytes_per_request_bf16'] / 2**20:.2f} MiB per request (bf16)")
+    window_mib = facts["kv_window_bytes_per_request_bf16"] / 2**20
+    print(f"  sliding windows (bounded): {window_mib:.2f} MiB per request (bf16)")
     return 0
 
 

@@ -271,7 +271,8 @@ def print_summary(rep: dict, html_path: str | None = None) -> None:
     print("\nbytes")
     rows = [(f"served from {t}", human_size(v["bytes_served"])) for t, v in rep["tiers"].items()]
     rows += [("written by puts", human_size(rep["puts"]["bytes"]))]
-    rows += [(f"evicted from {t}", human_size(v["bytes_evicted"])) for t, v in rep["tiers"].items() if v["bytes_evicted"]]
+    rows += [(f"evicted from {t}", human_size(v["bytes_evicted"]))
+             for t, v in rep["tiers"].items() if v["bytes_evicted"]]
     print_table(rows, indent=2)
     ev, ex = rep["removals"]["evict"], rep["removals"]["expire"]
     print("\nblocks evicted and expired, by age since written")

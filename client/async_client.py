@@ -13,8 +13,8 @@ Contract:
     401/403 -> AuthError, 507 -> TierFullError (its subclass QuotaExceededError for a tenant's
     quota), 429 `too_many_namespaces` -> NamespaceLimitError, no answer after the retries
     (not running, refused, reset, timed out) -> DaemonUnreachableError (a DaemonError and a
-    StoreUnavailableError), anything else (5xx, bad stream) -> DaemonError. Each carries `.status` and `.code` (the JSON `error` field) when
-    the daemon answered.
+    StoreUnavailableError), anything else (5xx, bad stream) -> DaemonError. Each carries
+    `.status` and `.code` (the JSON `error` field) when the daemon answered.
   * Retries (exponential backoff with jitter) on 502/503/504, connection errors, timeouts and
     truncated streams, for idempotent calls only: reads, lookup/exists, pin/unpin,
     register_namespace and puts. Puts are idempotent because blocks are content-addressed:
@@ -45,8 +45,8 @@ from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: public API)
-    RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks, _split_puts, _tier, error_from,
-    fit_buffer, put_pieces, put_total)
+    RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks,
+    _split_puts, _tier, error_from, fit_buffer, put_pieces, put_total)
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.types import StoreStats, TierStats

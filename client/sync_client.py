@@ -190,8 +190,9 @@ class KVClient:
         return self._read_many(keys, copy, over_socket)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self._read_many(keys, lambda i, view: bytes(view),
-                               lambda idx: self._batch_get([keys[i] for i in idx], lambda i, n, resp: read_exact(resp, n)))
+        def over_socket(idx):
+            return self._batch_get([keys[i] for i in idx], lambda i, n, resp: read_exact(resp, n))
+        return self._read_many(keys, lambda i, view: bytes(view), over_socket)
 
     def get(self, key: bytes) -> bytes | None:
         if self._shared() is not None:

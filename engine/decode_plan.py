@@ -146,8 +146,8 @@ def step_views(packed: torch.Tensor, batch: int, blocks: int, ratios: tuple[int,
         v = dict(zip(RATIO_FIELDS, values[3 + i * len(RATIO_FIELDS): 3 + (i + 1) * len(RATIO_FIELDS)]))
         v["closes"], v["carry"] = v["closes"] != 0, v["carry"] != 0
         steps[m] = RatioStep(**v)
-    return DecodeStep(values[0], values[1], values[2], packed[n * batch: n * batch + batch * blocks].view(batch, blocks),
-                      steps)
+    table = packed[n * batch: n * batch + batch * blocks].view(batch, blocks)
+    return DecodeStep(values[0], values[1], values[2], table, steps)
 
 
 @dataclass(frozen=True)

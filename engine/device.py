@@ -49,13 +49,14 @@ def select(name: str = "auto") -> Placement:
         return Placement("cpu", torch.float32)
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceUnavailable(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device; install the "
-                               "CUDA build of torch 2.13.0 (see README) or use --device cpu")
+            raise DeviceUnavailable(f"device {name!r}: this torch ({torch.__version__}) sees no CUDA device; "
+                                    "install the CUDA build of torch 2.13.0 (see README) or use --device cpu")
         return Placement(name if ":" in name else "cuda:0", torch.bfloat16)
     if kind == "npu":
         try:
             importlib.import_module("torch_npu")       # registers the "npu" device with torch
         except ImportError as e:
-            raise DeviceUnavailable(f"device {name!r} needs torch_npu with the CANN toolkit ({e}); use cpu or cuda") from None
+            raise DeviceUnavailable(
+                f"device {name!r} needs torch_npu with the CANN toolkit ({e}); use cpu or cuda") from None
         return Placement(name if ":" in name else "npu:0", torch.bfloat16)
     raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda[:i] or npu[:i]")

@@ -151,9 +151,15 @@ def decode_header(buf) -> RecordHeader:
     layout = []
     try:
         for _ in range(ntensors):
-            n = mv[pos]; name = bytes(mv[pos + 1: pos + 1 + n]).decode(); pos += 1 + n
-            n = mv[pos]; dtype = bytes(mv[pos + 1: pos + 1 + n]).decode(); pos += 1 + n
-            nd = mv[pos]; shape = struct.unpack_from(f"<{nd}Q", mv, pos + 1); pos += 1 + 8 * nd
+            n = mv[pos]
+            name = bytes(mv[pos + 1: pos + 1 + n]).decode()
+            pos += 1 + n
+            n = mv[pos]
+            dtype = bytes(mv[pos + 1: pos + 1 + n]).decode()
+            pos += 1 + n
+            nd = mv[pos]
+            shape = struct.unpack_from(f"<{nd}Q", mv, pos + 1)
+            pos += 1 + 8 * nd
             layout.append(TensorSpec(name, dtype, tuple(shape)))
         tenant = ""
         if version == TENANT_VERSION:

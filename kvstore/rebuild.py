@@ -2,9 +2,9 @@
 
 Segments are replayed in id order. For each key the last record wins; a tombstone hides
 the key's records created before its deletion time, or at the same time but earlier in
-the log (so a block put again after a delete survives). Recovered blocks count as accessed at rebuild time: access times are
-not stored in segments, and expiring hot blocks early would cost more than keeping cold
-ones one more TTL. Their age (max_age) still counts from creation. Pins and explicit
+the log (so a block put again after a delete survives). Recovered blocks count as accessed at
+rebuild time: access times are not stored in segments, and expiring hot blocks early would
+cost more than keeping cold ones one more TTL. Their age (max_age) still counts from creation. Pins and explicit
 per-block TTLs live only in the index and are not recovered; tenants are (records name theirs,
 for quotas and per-tenant retention). Object-tier packs are read
 too (their indexes only): blocks found only there come back as object-only blocks.

@@ -69,7 +69,8 @@ def describe(store_cfg, server_cfg) -> str:
         lines.append(f"  nvme tier       {gib(store_cfg.nvme.capacity_bytes)} (fsync {store_cfg.nvme.fsync})")
     if store_cfg.object_store:
         lines.append(f"  object tier     {store_cfg.object_store.url} (codec {store_cfg.object_store.codec})")
-    lines.append(f"  write policy    {store_cfg.write_policy}; retention {store_cfg.retention.default.ttl_s / 3600:g} h")
+    ttl_h = store_cfg.retention.default.ttl_s / 3600
+    lines.append(f"  write policy    {store_cfg.write_policy}; retention {ttl_h:g} h")
     lines.append(f"  event log       {store_cfg.events_dir}" if store_cfg.event_log else "  event log       off")
     lines.append(f"  auth            {len(server_cfg.tokens)} token(s)" if server_cfg.tokens else
                  "  auth            none (loopback only)")

@@ -2,7 +2,8 @@
 history lane of the pool, as one payload with a named-tensor layout.
 
     payload of block b = concat over lanes (sorted by layer, then "entries" before "index") of
-                         lane[b] : [block_size / ratio, dim]  the pool's block dtype (the weights': float32 on CPU, bf16 on a GPU), row-major
+                         lane[b] : [block_size / ratio, dim]  row-major, in the pool's block dtype
+                                   (the weights': float32 on CPU, bf16 on a GPU)
     layout             = (TensorSpec("L{layer}.{kind}", "float32", (rows, dim)), ...)
 
 Windows and compressor carry are not in blocks: they are per-request and rebuilt on a hit (bounded

@@ -86,7 +86,8 @@ class Attention(nn.Module):
         the window and compressor carry in the request's pool slot; None: dense tensors."""
         lanes, dev = None if view is None else view.rows, self.attn_sink.device
         st = AttentionState(
-            compressor=CompressorState(rows=make_rows(self.head_dim, lanes, "entries", dev)) if self.compressor else None,
+            compressor=(CompressorState(rows=make_rows(self.head_dim, lanes, "entries", dev))
+                        if self.compressor else None),
             index=CompressorState(rows=make_rows(self.indexer.head_dim, lanes, "index", dev)) if self.indexer else None)
         if view is not None:
             view.attach(st, "window")

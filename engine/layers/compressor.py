@@ -184,7 +184,8 @@ class Compressor(nn.Module):
         dev = ok_lane.device
         if have:
             h = torch.tensor(have, device=slots_kv.device)
-            slots_kv[h, 0, :m] = ok_lane[torch.tensor([carry[j][0].slot for j in have], device=dev), :m].to(slots_kv.dtype)
+            slots_kv[h, 0, :m] = ok_lane[torch.tensor([carry[j][0].slot for j in have], device=dev), :m].to(
+                slots_kv.dtype)
             slots_gate[h, 0, :m] = og_lane[torch.tensor([carry[j][1].slot for j in have], device=dev), :m].to(
                 slots_gate.dtype)
         ok_lane[torch.tensor([ok.slot for ok, _ in carry], device=dev), :m] = win_kv[:, -1, :, :d].to(ok_lane.dtype)
@@ -240,7 +241,8 @@ class Indexer(nn.Module):
         cos, sin = rope.cos_sin(positions, "compress")
         return apply_rope(q, cos[:, None], sin[:, None]), self.weights_proj(x).float() * self.n_heads ** -0.5
 
-    def select_from(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def select_from(self, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor,
+                    keys: torch.Tensor) -> torch.Tensor:
         B, T = q.shape[:2]
         N = keys.shape[1]
         scores = torch.relu(torch.einsum("bthd,bnd->bthn", q, keys.float())) * self.head_dim ** -0.5

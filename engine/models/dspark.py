@@ -117,8 +117,10 @@ def _draft_attention(attn, rope):
         first = int(positions[0]) - ctx.shape[1]
         dev = x.device
         delta = positions[:, None] - (torch.arange(ctx.shape[1], device=dev) + first)[None, :]
-        ctx_bias = torch.zeros(delta.shape, device=dev).masked_fill((delta <= 0) | (delta >= attn.window), float("-inf"))
-        bias = torch.cat([ctx_bias, torch.zeros(len(positions), len(positions), device=dev)], 1).expand(x.shape[0], -1, -1)
+        outside = (delta <= 0) | (delta >= attn.window)
+        ctx_bias = torch.zeros(delta.shape, device=dev).masked_fill(outside, float("-inf"))
+        own = torch.zeros(len(positions), len(positions), device=dev)
+        bias = torch.cat([ctx_bias, own], 1).expand(x.shape[0], -1, -1)
         out = attn.attend(q, torch.cat([ctx, kv], 1), bias)
         return attn.output(out, positions, rope, x.dtype)
     return run

@@ -1,6 +1,7 @@
 """The daemon's listening sockets (TCP, and a unix socket if asked) and its serve loop: every
 accepted connection starts as a FrontConnection (server/front/connection.py), which serves the
-upload path it is given (bulk uploads) itself and hands everything else to aiohttp; SIGTERM/SIGINT drain both before the store closes."""
+upload path it is given (bulk uploads) itself and hands everything else to aiohttp; SIGTERM/SIGINT
+drain both before the store closes."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def test_roofline_counts_the_experts_a_batch_selects():
     embed = model.embed.weight
     drafter = sum(p.numel() * p.element_size() for p in model.mtp.parameters())
     assert drafter > 0                          # the MTP stage: not part of a plain decode step
-    assert many == total - drafter - embed.numel() * embed.element_size() + min(10_000, embed.shape[0]) * embed.shape[1] * 4
+    embed_bytes = embed.numel() * embed.element_size()
+    assert many == total - drafter - embed_bytes + min(10_000, embed.shape[0]) * embed.shape[1] * 4
     top = ceiling(model, 8, 10e9)
     assert abs(top["max_decode_tokens_per_s"] - 8 * 10e9 / eight) < 1e-6
 

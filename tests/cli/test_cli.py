@@ -54,8 +54,8 @@ def test_stats_reads_as_a_table_and_reports_the_configured_tiers_as_the_daemon_d
     cfg.write_text("[dram]\ncapacity_mib = 32\nprefault = false\n[nvme]\ncapacity_mib = 48\n")
     lines = kvcache("stats", str(tmp_path / "d"), "--config", str(cfg), check=True).stdout.splitlines()
     col = lines[0].index(str(tmp_path / "d"))                   # every value starts in one column
-    valued = [l for l in lines if len(l) > col]
-    assert len(valued) > 10 and all(l[col - 2:col] == "  " and l[col] != " " for l in valued), lines
+    valued = [line for line in lines if len(line) > col]
+    assert len(valued) > 10 and all(line[col - 2:col] == "  " and line[col] != " " for line in valued), lines
     text = "\n".join(lines)
     assert "tenant_" not in text and "blocks of tenant (anonymous)" in text and "32.0 MiB configured" in text
     offline = json.loads(kvcache("stats", str(tmp_path / "d"), "--config", str(cfg), "--json", check=True).stdout)
@@ -140,5 +140,5 @@ def test_json_logs(tmp_path):
     import shutil
     shutil.rmtree(tmp_path / "index")
     r = kvcache("--log-format", "json", "check", str(tmp_path), "--json")
-    lines = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
-    assert any("rebuil" in l["message"] for l in lines)
+    lines = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert any("rebuil" in line["message"] for line in lines)

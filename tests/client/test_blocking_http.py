@@ -53,7 +53,8 @@ class OneShotServer:
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)
                 head, _, rest = data.partition(b"\r\n\r\n")
-                length = int([ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")][0])
+                length = int([ln.split(b":")[1] for ln in head.split(b"\r\n")
+                              if ln.lower().startswith(b"content-length")][0])
                 while len(rest) < length:
                     rest += conn.recv(65536)
                 self.requests.append(rest)

@@ -322,7 +322,8 @@ def without_ptrace() -> None:
 
 def probe_opens(*paths: str) -> list[str]:
     """Open each path from a process of this user without CAP_SYS_PTRACE: "opened" or the error."""
-    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        os.close(os.open(p, os.O_RDONLY)); print('opened')\n"
+    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+            "        os.close(os.open(p, os.O_RDONLY)); print('opened')\n"
             "    except OSError as e:\n        print(type(e).__name__)")
     out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=30,
                          preexec_fn=without_ptrace)

@@ -57,7 +57,8 @@ def test_transformers_layout_loads(saved, tmp_path):
     model, cfg, d, _ = saved
     hf = tmp_path / "hf"
     hf.mkdir()
-    save_file({k: v.contiguous() for k, v in to_transformers(model.state_dict()).items()}, str(hf / "model.safetensors"))
+    tensors = {k: v.contiguous() for k, v in to_transformers(model.state_dict()).items()}
+    save_file(tensors, str(hf / "model.safetensors"))
     plain = {k: v for k, v in cfg.to_dict().items() if k not in ("quantization_config", "num_nextn_predict_layers")}
     (hf / "config.json").write_text(json.dumps(plain))
     loaded, lcfg = load_model(str(hf), progress=False)

@@ -58,7 +58,8 @@ def _matches_eager(config, backend: str, monkeypatch, warmup: bool) -> None:
     for key, ref in eager_logits.items():
         torch.testing.assert_close(logits[key], ref, rtol=1e-4, atol=1e-4)
     compile_layers(model, False)                      # and back: a later eager engine runs eager
-    assert not any(layer.__dict__.get("compiled") for layer in phased_layers(model)) and not model.__dict__.get("compiled")
+    assert not any(layer.__dict__.get("compiled") for layer in phased_layers(model))
+    assert not model.__dict__.get("compiled")
 
 
 def _one_graph_a_decode_step(model, prompts) -> None:
@@ -100,13 +101,14 @@ def test_exact_prefix_reuse_stays_bit_identical_compiled(tmp_path, monkeypatch):
     model = randomize(build_model(THREE_KINDS), 1).eval()
     P, Qs = prompts(7, n_questions=2)
     store = open_store(tmp_path)
-    with LLM(model=model, config=dataclasses.replace(cached("exact"), compile=True, compile_warmup=False), store=store) as first:
+    exact_compiled = dataclasses.replace(cached("exact"), compile=True, compile_warmup=False)
+    with LLM(model=model, config=exact_compiled, store=store) as first:
         run(first, [P + Qs[0]])                                           # fills the store
     cold_logits, warm_logits = {}, {}
     plain = LLM(model=model, config=dataclasses.replace(CACHE_CFG, compile=True, compile_warmup=False))
     _tapped(plain, cold_logits, 1)
     plain.generate([P + Qs[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    with LLM(model=model, config=dataclasses.replace(cached("exact"), compile=True, compile_warmup=False), store=store) as warm:
+    with LLM(model=model, config=exact_compiled, store=store) as warm:
         _tapped(warm, warm_logits, 1)
         _, usage = run(warm, [P + Qs[1]])
     store.close()

@@ -34,7 +34,8 @@ def run(kind: str, shard_mode: str | None, rank: int, world: int):
         logits = model(prompt)
     llm = LLM(model=model, config=EngineConfig(block_size=16, num_blocks=32, max_tokens_per_step=32, max_running=4))
     ps = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (9, 30, 17)]
-    outs = llm.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))  # greedy: robust to 1e-7 noise
+    # greedy: robust to 1e-7 noise
+    outs = llm.generate(ps, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     return logits, [o[0].token_ids for o in outs]
 
 

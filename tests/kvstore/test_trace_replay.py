@@ -12,7 +12,8 @@ import pytest
 from kvcache.gc.collector import Collector
 from kvcache.kvstore.trace_replay import TraceRequest, load_trace, lru_hit_rate, store_replay, unlimited_hit_rate
 
-TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces",
+                     "mooncake_conversation_trace.jsonl")
 
 
 def req(t, ids, n_tokens=None):
@@ -77,8 +78,8 @@ def test_line_progress_writes_a_line_every_interval():
             now[0] += 0.25                  # 25 s in all: lines at 0, 10 and 20 s, and the end
             bar.update(1)
     lines = out.getvalue().splitlines()
-    assert [l.split(" requests")[0] for l in lines] == ["replaying: 0/100", "replaying: 40/100", "replaying: 80/100",
-                                                        "replaying: 100/100"]
+    assert [line.split(" requests")[0] for line in lines] == [
+        "replaying: 0/100", "replaying: 40/100", "replaying: 80/100", "replaying: 100/100"]
     assert "~15 s left" in lines[1] and lines[-1].endswith("(100%), 25 s")
 
 

@@ -99,8 +99,8 @@ def test_a_rename_that_changes_the_rule_withdraws_published_deadlines(tmp_path):
     rule's deadlines, which a shorter rule would outlive."""
     retention = RetentionPolicy(namespaces={"scratch": RetentionRule(ttl_s=60.0),
                                             "also-72h": RetentionRule()})
-    cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=64 << 10, prefault=False, pin_memory="off",
-                                                     shared_memory=True),
+    cfg = StoreConfig(str(tmp_path), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=64 << 10, prefault=False,
+                                                     pin_memory="off", shared_memory=True),
                       nvme=NvmeConfig(segment_bytes=1 << 20), retention=retention)
     with BlockStore(cfg) as s:
         s.register_namespace(named("prod"))

@@ -1,6 +1,7 @@
 """Tenants and credentials through the real app (aiohttp TestServer): every token names a tenant,
-namespaces belong to tenants (renaming and limits: test_namespaces.py), KVCACHE_TOKENS tokens can be revoked, an admin deletes another
-tenant's blocks only when it names the tenant, and a metrics token reads /metrics only."""
+namespaces belong to tenants (renaming and limits: test_namespaces.py), KVCACHE_TOKENS tokens can
+be revoked, an admin deletes another tenant's blocks only when it names the tenant, and a metrics
+token reads /metrics only."""
 
 import json
 import time
