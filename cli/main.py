@@ -20,7 +20,6 @@ import json
 import os
 import logging
 import sys
-import time
 
 from kvcache import __version__
 from kvcache.kvstore.errors import StoreError
@@ -87,10 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)    # second one when Python flushes stdout at exit
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-
-
-def now() -> float:
-    return time.time()
 
 
 if __name__ == "__main__":

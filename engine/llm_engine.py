@@ -381,7 +381,3 @@ def engine_namespace(config, block_size: int, layout: str, weights_id: str = "")
     fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
     model = f"{config.model_type}:{fingerprint}" + (f":{weights_id}" if weights_id else "")
     return Namespace(model, layout, block_size, name=config.model_type)
-
-
-def replace_params(params: SamplingParams, **changes) -> SamplingParams:
-    return dataclasses.replace(params, **changes)

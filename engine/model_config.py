@@ -128,15 +128,6 @@ class ModelConfig:
             return "compressed"
         return "csa" if r == 4 else "hca"
 
-    def kv_source_of(self, layer: int) -> int:
-        """V4.1: the kv-source layer whose compressed KV `layer` reads (the latest source <= layer)."""
-        srcs = [s for s in self.kv_source_layer_ids if s <= layer]
-        return srcs[-1] if srcs else -1
-
-    def index_source_of(self, layer: int) -> int:
-        srcs = [s for s in self.index_source_layer_ids if s <= layer]
-        return srcs[-1] if srcs else -1
-
     @property
     def expert_dtype(self) -> str:
         return str(self.quantization.get("expert_dtype", "")) if self.quantization else ""

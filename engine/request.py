@@ -12,7 +12,7 @@ from kvcache.engine.sampling import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"              # queued (new, or preempted and to be recomputed)
-    WAITING_FOR_KV = "waiting_for_kv"  # prefix blocks loading from the store (issue 6): not schedulable
+    WAITING_FOR_KV = "waiting_for_kv"  # prefix blocks loading from the store: not schedulable
     RUNNING = "running"
     FINISHED = "finished"
 

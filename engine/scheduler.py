@@ -9,11 +9,12 @@
          the first chunk of their prompt (chunked prefill)
     update(output, tokens): append sampled tokens, stop, finish, release blocks
 
-Prefill chunks and decode tokens of many requests share one step. Hooks the next issues use
-without rewriting this loop: Status.WAITING_FOR_KV requests are skipped until their prefix has
-loaded (`num_computed` then starts past the cached tokens); `lookahead` reserves slots for
-speculative tokens; `schedule()` only reads and reserves, so step N+1 can be scheduled while
-step N runs (the caller applies N's results with `update` before N+1's run).
+Prefill chunks and decode tokens of many requests share one step. Hooks for the cache,
+speculative decoding and overlapped steps, without rewriting this loop: Status.WAITING_FOR_KV
+requests are skipped until their prefix has loaded (`num_computed` then starts past the cached
+tokens); `lookahead` reserves slots for speculative tokens; `schedule()` only reads and
+reserves, so step N+1 can be scheduled while step N runs (the caller applies N's results with
+`update` before N+1's run).
 """
 
 from __future__ import annotations

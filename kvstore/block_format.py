@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvcache.kvstore.errors import BlockFormatError, CorruptBlockError
-from kvcache.kvstore.shuffle import shuffle2, unshuffle2_into
+from kvcache.kvstore.shuffle import unshuffle2_into
 from kvcache.kvstore.types import TensorSpec, raw_layout
 
 MAGIC = b"KVCB"
@@ -181,15 +181,6 @@ def verify_payload(header: RecordHeader, payload) -> None:
         raise CorruptBlockError(f"payload is {mv.nbytes} bytes, header says {header.payload_len}")
     if xxhash.xxh3_128_digest(mv) != header.payload_digest:
         raise CorruptBlockError("payload checksum mismatch")
-
-
-def encode_payload(payload, codec: Codec, level: int = 1) -> bytes | memoryview:
-    if codec is Codec.RAW:
-        return memoryview(payload)
-    if codec is Codec.ZSTD_SHUFFLE2:
-        payload = shuffle2(payload)
-    import zstandard
-    return zstandard.ZstdCompressor(level=level).compress(payload)
 
 
 def decode_payload(header: RecordHeader, payload) -> bytes | memoryview:

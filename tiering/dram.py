@@ -247,10 +247,6 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 if e.doomed and e.leases == 0:
                     self._slab.free(e.offset)
 
-    def entry_info(self, key: bytes) -> tuple[bytes, tuple[TensorSpec, ...], float] | None:
-        e = self._entries.get(key)
-        return None if e is None else (e.namespace_id, e.layout, e.created)
-
     # ---------------------------------------------------------------- pins, delete, dirty
     def set_pin(self, key: bytes, hard_pins: int, pin_until: float) -> None:
         """Mirror the store's pin state: pinned blocks are never evicted."""

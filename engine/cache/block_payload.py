@@ -7,7 +7,7 @@ history lane of the pool, as one payload with a named-tensor layout.
     layout             = (TensorSpec("L{layer}.{kind}", "float32", (rows, dim)), ...)
 
 Windows and compressor carry are not in blocks: they are per-request and rebuilt on a hit (bounded
-replay) or saved whole as a tail snapshot (exact mode, issue 6). The layout id that goes into the
+replay) or saved whole as a tail snapshot (exact mode). The layout id that goes into the
 store namespace names this structure, so a change of lanes or dtype never reads old blocks.
 """
 

@@ -1,13 +1,16 @@
 """The one seam between the engine and the cache: what the engine asks of a block store.
 
-    scheduler side (reads only)              worker side (threads; results applied by the engine)
-    ─────────────────────────────            ───────────────────────────────────────────────────
-    lookup(keys)    tiers of the longest     fetch(keys) ─ loader thread: pin (TTL) ─> get_many
-                    stored prefix                          ─> unpin (always) ─> payloads | None
-    snapshots(keys) which block boundaries   save(blocks) ─ saver thread: put_many; only blocks
-                    have a tail snapshot                    whose tokens are all committed
-    costs           measured bandwidth per   save_snapshot(key, bytes) ─ saver thread (exact mode)
-                    tier vs recompute time
+    scheduler side (reads only)
+    lookup(keys)                  tier of each block of the longest stored prefix
+    snapshots_present(keys)       which block boundaries have a tail snapshot (present: for any keys)
+    load_seconds(tiers)           time to load blocks from those tiers, at the measured bandwidth
+
+    worker side (threads; the engine applies the results)
+    fetch(keys, tiers, snapshot)  loader thread: soft pin (TTL, left to lapse) ─> get_many ─>
+                                  payloads (None for a block that failed), the snapshot's bytes
+    save(blocks)                  saver thread: put_many; only blocks whose tokens are all committed
+    save_raw(key, data)           saver thread: a tail snapshot under its own key (exact mode)
+    flush()                       wait until every save submitted so far has landed
 
 The store is anything with the BlockStore interface (`client.open_store`: an in-process store on
 a directory or TOML config, or `kvcache serve` over http:// or unix://). A store that fails

@@ -1,4 +1,4 @@
-"""Prefix reuse end to end (issue 6): the engine's pool, an in-process store (DRAM, NVMe, after a
+"""Prefix reuse end to end: the engine's pool, an in-process store (DRAM, NVMe, after a
 restart) and the real daemon; exact mode bit-identical, bounded replay within tolerance; failed
 blocks recomputed; a shared prefix loaded once; a failing store degrading to misses."""
 
