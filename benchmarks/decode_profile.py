@@ -50,7 +50,8 @@ def profile_decode(config: str, device: str, batch: int, steps: int, compile_: b
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t
     tpot = statistics.median(o[0].metrics.tpot_s(steps + 1) for o in outs)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if place.device != "cpu" else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if place.device != "cpu" else [])
+    with profile(activities=activities) as prof:
         llm.generate(prompts, params)
     events = prof.key_averages()
     n = steps + 1                                                  # the prefill step is in there too
@@ -86,7 +87,8 @@ def format_report(doc: dict) -> str:
            + (", CUDA graphs" if c.get("cuda_graphs") else ""))
     lines = [f"{c['config']} b{c['batch']} on {c['device']} ({how}): TPOT "
              f"{r['tpot_ms']:.2f} ms, {r['launches_per_step']:.0f} launches, {r['syncs_per_step']:.0f} syncs, "
-             f"{r['aten_calls_per_step']:.0f} aten op calls a step; device busy {r['device_busy_ms_per_step']:.2f} ms a step"]
+             f"{r['aten_calls_per_step']:.0f} aten op calls a step; "
+             f"device busy {r['device_busy_ms_per_step']:.2f} ms a step"]
     lines += [f"  {op['op']:<60} {op['calls_per_step']:7.1f} calls  {op['self_host_ms_per_step']:7.3f} ms"
               for op in r["top_host_ops"][:12]]
     return "\n".join(lines)

@@ -51,7 +51,8 @@ class LLMEngine:
         mc = model.config
         ratios = [r for r in mc.compress_ratios if r > 0]
         if any(config.block_size % r for r in ratios):
-            raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio {sorted(set(ratios))}")
+            raise ValueError(f"block_size {config.block_size} must be a multiple of every compress ratio "
+                             f"{sorted(set(ratios))}")
         compile_layers(model, config.compile)
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)

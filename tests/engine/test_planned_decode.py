@@ -33,7 +33,8 @@ def _prompts():
 def _run(model, planned_decode: bool, prompts, params=GREEDY, config=CFG):
     llm = LLM(model=model, config=dataclasses.replace(config, planned_decode=planned_decode))
     seen, planned = {}, []
-    llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((tuple(req.prompt), req.stream, pos), logits.clone())
+    llm.engine.logits_hook = lambda req, pos, logits: seen.__setitem__((tuple(req.prompt), req.stream, pos),
+                                                                       logits.clone())
     plan = model.plan_decode
 
     def spy(chunks, states):
