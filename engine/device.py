@@ -2,7 +2,7 @@
 
     cpu    fp32 weights and math. bf16 is slower end to end on the dev CPUs even where AMX makes
            a lone bf16 linear faster (3x at 8 rows): v4-small compiled decode in bf16 ran
-           96 / 237 tok/s at batch 1 / 8 against 117 / 275 in fp32, same session (benchmarks/README.md)
+           96 / 237 tok/s at batch 1 / 8 against 117 / 275 in fp32, same machine (benchmarks/README.md)
     cuda   bf16 weights; norms, mHC, routing, softmax and compressor pooling stay fp32 (the model
            upcasts them itself). FP8 / FP4 checkpoint tensors are dequantised at load: no FP8
            GEMM kernel is wired in yet, so they are not kept quantised on the device either.
