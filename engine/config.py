@@ -14,6 +14,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from kvcache.kvstore.types import STORE_TIERS, TierName
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -32,7 +34,7 @@ class CacheConfig:
                                      #   such point gets a snapshot; a multiple of the block size
     snapshot_memory_bytes: int = 256 << 20   # recent snapshots kept in the engine (the HBM tier of exact mode)
     # first guesses of each tier's load bandwidth (bytes/s), replaced by measurements as loads happen
-    bandwidth: dict = field(default_factory=lambda: {"dram": 2e9, "nvme": 5e8, "object": 1e8})
+    bandwidth: dict = field(default_factory=lambda: {TierName.DRAM: 2e9, TierName.NVME: 5e8, TierName.OBJECT: 1e8})
 
     def __post_init__(self):
         if self.mode not in ("replay", "exact"):
@@ -99,7 +101,7 @@ class EngineConfigError(ValueError):
 
 _AUTO = {"device_experts"}              # `bool | None` settings: "auto" in TOML is None
 _POSITIVE = {"block_size", "num_blocks", "max_tokens_per_step", "max_running"}
-_TIERS = ("dram", "nvme", "object")     # the tiers a cache's bandwidth guesses name
+_TIERS = [str(t) for t in STORE_TIERS]  # the tiers a cache's bandwidth guesses name
 _KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
           "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
           "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
@@ -116,13 +118,13 @@ def _cache(section: dict[str, Any]) -> CacheConfig | None:
     return _build(CacheConfig, "cache", settings) if enabled else None
 
 
-def _bandwidth(table: Mapping[str, Any]) -> dict[str, float]:
+def _bandwidth(table: Mapping[str, Any]) -> dict[TierName, float]:
     for tier, v in table.items():
         if tier not in _TIERS:
-            raise EngineConfigError(f"unknown tier {str(tier)[:40]!r} in [cache.bandwidth]; known: {list(_TIERS)}")
+            raise EngineConfigError(f"unknown tier {str(tier)[:40]!r} in [cache.bandwidth]; known: {_TIERS}")
         if not _KINDS["float"](v) or v <= 0:
             raise EngineConfigError(f"[cache.bandwidth].{tier} must be a positive number of bytes/s, got {v!r}"[:160])
-    return {tier: float(v) for tier, v in table.items()}
+    return {TierName(tier): float(v) for tier, v in table.items()}
 
 
 def _table(name: str, value: Any) -> dict[str, Any]:

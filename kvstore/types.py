@@ -3,7 +3,8 @@
 block      the KV of `block_size` consecutive tokens, stored as one payload
 block key  the chained content hash of a block (16 bytes for xxh3-128, 32 for sha256)
 namespace  everything a key depends on besides tokens: model, KV layout, block size, salt
-tier       where a block's bytes live: DRAM, NVMe, OBJECT (HBM belongs to the engine)
+tier       where a block's bytes live: DRAM, NVMe, OBJECT (HBM belongs to the engine); Tier is the
+           store's residency bits, TierName the one label store and engine print and key by
 pin        a hold that keeps a block from eviction and expiry: hard, or soft with a TTL
 """
 
@@ -36,6 +37,27 @@ _TIER_OF = tuple(Tier(v) for v in range(8))
 _TIER_LABELS = {Tier(v): "|".join(t.name.lower() for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT) if t & v) or "none"
                 for v in range(8)}
 _FASTEST = {Tier(v): next((t for t in (Tier.DRAM, Tier.NVME, Tier.OBJECT) if t & v), Tier.NONE) for v in range(8)}
+
+
+class TierName(enum.StrEnum):
+    """One tier's label, fastest first: the engine's pool (HBM) and the store's tiers. A str, so
+    JSON fields, log lines and metrics labels keyed by it read "dram", as plain strings did."""
+
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+    OBJECT = "object"
+
+    @classmethod
+    def of(cls, residency: Tier) -> "TierName":
+        """The fastest tier a block lives in (what a read of it is served from)."""
+        if not residency:
+            raise ValueError("a block in no tier has no tier name")
+        return _NAME_OF[residency.fastest()]
+
+
+_NAME_OF = {Tier.DRAM: TierName.DRAM, Tier.NVME: TierName.NVME, Tier.OBJECT: TierName.OBJECT}
+STORE_TIERS = (TierName.DRAM, TierName.NVME, TierName.OBJECT)     # the store's, fastest first
 
 
 # dtype name -> item size in bytes. Names follow torch's spelling so layouts read naturally.

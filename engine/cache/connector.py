@@ -36,15 +36,12 @@ from kvcache.engine.config import CacheConfig
 from kvcache.kvstore.errors import StoreUnavailableError
 from kvcache.kvstore.hashing import Namespace, snapshot_key
 from kvcache.kvstore.types import PutItem
-from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.kvstore.types import TensorSpec, TierName
 
 log = logging.getLogger(__name__)
-TIERS = ("hbm", "dram", "nvme", "object")
+TIERS = tuple(TierName)       # fastest first
 RETRY_S = 10.0      # a store that did not answer is tried again after this many seconds
 
-
-def tier_label(t: Tier) -> str:
-    return t.fastest().name.lower() if t else "none"
 
 
 class KVConnector:
@@ -128,7 +125,7 @@ class KVConnector:
             self.stats["lookup_errors"] += 1
             self._failed(e, "cache lookup", "treated as a miss")
             return []
-        return [tier_label(t) for t in r.tiers[: r.num_hits]]
+        return [TierName.of(t) for t in r.tiers[: r.num_hits]]
 
     def snapshots_present(self, keys: list[bytes]) -> list[bool]:
         """Whether the tail snapshot after each block key is stored."""
@@ -147,16 +144,16 @@ class KVConnector:
             self._failed(e, "cache snapshot lookup", "treated as a miss")
             return [False] * len(keys)
 
-    def load_seconds(self, tiers: list[str]) -> float:
-        return sum(self.block_bytes / self.bandwidth.get(t, 1e8) for t in tiers if t != "hbm")
+    def load_seconds(self, tiers: list[TierName]) -> float:
+        return sum(self.block_bytes / self.bandwidth.get(t, 1e8) for t in tiers if t != TierName.HBM)
 
     # ------------------------------------------------------------ worker side
-    def fetch(self, keys: list[bytes], tiers: list[str], snapshot: bytes | None = None) -> Future:
+    def fetch(self, keys: list[bytes], tiers: list[TierName], snapshot: bytes | None = None) -> Future:
         """Start loading blocks (and a snapshot); the future gives (payloads with None for a block
         that failed, snapshot bytes or None)."""
         return self._loader.submit(self._fetch, list(keys), list(tiers), snapshot)
 
-    def _fetch(self, keys: list[bytes], tiers: list[str], snap_key: bytes | None):
+    def _fetch(self, keys: list[bytes], tiers: list[TierName], snap_key: bytes | None):
         want = keys + ([snap_key] if snap_key else [])
         t0 = time.perf_counter()
         try:
@@ -169,7 +166,7 @@ class KVConnector:
             got = [None] * len(want)
         dt = time.perf_counter() - t0
         loaded = sum(memoryview(p).nbytes for p in got if p is not None)
-        slow = [t for t in tiers if t != "hbm"]
+        slow = [t for t in tiers if t != TierName.HBM]
         if loaded and slow and dt > 0:                # the slowest tier of the fetch gets the measurement
             tier = max(slow, key=TIERS.index)
             self.bandwidth[tier] = 0.7 * self.bandwidth.get(tier, loaded / dt) + 0.3 * (loaded / dt)

@@ -44,6 +44,7 @@ from kvcache.engine.block_pool import BlockPool
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.request import FinishReason, Request, Status
 from kvcache.kvstore.hashing import Namespace, end_snapshot_key, snapshot_key
+from kvcache.kvstore.types import TierName
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 class CacheUsage:
     """What the cache did for one request (feeds reports and the API's usage fields)."""
     prompt_tokens: int = 0
-    cached_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens whose KV came from it
+    cached_tokens: dict[TierName, int] = field(default_factory=dict)   # prompt tokens whose KV came from a tier
     replayed_tokens: int = 0      # recomputed to rebuild windows and carry (replay mode)
     bytes_loaded: int = 0
     load_s: float = 0.0
@@ -91,7 +92,7 @@ class _Hit:
 class _Plan:
     req: Request
     keys: list[bytes]             # every block key of the hit (hbm + store)
-    tiers: list[str]
+    tiers: list[TierName]
     hbm: int                      # leading blocks shared from the pool
     hit: int                      # blocks found (hbm + store) before the cost model and the boundary
     use: int                      # blocks the request will hold when loaded
@@ -146,7 +147,7 @@ class PrefixCache:
             req.status = Status.WAITING_FOR_KV           # another request is loading it: hit the pool after
             return
         req.cache_planned = True
-        tiers = ["hbm"] * hbm + (self.connector.lookup(keys[hbm:]) if self.connector and hbm < len(keys) else [])
+        tiers = [TierName.HBM] * hbm + (self.connector.lookup(keys[hbm:]) if self.connector and hbm < len(keys) else [])
         k = self._worth_loading(tiers)
         use, snap_mem, snap_store, end = self._boundary(req, keys, tiers, k)
         if use <= 0 and not end:
@@ -162,7 +163,7 @@ class PrefixCache:
         req.status = Status.WAITING_FOR_KV
         self.plans[req.request_id] = plan
 
-    def _worth_loading(self, tiers: list[str]) -> int:
+    def _worth_loading(self, tiers: list[TierName]) -> int:
         """How many leading hit blocks to use: all, unless loading some costs more than recomputing."""
         spt = self.prefill_s_per_token
         if not self.config.cost_model or spt is None or self.connector is None:
@@ -294,7 +295,7 @@ class PrefixCache:
         for tier in plan.tiers[: len(req.block_keys)]:
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + self.bs
         if hit.tail is not None:                         # the tail came with the snapshot
-            tier = "hbm" if plan.snap_mem else (plan.tiers[-1] if plan.tiers else "dram")
+            tier = TierName.HBM if plan.snap_mem else (plan.tiers[-1] if plan.tiers else TierName.DRAM)
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + plan.end - len(req.block_keys) * self.bs
         req.status = Status.WAITING
 
