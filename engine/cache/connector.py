@@ -111,8 +111,8 @@ class KVConnector:
             log.warning("%s failed (%s): %s", what, e, then)
 
     # ------------------------------------------------------------ scheduler side
-    def lookup(self, keys: list[bytes]) -> list[str]:
-        """Tier label of each block of the longest stored prefix of `keys` ([] on any error)."""
+    def lookup(self, keys: list[bytes]) -> list[TierName]:
+        """Tier of each block of the longest stored prefix of `keys` ([] on any error)."""
         if not keys:
             return []
         self.stats["lookups"] += 1
