@@ -8,7 +8,7 @@
                            intermediate width: w1/w3 rows, w2 columns; partial outputs summed.
     expert parallel (ep)   routed experts dealt out whole (expert e on rank e % world); each rank
                            runs the tokens routed to its experts; outputs summed with the shared part.
-    replicated             embeddings, head, norms, mHC, routers, Engram, drafter blocks
+    replicated             embeddings, head, norms, mHC, routers, Engram, drafter layers
 
 Every rank runs the same scheduler on the same requests (SPMD): sampling draws are keyed by the
 request's seed, so ranks agree on every token without talking except inside the model.
