@@ -1,2 +1,2 @@
-"""Shared building blocks of the V4 family, one noun per file (norm, rope, hyper-connections,
+"""The V4 family's shared parts, one noun per file (norm, rope, hyper-connections,
 MoE, attention, compressors). Parameters carry the official checkpoint names."""
