@@ -1,7 +1,8 @@
 """The package's layering, read from its imports with `ast` (nothing is imported to check it).
 
 Three rules, as data below, over every .py file of the installed package (the packages listed in
-pyproject.toml), module-level and function-level imports alike, relative ones resolved:
+pyproject.toml), module-level and function-level imports alike, relative ones resolved, and
+`importlib.import_module("...")` calls that spell their module out:
 
 - the store core (kvstore/), tiering/ and gc/ never load torch or aiohttp, directly or through
   any chain of package-internal imports (a lazy import inside a function is still a path);
@@ -109,10 +110,23 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module of `importlib.import_module("name")` or `__import__("name")`, if spelled out."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    value = node.args[0].value
+    return value if name in ("import_module", "__import__") and isinstance(value, str) else None
+
+
 def _import_nodes(node: ast.AST, typing_only: bool = False):
-    """Every import statement under `node` (function bodies included), with its TYPE_CHECKING flag."""
+    """Every import under `node` (function bodies included; importlib calls naming a module
+    too), with its TYPE_CHECKING flag."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, typing_only
+        elif _dynamic_import(child):
             yield child, typing_only
         elif isinstance(child, ast.If) and _is_type_checking(child.test):
             for stmt in child.body:
@@ -123,8 +137,10 @@ def _import_nodes(node: ast.AST, typing_only: bool = False):
             yield from _import_nodes(child, typing_only)
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: dict) -> list[str]:
-    """The modules an import statement names: `from a import b` is a.b when that is a module."""
+def _targets(node: ast.AST, module: str, is_package: bool, modules: dict) -> list[str]:
+    """The modules an import names: `from a import b` is a.b when that is a module."""
+    if isinstance(node, ast.Call):
+        return [name] if not (name := _dynamic_import(node)).startswith(".") else []
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     if node.level:
@@ -330,7 +346,7 @@ def test_a_clean_tree_passes(tmp_path):
 
 def test_a_lazy_torch_import_through_another_package_is_caught(tmp_path):
     graph = _tree(tmp_path, {**CLEAN, "client/__init__.py": "",
-                             "client/remote.py": "def run():\n    from ..engine import llm\n",
+                             "client/remote.py": "def run():\n    importlib.import_module('kvcache.engine.llm')\n",
                              "tiering/dram.py": "def f():\n    from kvcache.client import remote\n"})
     [found] = load_violations(graph, LOAD_RULES[0])
     assert found.startswith("kvcache.tiering.dram (tiering/dram.py:2) -> kvcache.client.remote (client/remote.py:2)")
