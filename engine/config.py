@@ -162,7 +162,8 @@ def _sized(section: str, key: str, value: Any, types: Mapping[str, list[str]]) -
         name = key[: -len(suffix)] + "_bytes"
         if key.endswith(suffix) and name in types:
             if not _KINDS["float"](value) or not 0 <= value <= 1 << 30:
-                raise EngineConfigError(f"[{section}].{key} must be a number of {suffix[1:].upper()}, got {value!r}"[:160])
+                unit = suffix[1:].upper()
+                raise EngineConfigError(f"[{section}].{key} must be a number of {unit}, got {value!r}"[:160])
             return name, int(value * mult)
     return key, value
 
