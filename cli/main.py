@@ -11,6 +11,8 @@
     kvcache bench tiers [...]           DRAM/NVMe throughput against memcpy and raw disk
     kvcache bench daemon [...]          the daemon against redis-server and memcpy
     kvcache bench model|engine|codec    the engine against transformers; codecs on model KV
+    kvcache bench cold-warm             TTFT cold vs warm from the pool and each tier
+    kvcache bench decode-profile        where a decode step's time goes
 """
 
 from __future__ import annotations

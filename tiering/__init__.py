@@ -1,1 +1,1 @@
-"""Tiers: where block bytes live (host DRAM, local NVMe) and how they move between them."""
+"""Tiers: where block bytes live (host DRAM, local NVMe, object storage) and how they move between them."""
