@@ -1,4 +1,5 @@
-"""Clients of the `kvcache serve` daemon (docs/api.md): `AsyncKVClient` and the blocking `KVClient`.
+"""Clients of the `kvcache serve` daemon (docs/api.md): `AsyncKVClient` here, the blocking `KVClient`
+in sync_client.py; both keep kvstore/protocol.py's contract (`AsyncStore`, `Store`).
 
 Contract:
   * `KVClient` has the method names and semantics of `BlockStore` (register_namespace, lookup,

@@ -1,4 +1,4 @@
-"""BlockStore: the one store interface, over the DRAM and NVMe tiers and the LMDB index.
+"""BlockStore: the store itself (kvstore/protocol.py's `Store`), over the tiers and the LMDB index.
 
     lookup(keys)    -> LookupResult: longest contiguous run of live hits, tier of each
     get / get_into / get_many, put / put_many, pin / unpin, delete, stats, flush, close
