@@ -21,8 +21,10 @@ bounded: beyond `max_pending_save_bytes` new saves are dropped (counted), never 
 A store that does not answer (StoreUnavailableError: a daemon not running yet, or gone) is
 down: one warning, then nothing is sent to it (every lookup a miss, saves dropped) until
 `retry_s` has passed; then the loader thread registers the namespace again (a daemon that came
-back without its data needs it) and, once that answers, the store is used again. The probe never
-runs on the scheduler's path, so a store that is down costs a request nothing.
+back without its data needs it) and, once that answers, the store is used again. A store that
+answers the probe with another error (a refused token, a namespace limit) stays down the same
+way, with one warning of its own. The probe never runs on the scheduler's path, so a store that
+is down costs a request nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class KVConnector:
         self.retry_s, self._clock = RETRY_S if retry_s is None else retry_s, clock
         self._down_until: float | None = None         # None: the store answers
         self._probing = False
+        self._refusal_said = False                    # a probe's refusal warned of (once per outage)
         self.block_bytes = sum(s.nbytes for s in layout)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvcache-save")
@@ -87,13 +90,27 @@ class KVConnector:
     def _probe(self) -> None:
         try:
             up = self._register()
+        except Exception as e:        # it answered but refused: an error here would die in the Future
+            self._refused(e)
+            up = False
         finally:
             with self._lock:
                 self._probing = False
         if up:
             with self._lock:
-                self._down_until = None
+                self._down_until, self._refusal_said = None, False
             log.warning("cache store %s answers now: using it", self.where)
+
+    def _refused(self, e: Exception) -> None:
+        """Registering again failed with the store answering (a 5xx past the client's retries, a
+        refused token, a namespace limit, another namespace id): down for retry_s more, else every
+        lookup would probe again at once; warned once until the store is used again."""
+        with self._lock:
+            self._down_until = self._clock() + self.retry_s
+            first, self._refusal_said = not self._refusal_said, True
+        if first:
+            log.warning("cache store %s answered but refused the namespace (%s): generating without the cache, "
+                        "trying it again every %g s", self.where, e, self.retry_s)
 
     def _lost(self, e: Exception) -> None:
         """The store did not answer: warn once (not per request), try again in retry_s."""
