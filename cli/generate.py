@@ -38,9 +38,13 @@ def add_parser(sub) -> None:
                    "a store TOML, http://host:port or unix:///path.sock (kvcache serve)")
     p.add_argument("--cache-mode", choices=("replay", "exact"), help="replay (default): rebuild windows by "
                    "recomputing the hit's last blocks; exact: resume from tail snapshots, bit-identical")
-    p.add_argument("--config", "--cache-config", metavar="FILE", help="engine settings from this TOML ([engine] and "
-                   "[cache]: configs/engine.toml documents every key); --cache, --cache-mode and --compile "
-                   "given here override the file")
+    files = p.add_mutually_exclusive_group()
+    files.add_argument("--config", metavar="FILE", help="engine settings from this TOML ([engine] and "
+                       "[cache]: configs/engine.toml documents every key); --cache, --cache-mode and --compile "
+                       "given here override the file (--cache turns on a [cache] that says enabled = false, "
+                       "with its settings)")
+    files.add_argument("--cache-config", metavar="FILE", help="the older spelling of --config, for a file whose "
+                       "[cache] is on: an error when the run would have no cache")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (processes; gloo on CPU, nccl on CUDA)")
     p.add_argument("--ep", action="store_true", help="with --tp > 1: also deal routed experts out across the ranks")
@@ -181,13 +185,18 @@ def printable(text: str, running: bool, stops: tuple[str, ...]) -> int:
 
 def _config(args):
     """The engine config: --config's file (else the defaults), then the flags over it: --cache and
-    --cache-mode set the cache's store and mode (a cache then, with the file's [cache] or without),
-    --compile compiles."""
+    --cache-mode set the cache's store and mode (a cache then, on the file's [cache] settings even
+    where it says enabled = false), --compile compiles. --cache-config FILE asks for a cache: a run
+    that would have none is an error, not a silent uncached run."""
     import dataclasses
     from kvcache.engine.config import CacheConfig, EngineConfig
-    config = EngineConfig.load(args.config) if args.config else EngineConfig()
+    path = args.config or args.cache_config
+    config, in_file = EngineConfig.load_with_cache(path) if path else (EngineConfig(), None)
     flags = {k: v for k, v in (("store", args.cache), ("mode", args.cache_mode)) if v is not None}
-    cache = dataclasses.replace(config.cache or CacheConfig(), **flags) if flags else config.cache
+    cache = dataclasses.replace(in_file or CacheConfig(), **flags) if flags else config.cache
+    if args.cache_config and cache is None:
+        raise ValueError(f"--cache-config {path}: the file's cache is off (no [cache] section, or enabled = false): "
+                         "pass --cache STORE, or set enabled = true in its [cache]")
     return dataclasses.replace(config, cache=cache, compile=config.compile or args.compile)
 
 

@@ -3,8 +3,9 @@ and its `[cache]` section, CacheConfig (prefix reuse and the block store behind 
 
 configs/engine.toml documents every setting with its default; `EngineConfig.load(path)` reads
 such a file, strictly: an unknown key, a value of the wrong type or a bad value is an
-EngineConfigError naming the file and the key. The model's own config (parsed from config.json)
-is engine/model_config.py.
+EngineConfigError naming the file and the key (in a [cache] section with enabled = false too:
+`EngineConfig.load_with_cache` also gives that section's settings, for a flag that turns it on).
+The model's own config (parsed from config.json) is engine/model_config.py.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class EngineConfig:
     def load(cls, path: str) -> "EngineConfig":
         """The settings of a TOML file like configs/engine.toml: [engine], and [cache] (absent, or
         enabled = false: no prefix reuse). Every key is optional and defaults as here."""
+        return cls.load_with_cache(path)[0]
+
+    @classmethod
+    def load_with_cache(cls, path: str) -> tuple["EngineConfig", CacheConfig | None]:
+        """load's settings, and the file's [cache] settings even when it says enabled = false
+        (None: no [cache] section): what a flag that turns the cache on (--cache) starts from."""
         try:
             with open(path, "rb") as f:
                 raw = tomllib.load(f)
@@ -80,19 +87,24 @@ class EngineConfig:
         except tomllib.TOMLDecodeError as e:
             raise EngineConfigError(f"engine config {path} is not valid TOML: {e}") from None
         try:
-            return cls.from_dict(raw)
+            return cls._parts(raw)
         except EngineConfigError as e:
             raise EngineConfigError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EngineConfig":
         """The settings of a parsed engine TOML (sections as tables)."""
+        return cls._parts(d)[0]
+
+    @classmethod
+    def _parts(cls, d: Mapping[str, Any]) -> tuple["EngineConfig", CacheConfig | None]:
+        """The settings, and the [cache] section's (checked whether or not it is enabled)."""
         unknown = sorted(set(d) - {"engine", "cache"})
         if unknown:
             raise EngineConfigError(f"unknown sections {unknown}; an engine config has [engine] and [cache]")
         settings = _settings(cls, "engine", _table("engine", d.get("engine", {})))
-        cache = _cache(_table("cache", d["cache"])) if "cache" in d else None
-        return _build(cls, "engine", {**settings, "cache": cache})
+        enabled, cache = _cache(_table("cache", d["cache"])) if "cache" in d else (False, None)
+        return _build(cls, "engine", {**settings, "cache": cache if enabled else None}), cache
 
 
 class EngineConfigError(ValueError):
@@ -108,14 +120,16 @@ _KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
           "dict": lambda v: isinstance(v, Mapping)}
 
 
-def _cache(section: dict[str, Any]) -> CacheConfig | None:
+def _cache(section: dict[str, Any]) -> tuple[bool, CacheConfig]:
+    """Whether [cache] is enabled, and its settings (built either way: --cache turns a disabled
+    section on with the file's settings, so they are checked either way)."""
     enabled = section.pop("enabled", True)
     if not isinstance(enabled, bool):
         raise EngineConfigError(f"[cache].enabled must be true or false, got {enabled!r}"[:160])
     settings = _settings(CacheConfig, "cache", section)
     if "bandwidth" in settings:          # a tier left out keeps its first guess
         settings["bandwidth"] = {**CacheConfig().bandwidth, **_bandwidth(settings["bandwidth"])}
-    return _build(CacheConfig, "cache", settings) if enabled else None
+    return enabled, _build(CacheConfig, "cache", settings)
 
 
 def _bandwidth(table: Mapping[str, Any]) -> dict[TierName, float]:

@@ -60,6 +60,7 @@ def test_a_cache_section_turns_the_cache_on_and_sizes_have_their_spellings(tmp_p
     ("[cache]\nsave = \"no\"\n", "[cache].save must be bool"),
     ("[cache]\nenabled = 1\n", "[cache].enabled must be true or false"),
     ('[cache]\nmode = "fast"\n', "[cache]: cache mode must be 'replay' or 'exact'"),
+    ('[cache]\nenabled = false\nmode = "fast"\n', "[cache]: cache mode must be"),   # --cache may turn it on
     ("[cache]\nmax_pending_save_mib = -1\n", "[cache].max_pending_save_mib must be a number of MIB"),
     ("[cache.bandwidth]\nhbm = 1e9\n", "unknown tier 'hbm' in [cache.bandwidth]"),
     ("[cache.bandwidth]\nnvme = 0\n", "[cache.bandwidth].nvme must be a positive number"),
@@ -95,6 +96,30 @@ def test_generate_flags_override_the_file(tmp_path):
     assert _config(_generate_args("--config", off, "--cache", "http://h:1")).cache == CacheConfig(store="http://h:1")
     assert _config(_generate_args("--cache-config", path)).cache.store == "/tmp/store"   # the older spelling
     assert _config(_generate_args()) == EngineConfig()
+
+
+def test_generate_cache_flags_turn_a_disabled_cache_on_with_the_files_settings(tmp_path):
+    from kvcache.cli.generate import _config
+    off = _write(tmp_path, '[cache]\nenabled = false\nmode = "exact"\nsnapshot_interval = 256\n')
+    cfg, in_file = EngineConfig.load_with_cache(off)
+    assert cfg == EngineConfig() and in_file == CacheConfig(mode="exact", snapshot_interval=256)
+    c = _config(_generate_args("--config", off, "--cache", "http://h:1")).cache
+    assert (c.store, c.mode, c.snapshot_interval) == ("http://h:1", "exact", 256)
+    c = _config(_generate_args("--config", off, "--cache", "http://h:1", "--cache-mode", "replay")).cache
+    assert (c.mode, c.snapshot_interval) == ("replay", 256)
+    assert EngineConfig.load_with_cache(_write(tmp_path, "", "empty.toml")) == (EngineConfig(), None)
+
+
+def test_generate_cache_config_on_a_file_without_a_cache_is_an_error(tmp_path):
+    from kvcache.cli.generate import _config
+    off = _write(tmp_path, "[cache]\nenabled = false\n", "off.toml")
+    bare = _write(tmp_path, "[engine]\nmax_running = 4\n", "bare.toml")
+    for path in (off, bare):
+        with pytest.raises(ValueError, match="the file's cache is off") as e:
+            _config(_generate_args("--cache-config", path))
+        assert "pass --cache STORE, or set enabled = true" in str(e.value)
+    assert _config(_generate_args("--cache-config", off, "--cache", "/tmp/s")).cache == CacheConfig(store="/tmp/s")
+    assert _config(_generate_args("--config", off)).cache is None       # --config: an uncached run, as asked
 
 
 def test_generate_with_a_bad_file_is_one_error_line(tmp_path):
