@@ -29,3 +29,21 @@ def test_cold_warm_benchmark_on_the_tiny_config(tmp_path):
     assert saved["results"]["1024"]["warm_dram"]["bytes_loaded"] > 0
     assert os.path.getsize(tmp_path / "cold_warm-latest.png") > 1000
     assert "warm_dram" in (tmp_path / "cold_warm-latest.md").read_text() and "warm_dram" in format_table(doc)
+
+
+def test_every_timed_run_of_a_cached_engine_has_its_cost_model_on(tmp_path, monkeypatch):
+    """The restart's new engine serves one discarded request before it is timed, so that it has a
+    prefill speed (the cost model weighs loading against recomputing) like the long-lived one."""
+    from kvcache.benchmarks import cold_warm
+    timed, measure = [], cold_warm._measure
+
+    def spy(llm, prompt, out_tokens):
+        if llm.engine.cache is not None:
+            timed.append((tuple(prompt), llm.engine.cache.prefill_s_per_token is not None))
+        return measure(llm, prompt, out_tokens)
+    monkeypatch.setattr(cold_warm, "_measure", spy)
+    run("v4-tiny", lengths=(512,), out_tokens=2, out_dir=str(tmp_path), progress=False, workloads=("document",))
+    (prompt, known), *rest = timed                        # the fill run: the first prefill it measures
+    warm = [k for p, k in rest if p == prompt]
+    assert not known and len(warm) == 3 * 5 and all(warm), warm
+    assert len(rest) == len(warm) + 1                     # + the restart's warm-up
