@@ -383,12 +383,6 @@ def _unlink(path: str) -> None:
 
 def _fsync_dir(directory: str) -> None:
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
+        _fsync(directory)
+    except OSError:  # best effort, like the rest of the log: its events are statistics
         pass
-    finally:
-        os.close(fd)
