@@ -34,8 +34,9 @@ import time
 import numpy as np
 
 from kvcache.cli.fmt import human_size, print_table
+from kvcache.kvstore.types import STORE_TIERS
 
-TIERS = ("dram", "nvme", "object")
+TIERS = STORE_TIERS          # the store's tiers, fastest first, as events name them
 PREFIX_BUCKETS = ((1 << 10, "<1k"), (4 << 10, "1-4k"), (16 << 10, "4-16k"), (64 << 10, "16-64k"), (math.inf, ">=64k"))
 AGE_BUCKETS = ((3600, "<1h"), (6 * 3600, "1-6h"), (86400, "6-24h"), (3 * 86400, "1-3d"), (math.inf, ">=3d"))
 _TIME_STEPS = (60, 300, 900, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
