@@ -70,11 +70,7 @@ LAYERS = {"tiering": "kvstore"}
 CYCLE_FIX = "break the cycle: pass a callable or a value in, or move the shared piece to the lower package"
 # Violations tolerated for now, each with what removes it (a regex matched against the message).
 # An entry that matches nothing fails the test too: delete it once its fix has landed.
-TOLERATED = {
-    # DramTier page-locks its arena through torch.cuda when dram.pin_memory allows it: removed
-    # when the page-locking is handed to the tier as a callable (or done without torch).
-    r"^kvcache\.tiering\.arena \(tiering/arena\.py:\d+\) -> torch: ": "tiering/arena.py:_pin imports torch",
-}
+TOLERATED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 
 from kvcache.kvstore.errors import StoreError
+from kvcache.tiering.page_lock import load_cuda_runtime
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)   # Python's fcntl lacks it before 3.13
 SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -138,17 +139,13 @@ def _pin(buf: mmap.mmap, mode: str) -> bool:
     """Page-lock the arena for fast host->device copies; only CUDA can do that here."""
     if mode == "off":
         return False
-    try:  # lazy: the store never needs torch
-        import torch
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if not has_cuda:
+    cudart = load_cuda_runtime()
+    if cudart is None or cudart.device_count() == 0:
         if mode == "on":
             raise StoreError("dram.pin_memory = 'on' needs a CUDA device; use 'auto' or 'off' on CPU-only hosts")
         return False
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    rc = torch.cuda.cudart().cudaHostRegister(addr, len(buf), 0)
-    if int(rc) != 0:
-        raise StoreError(f"cudaHostRegister failed with code {int(rc)}; set dram.pin_memory = 'off'")
+    rc = cudart.host_register(addr, len(buf))
+    if rc != 0:
+        raise StoreError(f"cudaHostRegister failed with code {rc}; set dram.pin_memory = 'off'")
     return True
