@@ -38,6 +38,7 @@ from kvcache.benchmarks import verbs
 from kvcache.benchmarks.args import parse_sizes, size_label
 from kvcache.benchmarks.baselines import (copy_all, copy_each, interleave, median_s, raw_read, raw_write,
                                           scratch_dir)
+from kvcache.benchmarks.page_cache import evict_page_cache
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.gc.collector import Collector
 from kvcache.kvstore.config import StoreConfig
@@ -189,7 +190,8 @@ def _nvme_round(w: Workload, out: memoryview, root: str, writes, items, nvme: Nv
         fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         cleanup.callback(os.unlink, raw_path)
         cleanup.callback(os.close, fd)
-        tier = _scoped(cleanup, os.path.join(root, "tier"), lambda p: NvmeTier(p, nvme))
+        tier_dir = os.path.join(root, "tier")
+        tier = _scoped(cleanup, tier_dir, lambda p: NvmeTier(p, nvme))
         store = _scoped(cleanup, os.path.join(root, "store"),
                         lambda p: BlockStore(StoreConfig(p, dram=None, nvme=nvme), maintenance=Collector))
         store.register_namespace(_NS)
@@ -199,8 +201,8 @@ def _nvme_round(w: Workload, out: memoryview, root: str, writes, items, nvme: Nv
                               "tier_put": lambda: where.update(zip(w.keys[a:b], tier.put(writes[j]))),
                               "store_put": lambda: store.put_many(items[j])}, j + r)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        tier.drop_page_cache()
-        store.nvme.drop_page_cache()
+        evict_page_cache(tier_dir)
+        evict_page_cache(store.config.nvme_dir)          # its segments; the index stays cached
         interleave(acc, {"raw_read": lambda: raw_read(fd, out[: w.size], 0, len(w.keys)),
                           "tier_get": lambda: _checked_gets(lambda k: tier.get_into(k, where[k], out), w.keys, w.size),
                           "store_get": lambda: _checked_gets(lambda k: store.get_into(k, out), w.keys, w.size)}, r)

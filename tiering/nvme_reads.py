@@ -103,15 +103,6 @@ class NvmeReads:
         header = self.read_into(key, placement, out)
         return None if header is None else header.raw_len
 
-    def drop_page_cache(self) -> None:
-        """Evict this tier's files from the OS page cache (cold-read benchmarks)."""
-        for sid in self.segment_ids():
-            fd = os.open(self.path(sid), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
 
 def file_size(path: str, missing: int = 0) -> int:
     try:
