@@ -122,7 +122,3 @@ class SlabAllocator:
             self._free_pages.append(page.index)
         else:
             self._partial[page.chunk][page.index] = None
-
-    def can_alloc(self, nbytes: int) -> bool:
-        chunk = self.chunk_size(max(nbytes, 1))
-        return bool(self._partial[chunk] or self._free_pages or self._larger_partial(chunk))

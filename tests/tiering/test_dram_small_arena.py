@@ -44,4 +44,6 @@ def test_a_block_in_a_larger_class_is_accounted_by_its_chunk():
     assert slab.used_bytes == (512 << 10) + 2 * (16 << 10)
     for off in big:
         slab.free(off)
-    assert slab.used_bytes == 16 << 10 and slab.can_alloc(1 << 20)    # page 0 went back to the free list
+    assert slab.used_bytes == 16 << 10
+    assert slab.alloc(1 << 20) == 0                        # page 0 went back to the free list: a whole page
+    assert slab.alloc(1 << 20) is None                     # and page 1 still holds the 16K block
