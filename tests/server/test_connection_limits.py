@@ -11,6 +11,7 @@ import pytest
 
 from kvcache.server.front.connection import BUFFER_BYTES
 from kvcache.client.async_client import AsyncKVClient
+from tests.daemon_proc import DaemonProcess
 from tests.server.test_slow_clients import ALICE, daemon, head, read_response, rss_bytes, start_daemon, trickle  # noqa: F401
 
 async def test_a_trickled_head_is_cut_off_at_the_header_timeout(daemon):
@@ -108,11 +109,8 @@ def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
     and close at header_timeout_s."""
     import socket
 
-    from tests.server.test_serve_process import Daemon
     (tmp_path / "kvcache.toml").write_text("[server]\nheader_timeout_s = 3.0\n")
-    d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
-    try:
-        d.wait_ready()
+    with DaemonProcess(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml")) as d:
         before = process_rss(d.proc.pid)
         socks = [socket.create_connection(("127.0.0.1", d.port)) for _ in range(400)]
         time.sleep(0.5)
@@ -124,9 +122,6 @@ def test_idle_connections_to_the_daemon_process_cost_little(tmp_path):
             assert s.recv(1) == b""
             s.close()
         assert time.monotonic() - t0 < 5
-    finally:
-        d.proc.kill()
-        d.proc.wait()
 
 
 def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
@@ -134,11 +129,8 @@ def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
     server.keepalive_s (aiohttp's own default under an AppRunner is an hour)."""
     import socket
 
-    from tests.server.test_serve_process import Daemon
     (tmp_path / "kvcache.toml").write_text("[server]\nkeepalive_s = 1.0\n")
-    d = Daemon(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml"))
-    try:
-        d.wait_ready()
+    with DaemonProcess(tmp_path / "data", "--config", str(tmp_path / "kvcache.toml")) as d:
         s = socket.create_connection(("127.0.0.1", d.port))
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         s.settimeout(5)
@@ -147,9 +139,6 @@ def test_the_daemon_closes_idle_aiohttp_connections_at_keepalive_s(tmp_path):
             got += chunk
         assert got.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 4
         s.close()
-    finally:
-        d.proc.kill()
-        d.proc.wait()
 
 
 async def test_at_max_connections_a_tenants_idle_connections_are_kept(daemon):

@@ -13,14 +13,13 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.server.app import build_app
 from kvcache.server.request_state import GET_BUDGET, STORE
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.errors import StoreError
-from kvcache.kvstore.store import BlockStore
 from kvcache.tiering.config import DramConfig, NvmeConfig
 
+from tests.server.app_clients import AppClients
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, client, put, register  # noqa: F401
 
 
@@ -41,22 +40,15 @@ class DaemonLikeServer(TestServer):
 @pytest.fixture
 async def make_client(tmp_path):
     """A client of an app built with these [server] settings; clients and stores close after."""
-    opened = []
-
-    async def make(**settings) -> TestClient:
-        store = BlockStore(StoreConfig(str(tmp_path / f"s{len(opened)}"),
-                                       dram=DramConfig(capacity_bytes=64 << 20, page_bytes=1 << 20, prefault=False),
-                                       nvme=NvmeConfig(segment_bytes=8 << 20)))
-        cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"), TokenInfo(BOB, "bob"), TokenInfo(ADMIN, "ops", True)),
-                           **{"max_block_bytes": 4 << 20, "max_keys": 100, **settings})
-        c = TestClient(DaemonLikeServer(build_app(store, cfg)))
-        await c.start_server()
-        opened.append((c, store))
-        return c
-    yield make
-    for c, store in opened:
-        await c.close()
-        store.close()
+    async with AppClients() as clients:
+        async def make(**settings) -> TestClient:
+            store = StoreConfig(str(tmp_path / f"s{len(clients)}"),
+                                dram=DramConfig(capacity_bytes=64 << 20, page_bytes=1 << 20, prefault=False),
+                                nvme=NvmeConfig(segment_bytes=8 << 20))
+            cfg = ServerConfig(tokens=(TokenInfo(ALICE, "alice"), TokenInfo(BOB, "bob"), TokenInfo(ADMIN, "ops", True)),
+                               **{"max_block_bytes": 4 << 20, "max_keys": 100, **settings})
+            return await clients.open(store, cfg, server=DaemonLikeServer)
+        yield make
 
 
 async def test_a_503_says_retry_after(make_client):

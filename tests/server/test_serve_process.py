@@ -1,70 +1,33 @@
 """The real `kvcache serve` process: start-up, graceful stop, SIGKILL under load, refusals."""
 
+import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from kvcache.kvstore import Namespace
+from tests.daemon_proc import DaemonProcess, free_port
 
 NS = Namespace("proc-model@1", "raw/v1", 16, name="proc")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Daemon(DaemonProcess):
+    """A `kvcache serve` process (tests/daemon_proc.py) that puts this module's blocks. Its port
+    comes from this module's free_port, which a test may fix (to restart on the same port)."""
 
-
-class Daemon:
     def __init__(self, data_dir, *extra, env=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcache.cli.main", "serve", "--data-dir", str(data_dir),
-             "--port", str(self.port), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-
-    def wait_ready(self, timeout=90.0) -> None:   # a loaded machine prefaults 1 GiB of DRAM slowly
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited: {self.proc.stdout.read().decode()}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("daemon never became healthy")
-
-    def call(self, method, path, body=None, headers=None):
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        super().__init__(data_dir, *extra, env=env, port=free_port())
 
     def put(self, i: int) -> dict:
         status, body = self.call("PUT", f"/v1/blocks/{key(i).hex()}", payload(i),
                                  {"X-KVCache-Namespace": NS.id.hex()})
         assert status == 200, body
         return json.loads(body)
-
-    def stop(self, sig=signal.SIGTERM) -> str:
-        self.proc.send_signal(sig)
-        out, _ = self.proc.communicate(timeout=60)
-        return out.decode()
 
 
 def key(i: int) -> bytes:
@@ -77,18 +40,9 @@ def payload(i: int) -> bytes:
 
 @pytest.fixture
 def daemon(tmp_path):
-    started = []
-
-    def start(*extra, **kw):
-        d = Daemon(tmp_path / "data", *extra, **kw)
-        started.append(d)
-        d.wait_ready()
-        return d
-    yield start
-    for d in started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait()
+    """start(*args, env=...) -> a ready Daemon on tmp_path/data; every one started is killed after."""
+    with contextlib.ExitStack() as started:
+        yield lambda *extra, **kw: started.enter_context(Daemon(tmp_path / "data", *extra, **kw))
 
 
 def test_start_serve_stop_restart(daemon):

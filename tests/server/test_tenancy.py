@@ -7,10 +7,7 @@ import json
 import time
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from kvcache.server.reconfigure import CONFIG_FILE
-from kvcache.server.app import build_app
 from kvcache.server.request_state import STORE, authenticate
 from kvcache.server.config import ServerConfig, TokenInfo, parse_env_tokens
 from kvcache.server.shm_control import ControlSession
@@ -20,6 +17,7 @@ from kvcache.kvstore.hashing import tenant_key, tenant_namespace_id
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
 from kvcache.tiering.config import NvmeConfig
+from tests.server.app_clients import AppClients
 from tests.server.test_server import ADMIN, ALICE, BOB, KEYS, NS, auth, payload, put
 
 CAROL, DAVE, PROM = "d" * 32, "e" * 32, "f" * 32
@@ -34,20 +32,11 @@ def store_config(path, retention=RetentionPolicy()) -> StoreConfig:
 @pytest.fixture
 async def serve(tmp_path):
     """serve(config, retention=..., config_file=...) -> a TestClient on a fresh store."""
-    opened = []
-
-    async def start(cfg=ServerConfig(tokens=TOKENS), retention=RetentionPolicy(), config_file=""):
-        store = BlockStore(store_config(tmp_path / f"d{len(opened)}", retention))
-        app = build_app(store, cfg)
-        app[CONFIG_FILE] = config_file
-        c = TestClient(TestServer(app))
-        await c.start_server()
-        opened.append((c, store))
-        return c
-    yield start
-    for c, store in opened:
-        await c.close()
-        store.close()
+    async with AppClients() as clients:
+        async def start(cfg=ServerConfig(tokens=TOKENS), retention=RetentionPolicy(), config_file=""):
+            return await clients.open(store_config(tmp_path / f"d{len(clients)}", retention), cfg,
+                                      config_file=config_file)
+        yield start
 
 
 async def register(c, token, ns=NS, status=200):
