@@ -1,12 +1,8 @@
 """The shared-memory path against local adversaries: nobody but the daemon writes the arena,
 its fds go only to an accepted HELLO, tenants stay in their own key space on the control
-socket, and connections without a token cost a bounded number of threads for a bounded time.
+socket, and connections without a token cost a bounded number of threads for a bounded time
+(that nobody opens the arena through the daemon's /proc entries: test_shm_undumpable.py)."""
 
-Tests run as root here, and root (CAP_SYS_PTRACE) may open a non-dumpable process's /proc
-entries: the daemon's non-dumpability is probed from a child that drops CAP_SYS_PTRACE, which is
-what a process of the daemon's user without privileges has."""
-
-import ctypes
 import fcntl
 import json
 import logging
@@ -14,8 +10,6 @@ import mmap
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -29,7 +23,8 @@ from kvcache.server import shm_control
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.kvstore import shm_wire as w
-from kvcache.client.async_client import DaemonError, KVClient
+from kvcache.client.async_client import DaemonError
+from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.tiering import arena as arena_mod
 from kvcache.tiering.arena import Arena
@@ -311,70 +306,6 @@ def _closed_by_peer(s: socket.socket, wait_s: float = 1.0) -> bool:
         return False
     except OSError:
         return True
-
-
-# ---------------------------------------------------------------- the real daemon is not dumpable
-def without_ptrace() -> None:
-    """preexec_fn: this process and what it execs lose CAP_SYS_PTRACE (bounding set), which
-    root needs to open a non-dumpable process's /proc entries. Not root: nothing to drop."""
-    ctypes.CDLL(None).prctl(24, 19, 0, 0, 0)      # PR_CAPBSET_DROP, CAP_SYS_PTRACE
-
-
-def probe_opens(*paths: str) -> list[str]:
-    """Open each path from a process of this user without CAP_SYS_PTRACE: "opened" or the error."""
-    code = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
-            "        os.close(os.open(p, os.O_RDONLY)); print('opened')\n"
-            "    except OSError as e:\n        print(type(e).__name__)")
-    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=30,
-                         preexec_fn=without_ptrace)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()
-
-
-@pytest.mark.slow
-def test_the_real_daemon_is_not_dumpable_and_hands_its_arena_only_over_hello(tmp_path):
-    """Daemon, probe and witness all run without CAP_SYS_PTRACE (a root process may not inspect
-    one with more capabilities than its own either): the witness, an ordinary process, shows the
-    probe can open /proc/<pid>/fd/* of its peers, so the daemon's refusal is its non-dumpability."""
-    from tests.server.test_serve_process import Daemon, free_port
-    cfg = tmp_path / "store.toml"
-    cfg.write_text("[dram]\ncapacity_mib = 16\nprefault = false\n")
-    sock = tmp_path / "kv.sock"
-    d = Daemon.__new__(Daemon)
-    d.port = free_port()
-    d.url = f"http://127.0.0.1:{d.port}"
-    d.proc = subprocess.Popen([sys.executable, "-m", "kvcache.cli.main", "serve", "--data-dir", str(tmp_path / "data"),
-                               "--port", str(d.port), "--config", str(cfg), "--unix-socket", str(sock)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=without_ptrace)
-    witness = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                               preexec_fn=without_ptrace)
-    try:
-        d.wait_ready(timeout=60)
-        info = shm_json(d.url, None)
-        arena = f"/proc/{d.proc.pid}/fd/{info['fd']}"
-        assert probe_opens(f"/proc/{witness.pid}/fd/0", f"/proc/{witness.pid}/mem", arena,
-                           f"/proc/{d.proc.pid}/mem") == ["opened", "opened", "PermissionError", "PermissionError"]
-        for _ in range(100):
-            if sock.exists():
-                break
-            time.sleep(0.05)
-        with KVClient("http://x", unix_socket=str(sock), shared_memory="on") as c:   # yet clients map it
-            c.register_namespace(NS)
-            keys = make_keys(4)
-            put_blocks(c, keys)
-            assert c.get_many(keys) == [payload_for(k) for k in keys] and c._client._arena is not None
-    finally:
-        witness.kill()
-        witness.wait()
-        out = d.stop()
-    assert "stopped cleanly" in out
-
-
-def test_undumpable_sets_the_flag():
-    code = ("import ctypes; from kvcache.server.daemon import undumpable; libc = ctypes.CDLL(None);"
-            "print(libc.prctl(3, 0, 0, 0, 0), undumpable(), libc.prctl(3, 0, 0, 0, 0))")   # PR_GET_DUMPABLE
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["1", "True", "0"], out.stderr
 
 
 # ---------------------------------------------------------------- any frames at all
