@@ -1,6 +1,7 @@
 """Clients of the `kvcache serve` daemon, and the opener that picks a store from a string.
 
     async_client.py   AsyncKVClient: the asyncio client (aiohttp), with the daemon's error table
+    async_wire.py     its side of the HTTP bodies: KVB1 uploads, batch_get frames, error answers
     sync_client.py    KVClient: the blocking client (bulk paths in the calling thread)
     common.py         what both share: errors mapped from the daemon's answers, put batches
     blocking_http.py  blocking HTTP/1.1 for the bulk calls (sendmsg of frame pieces)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import random
@@ -42,55 +41,19 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 
-from kvcache.kvstore import wire
-from kvcache.kvstore.errors import StoreError
-from kvcache.kvstore.hashing import Namespace
+from kvcache.client.async_wire import error_for, layout_json, put_body, read_get_frames, read_into
 from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: public API)
     RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks,
-    _split_puts, _tier, error_from, fit_buffer, put_pieces, put_total)
+    _split_puts, _tier, fit_buffer, put_total)
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
+from kvcache.kvstore.errors import StoreError
+from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.shm_wire import ShmProtocolError
-from kvcache.kvstore.types import StoreStats, TierStats
-from kvcache.kvstore.types import PutItem
-from kvcache.kvstore.types import LookupResult, PutResult, TensorSpec, Tier
+from kvcache.kvstore.types import LookupResult, PutItem, PutResult, StoreStats, Tier, TierStats
 
 log = logging.getLogger(__name__)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
               asyncio.IncompleteReadError)
-
-
-async def _error_for(resp: aiohttp.ClientResponse) -> StoreError:
-    try:
-        raw = await resp.read()
-    except aiohttp.ClientError:
-        raw = b""
-    return error_from(resp.status, resp.reason or "", resp.method, resp.url.path, raw)
-
-
-def _put_body(items: Sequence[PutItem]) -> tuple[int, Callable[[], Any]]:
-    """(Content-Length, factory of a fresh async body) for a KVB1 batch_put stream."""
-    pieces = put_pieces(items)
-    total = sum(memoryview(p).nbytes for p in pieces)
-
-    async def body():
-        for p in pieces:
-            yield p
-    return total, body
-
-
-async def _read_into(content, dst: memoryview, n: int) -> None:
-    """The next n bytes of a response into dst[:n], chunk by chunk as they arrive."""
-    pos = 0
-    while pos < n:
-        chunk = await content.read(n - pos)
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", n)
-        dst[pos: pos + len(chunk)] = chunk
-        pos += len(chunk)
-
-
-def _layout_json(layout: Sequence[TensorSpec]) -> str:
-    return json.dumps([[t.name, t.dtype, list(t.shape)] for t in layout])
 
 
 class AsyncKVClient:
@@ -165,7 +128,7 @@ class AsyncKVClient:
                         headers=headers, timeout=self._stream_timeout if stream else self._timeout) as resp:
                     if resp.status < 300 or (miss_ok and resp.status == 404):
                         return await handle(resp)
-                    err = await _error_for(resp)
+                    err = await error_for(resp)
                     if resp.status not in RETRY_STATUS or last:
                         raise err
             except _RETRYABLE as e:
@@ -254,24 +217,17 @@ class AsyncKVClient:
         return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True, stream=True)
 
     async def _batch_get(self, keys: Sequence[bytes], take) -> list:
-        """POST batch_get in chunks and walk the streamed frames in order, checking each
-        frame's key. `take(i, n, content)` is awaited for every hit: it must consume exactly
-        the n payload bytes from `content` (the response stream); what it returns is hit i's
-        result. Every frame of a retried chunk's last attempt is written, misses included, so
-        no result of a failed attempt survives (a block half-read then may have gone since)."""
+        """POST batch_get in chunks (async_wire.read_get_frames checks each frame's key).
+        `take(i, n, content)` is awaited for every hit: it must consume exactly the n payload
+        bytes from `content` (the response stream); what it returns is hit i's result. A chunk's
+        results are kept only from the attempt that read it whole, so no result of a failed
+        attempt survives (a block half-read then may have gone since)."""
         keys, result = list(keys), [None] * len(keys)
         base = 0
         for chunk in _chunks(keys, self.max_batch_blocks):
             async def handle(resp, chunk=chunk, base=base):
-                read = resp.content.readexactly
-                count = await wire.read_stream_header(read, len(chunk))
-                if count != len(chunk):
-                    raise DaemonError(f"batch_get answered {count} frames for {len(chunk)} keys")
-                for i, key in enumerate(chunk):
-                    fkey, hit, _tier_bits, n = await wire.read_get_frame_header(read)
-                    if fkey != key:
-                        raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
-                    result[base + i] = await take(base + i, n, resp.content) if hit else None
+                result[base: base + len(chunk)] = await read_get_frames(
+                    resp.content, chunk, lambda i, n, content: take(base + i, n, content))
             await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
                              json_body={"keys": [k.hex() for k in chunk]})
             base += len(chunk)
@@ -351,7 +307,7 @@ class AsyncKVClient:
 
         async def over_socket(sub, idx):
             async def take(i, n, content):
-                await _read_into(content, fit_buffer(outs[idx[i]], n), n)
+                await read_into(content, fit_buffer(outs[idx[i]], n), n)
                 return n
             return await self._batch_get(sub, take)
         return await self._read_many(keys, copy, over_socket)
@@ -361,7 +317,7 @@ class AsyncKVClient:
         _check_item(PutItem(key, payload, namespace_id, layout, tenant, ttl_s))
         headers = {"X-KVCache-Namespace": namespace_id.hex(), "Content-Type": "application/octet-stream"}
         if layout is not None:
-            headers["X-KVCache-Layout"] = _layout_json(layout)
+            headers["X-KVCache-Layout"] = layout_json(layout)
         if ttl_s is not None:
             headers["X-KVCache-TTL"] = repr(float(ttl_s))
         data = memoryview(payload).cast("B")
@@ -377,7 +333,7 @@ class AsyncKVClient:
             _check_item(it)
         replies = []
         for chunk in _split_puts(items, self.max_batch_blocks, self.max_batch_bytes):
-            length, body = _put_body(chunk)
+            length, body = put_body(chunk)
             headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
             replies.append(await self._call("POST", "/v1/blocks/batch_put", lambda resp: resp.json(content_type=None),
                                             body=body, headers=headers, stream=True, bulk=True))
@@ -407,10 +363,3 @@ class AsyncKVClient:
         d = {k: v for k, v in d.items() if k in known}
         return StoreStats(**{**d, "tiers": [TierStats(**t) for t in d.get("tiers", [])]})
 
-
-def __getattr__(name: str):
-    """`KVClient` lives in sync_client.py (it imports this module); kept importable from here."""
-    if name == "KVClient":
-        from kvcache.client.sync_client import KVClient
-        return KVClient
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

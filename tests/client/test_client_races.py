@@ -13,7 +13,8 @@ from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig
 from kvcache.client import shm_client, sync_client
 from kvcache.kvstore import wire
-from kvcache.client.async_client import AsyncKVClient, DaemonError, KVClient
+from kvcache.client.async_client import AsyncKVClient, DaemonError
+from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.shm_wire import HELLO, LEASE, encode_keys, frame, split_head
 from kvcache.kvstore.types import Tier
 from tests.conftest import NS, make_keys, payload_for

@@ -10,7 +10,8 @@ import pytest
 from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, TokenInfo
 from kvcache.server.shm_leases import LeaseTable
-from kvcache.client.async_client import AsyncKVClient, DaemonError, KVClient
+from kvcache.client.async_client import AsyncKVClient, DaemonError
+from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.leases import SOCKET
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, read_leased

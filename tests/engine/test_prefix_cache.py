@@ -194,7 +194,7 @@ def test_a_store_that_is_down_is_a_miss_never_a_failure(model, tmp_path):
 
 @torch.no_grad()
 def test_exact_mode_through_the_daemon_and_after_its_restart(model, tmp_path):
-    from kvcache.client.async_client import KVClient
+    from kvcache.client.sync_client import KVClient
     from tests.server.test_serve_process import Daemon
     P, Qs = prompts(19)
     ps = [P + q for q in Qs]

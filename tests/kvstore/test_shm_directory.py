@@ -11,7 +11,8 @@ import pytest
 
 from kvcache.client import shm_client
 from kvcache.kvstore import shm_directory as sd
-from kvcache.client.async_client import DaemonError, KVClient
+from kvcache.client.async_client import DaemonError
+from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.types import PutItem
 from kvcache.tiering.base import BlockWrite

@@ -102,7 +102,8 @@ async def test_reconfigure_refuses_bad_settings_and_changes_nothing(client, serv
 
 
 def test_the_environment_token_opens_the_shared_memory_path(monkeypatch):
-    from kvcache.client.async_client import AsyncKVClient, KVClient
+    from kvcache.client.async_client import AsyncKVClient
+    from kvcache.client.sync_client import KVClient
     monkeypatch.setenv("KVCACHE_TOKEN", ADMIN)
     assert AsyncKVClient("http://127.0.0.1:1")._token == ADMIN
     sync = KVClient("http://127.0.0.1:1")
