@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from kvcache.benchmarks import daemon, daemon_servers, verbs
+from kvcache.benchmarks import daemon, daemon_report, daemon_servers, verbs
 
 HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
 needs_redis = pytest.mark.skipif(not HAVE_REDIS, reason="needs redis-server on PATH (apt-get install redis-server) "
@@ -38,7 +38,7 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert r["blocks"] == 8 and r["batches"] == 2
     served = r["daemon_gets_served_from"]   # the DRAM tier holds every block: gets never touch the disk
     assert sum(served.values()) == 16 and all("dram" in tier for tier in served)
-    assert set(r["put"]) - {"rounds_s"} == set(daemon.SIDES) - {"daemon_shm", "memcpy_arena"}
+    assert set(r["put"]) - {"rounds_s"} == set(daemon_report.SIDES) - {"daemon_shm", "memcpy_arena"}
     assert set(r["get"]) - {"rounds_s"} == {"memcpy", "memcpy_arena", "daemon_http", "daemon_unix", "daemon_shm",
                                             "redis_tcp", "redis_unix"}
     _positive(r["put"])
@@ -47,7 +47,7 @@ def test_tiny_run_writes_the_report(tmp_path):
                  "local_get_vs_private_memcpy",
                  "daemon_put_vs_redis_durable", "durable_put_vs_redis_memory", "shm_get_vs_redis"):
         assert on_disk[name] > 0 and on_disk["ratios_per_size"][name]["256K"] == on_disk[name]
-    assert set(on_disk["targets"]) == set(daemon.TARGETS)
+    assert set(on_disk["targets"]) == set(daemon_report.TARGETS)
     for lk in ("daemon_http", "redis_pipelined_exists"):
         assert 0 < on_disk["lookup"][lk]["p50_ms"] <= on_disk["lookup"][lk]["p99_ms"]
     assert on_disk["lookup_1000_p50_ms"] == on_disk["lookup"]["daemon_http"]["p50_ms"]
@@ -58,7 +58,7 @@ def test_tiny_run_writes_the_report(tmp_path):
     assert on_disk["machine"]["cpu_count"] and on_disk["machine"]["load_at_start"]
     # everything it started is gone: scratch directory (and with it the daemon's data)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".kvcache-bench-")]
-    assert "daemon http" in daemon.format_table(doc)
+    assert "daemon http" in daemon_report.format_table(doc)
 
 
 def _args(tmp_path, **kw) -> argparse.Namespace:
