@@ -7,11 +7,16 @@ against warm from each tier, with each cost measured on its own and the floor ea
                     long-lived engine for every warm scenario, the same prompt each time:
       warm_pool     again at once: the prefix from the engine's own block pool (HBM tier)
       warm_dram     the pool's prefixes forgotten (reset_prefix_cache): the store's DRAM
-      warm_nvme     + the store's DRAM copies dropped, its files evicted from the page cache
+      warm_nvme     + the store under the engine reopened (its DRAM empty), its files evicted
+                    from the page cache
       restart       the store closed and reopened and a new engine built on it (a restart of
                     both; one discarded request of another prompt first, so that its cost model
                     has a prefill speed): NVMe, DRAM empty; the new engine serves warm_object too
-      warm_object   + DRAM and NVMe copies dropped, the object files (file:// packs) evicted
+      warm_object   + the store reopened on an empty data directory that shares the bucket (its
+                    index rebuilt from the packs: DRAM and NVMe empty), the object files
+                    (file:// packs) evicted
+    warm_nvme, restart and warm_object reopen the store before every run (with the store's
+    public API only: benchmarks/cold_warm_store.py), so no run's promotions into DRAM serve the next.
     workload "chat": turn 2 = turn 1 + its answer + a new message (warm from DRAM vs cold)
     workload "shared": 8 users, one system prompt, different messages, submitted together
 
@@ -41,39 +46,21 @@ import numpy as np
 import torch
 
 from kvcache.benchmarks import verbs
+from kvcache.benchmarks.cold_warm_report import chat_workload, format_table, shared_workload, write_report
+from kvcache.benchmarks.cold_warm_store import ReopenableStore
+from kvcache.benchmarks.page_cache import evict_page_cache
 from kvcache.engine.config import CacheConfig, EngineConfig
-from kvcache.kvstore.hashing import snapshot_key
 from kvcache.engine.llm import LLM
 from kvcache.engine.sampling import SamplingParams
-from kvcache.kvstore.types import Tier
 
 TIER_SCENARIOS = {"warm_dram": "dram", "warm_nvme": "nvme", "warm_object": "object", "restart": "nvme"}
 TARGETS = {"warm_dram_ttft_vs_cold": 0.1, "warm_nvme_ttft_vs_cold": 0.15, "warm_object_ttft_vs_cold": 0.3,
            "worst_warm_ttft_vs_floor": 1.5}
 
 
-def _evict_page_cache(root: str) -> int:
-    """Write back, then posix_fadvise(DONTNEED) every file under root: the next read comes from
-    the device, not the page cache."""
-    os.sync()
-    n = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            finally:
-                os.close(fd)
-    return n
-
-
 def _read_bandwidth(root: str, nbytes: int) -> float:
     """Bytes/s of plain reads of the files under root right after evicting them (up to nbytes)."""
-    _evict_page_cache(root)
+    evict_page_cache(root)
     buf, got, t0 = bytearray(8 << 20), 0, time.perf_counter()
     for d, _, files in os.walk(root):
         for f in sorted(files):
@@ -92,21 +79,6 @@ def _memcpy_bandwidth(nbytes: int) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return src.nbytes / best
-
-
-def _store(root: str, fresh: bool = False):
-    from kvcache.kvstore.config import StoreConfig
-    from kvcache.tiering.config import DramConfig
-    from kvcache.tiering.config import NvmeConfig
-    from kvcache.tiering.config import ObjectConfig
-    from kvcache.kvstore.store import BlockStore
-    from kvcache.gc.collector import Collector
-    if fresh:
-        shutil.rmtree(root, ignore_errors=True)
-    return BlockStore(StoreConfig(os.path.join(root, "data"), dram=DramConfig(capacity_bytes=1 << 30, prefault=False),
-                                  nvme=NvmeConfig(fsync="always"),
-                                  object_store=ObjectConfig(url=f"file://{root}/bucket", pack_linger_s=0.05),
-                                  event_log=False), maintenance=Collector)
 
 
 def _rss_bytes() -> int:
@@ -153,7 +125,7 @@ def document_workload(model, cfg: EngineConfig, length: int, out_tokens: int, ro
     doc = torch.randint(3, vocab, (length,), generator=g).tolist()
     prompt = doc + torch.randint(3, vocab, (32,), generator=g).tolist()     # one prompt: outputs must agree
     cached = dataclasses.replace(cfg, cache=CacheConfig(mode="exact"))
-    res, store = {}, _store(root, fresh=True)
+    res, store = {}, ReopenableStore(root, fresh=True)
     plain = LLM(model=model, config=cfg)                  # no cache: the second run is cold on warm memory
     _measure(plain, prompt, 2)
     res["cold"] = _measure(plain, prompt, out_tokens)
@@ -161,29 +133,26 @@ def document_workload(model, cfg: EngineConfig, length: int, out_tokens: int, ro
     llm = LLM(model=model, config=cached, store=store)    # one long-lived engine for every warm scenario
     res["fill"] = _measure(llm, prompt, out_tokens)
     res["warm_pool"] = _median([_measure(llm, prompt, out_tokens) for _ in range(repeats)])
-    keys = llm.engine.requests[next(iter(llm.engine.requests))].block_keys[: length // cfg.block_size]
-    every = keys + [snapshot_key(k) for k in keys]
 
-    def warm(name: str, drop: Tier = Tier.NONE) -> None:
+    def warm(name: str, reopen=None) -> None:
         runs = []
         for _ in range(repeats):
             llm.engine.cache.connector.flush()
             store.flush()
             llm.engine.reset_prefix_cache()               # nothing left in the engine's own pool
-            if drop:
-                store.drop_copies(every, drop)
-            _evict_page_cache(root)
+            if reopen is not None:
+                reopen()                                  # the faster tiers' copies out of reach
+            evict_page_cache(root)
             runs.append(_measure(llm, prompt, out_tokens))
         res[name] = _median(runs)
     warm("warm_dram")
-    warm("warm_nvme", Tier.DRAM)
+    warm("warm_nvme", store.reopen)
     res["footprint"] = _footprint(store, root)
     llm.engine.cache.connector.flush()
     llm.close()
-    store.close()
     del llm
     gc.collect()
-    store = _store(root)                                  # restart: the index from disk, DRAM empty,
+    store.reopen()                                        # restart: the index from disk, DRAM empty,
     llm = LLM(model=model, config=cached, store=store)    # and a new engine on it (warm() sees both)
     # A new engine has not measured its prefill speed, so its cost model is off and it would load
     # every hit whatever the tier costs; one discarded request first (another prompt of the same
@@ -191,8 +160,8 @@ def document_workload(model, cfg: EngineConfig, length: int, out_tokens: int, ro
     # lets it weigh loading against recomputing as the long-lived engine did
     other = torch.Generator().manual_seed(seed + length + 1)
     _measure(llm, torch.randint(3, vocab, (len(prompt),), generator=other).tolist(), 1)
-    warm("restart", Tier.DRAM)                            # every run as right after it: DRAM empty
-    warm("warm_object", Tier.DRAM | Tier.NVME)
+    warm("restart", store.reopen)                         # every run as right after it: DRAM empty
+    warm("warm_object", lambda: store.reopen(bucket_only=True))
     llm.close()
     store.close()
     want = res["cold"]["tokens"]
@@ -234,7 +203,6 @@ def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int =
     from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.models import build_model
     from kvcache.benchmarks.record import machine_info, write_results
-    from kvcache.benchmarks.cold_warm_report import chat_workload, shared_workload, write_report
     torch.manual_seed(seed)
     mc = ModelConfig.load(os.path.join(CONFIG_DIR, f"{config}.json"))
     model = random_weights(build_model(mc), seed).eval()
@@ -294,7 +262,6 @@ def run(config: str = "v4-small", lengths=(2048, 8192, 32768), out_tokens: int =
 
 # ---------------------------------------------------------------- CLI
 def run_args(args: argparse.Namespace) -> int:
-    from kvcache.benchmarks.cold_warm_report import format_table
     doc = run(args.config, tuple(args.lengths), args.output_tokens,
               args.out_dir, args.seed, progress=not args.no_progress,
               workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))

@@ -9,6 +9,7 @@ import statistics
 
 import torch
 
+from kvcache.benchmarks.cold_warm_store import bench_store
 from kvcache.engine.config import CacheConfig
 from kvcache.engine.llm import LLM
 from kvcache.engine.sampling import SamplingParams
@@ -23,11 +24,10 @@ def _greedy(n: int) -> SamplingParams:
 def chat_workload(model, cfg, length: int, out_tokens: int, root: str, seed: int) -> dict:
     """Turn 2 of a chat (turn 1 + its answer + a new message): cold, then warm from the store's
     DRAM after turn 1 ran in another engine (exact mode)."""
-    from kvcache.benchmarks.cold_warm import _store
     g = torch.Generator().manual_seed(seed + 1)
     vocab = model.config.vocab_size
     turn1 = torch.randint(3, vocab, (length,), generator=g).tolist()
-    store = _store(os.path.join(root, "chat"), fresh=True)
+    store = bench_store(os.path.join(root, "chat"), fresh=True)
     cached = dataclasses.replace(cfg, cache=CacheConfig(mode="exact"))
     with LLM(model=model, config=cached, store=store) as first:
         answer = first.generate([turn1], _greedy(out_tokens))[0][0].token_ids
@@ -46,12 +46,11 @@ def shared_workload(model, cfg, length: int, out_tokens: int, root: str, seed: i
     """`users` requests with one system prompt and different messages, submitted together: cold
     (nothing cached) against warm (the system prompt stored by an earlier engine); the prefix is
     fetched once for all of them."""
-    from kvcache.benchmarks.cold_warm import _store
     g = torch.Generator().manual_seed(seed + 2)
     vocab = model.config.vocab_size
     system = torch.randint(3, vocab, (length,), generator=g).tolist()
     prompts = [system + torch.randint(3, vocab, (24,), generator=g).tolist() for _ in range(users + 1)]
-    store = _store(os.path.join(root, "shared"), fresh=True)
+    store = bench_store(os.path.join(root, "shared"), fresh=True)
     cached = dataclasses.replace(cfg, cache=CacheConfig(mode="exact"))
     with LLM(model=model, config=cached, store=store) as first:
         first.generate(prompts[:1], _greedy(2))
