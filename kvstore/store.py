@@ -270,30 +270,6 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
                 self.dram.delete(k)
         return len(gone)
 
-    def drop_copies(self, keys: Iterable[bytes], tiers: Tier) -> int:
-        """Drop the copies of `keys` held in `tiers` (DRAM and/or NVMe) wherever a copy in a lower
-        tier remains: the last copy of a block is never dropped (write-back blocks only in DRAM
-        stay). For making room in a fast tier by hand, and for benchmarks that read from a chosen
-        tier. An NVMe copy that an object copy backs is forgotten; compaction reclaims its bytes.
-        Returns how many blocks lost a copy."""
-        keys, changed, commits = _storable(keys), 0, {}
-        with self._lock:
-            for key, meta in zip(keys, self.index.get_many(keys)):
-                if meta is None:
-                    continue
-                did = False
-                if Tier.DRAM in tiers and self.dram is not None and self.dram.contains(key):
-                    self.dram.delete(key)
-                    did = True
-                if Tier.NVME in tiers and Tier.NVME in meta.residency and self.index.object_location(key) is not None:
-                    meta.residency &= ~Tier.NVME
-                    commits[key] = meta
-                    did = True
-                changed += did
-            if commits:
-                self.index.commit(commits, counters={"evicted_nvme": len(commits)})
-        return changed
-
     # ---------------------------------------------------------------- object tier
     def _open_object_tier(self):
         if self.config.object_store is None:

@@ -16,7 +16,6 @@ from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
-from kvcache.kvstore.types import Tier
 from kvcache.tiering import object_store
 from kvcache.tiering.config import NvmeConfig, ObjectConfig
 from kvcache.tiering.object_io import ObjectStoreUnavailable
@@ -50,7 +49,6 @@ def test_keys_no_block_can_have_are_nothing_to_delete(tmp_path, key):
         s.register_namespace(NS)
         s.put_many([PutItem(key_for(0), payload_for(0), NS.id)])
         assert s.delete([key, key_for(0)]) == 1
-        assert s.drop_copies([key], Tier.DRAM) == 0
 
 
 def test_strided_token_arrays_hash_like_lists():
@@ -86,16 +84,12 @@ class _Report:
 def test_a_rebuild_during_an_object_outage_indexes_the_packs_at_a_later_open(tmp_path, monkeypatch):
     """Object-only blocks (acknowledged) used to be lost for good: the rebuild finished without
     them, and pack GC then took their packs for empty ones."""
-    from kvcache.gc.collector import Collector
     d, bucket, keys = tmp_path / "data", tmp_path / "bucket", [key_for(i) for i in range(8)]
     with BlockStore(_object_config(d, bucket)) as s:
         s.register_namespace(NS)
         s.put_many([PutItem(k, payload_for(i, 20_000), NS.id) for i, k in enumerate(keys)])
         s.flush()
-        assert s.drop_copies(keys, Tier.NVME) == len(keys)      # in the object tier only
-    with BlockStore(_object_config(d, bucket)) as s:
-        Collector(s).run(max_steps=10)                           # the emptied segment compacted away
-    shutil.rmtree(d / "index")
+    shutil.rmtree(d)                                             # the blocks live in the packs only
     real = object_store.ObjectTier.list_packs
 
     def down(self):
@@ -137,11 +131,10 @@ def test_a_rebuilt_index_knows_whose_blocks_they_are(tmp_path, path):
         if path == "write-back":
             s.flush()                                            # the write-back: records written now
         if path == "object only":
-            s.flush()
-            assert s.drop_copies(keys, Tier.NVME) == len(keys)
+            s.flush()                                            # the packs have landed
         before = s.tenant_usage("alice")
     assert before == (200_000, 4)
-    shutil.rmtree(d / "index")
+    shutil.rmtree(d if path == "object only" else d / "index")  # object only: rebuilt from the packs alone
     with BlockStore(cfg) as s:
         assert s.tenant_usage("alice") == before
         assert {s.index.get(k).tenant for k in keys[:4]} == {"alice"}

@@ -214,23 +214,6 @@ def test_retention_longer_than_the_bucket_lifecycle_warns(object_store, caplog):
         ObjectConfig(url="file:///tmp/x", lifecycle_days=-1)
 
 
-def test_drop_copies_never_drops_the_last_copy(make_store, tmp_path):
-    cfg = ObjectConfig(url=f"file://{tmp_path / 'bucket'}", pack_linger_s=0.05)
-    s = make_store(dram_mib=8, object_store=cfg)
-    keys = make_keys(6)
-    put_blocks(s, keys[:4], n=4096)
-    s.flush()                                        # keys[:4] now in DRAM, NVMe and packs
-    assert set(s.lookup(keys[:4]).tiers) == {Tier.DRAM}
-    assert s.drop_copies(keys[:2], Tier.DRAM) == 2
-    assert s.lookup(keys[:4]).tiers == (Tier.NVME, Tier.NVME, Tier.DRAM, Tier.DRAM)
-    assert s.drop_copies(keys[:4], Tier.DRAM | Tier.NVME) == 4
-    assert s.lookup(keys[:4]).tiers[:4] in ((Tier.OBJECT,) * 4, (Tier.DRAM,) * 4)  # lookup may prefetch
-    assert all(s.get(k) == payload_for(k, 4096) for k in keys[:4])
-    s.object = None                                  # no object copy behind new blocks: NVMe is their last copy
-    put_blocks(s, keys[4:], n=4096)
-    assert s.drop_copies(keys[4:], Tier.NVME) == 0 and s.lookup(keys[4:]).num_hits == 2
-
-
 def test_a_corrupt_nvme_copy_leaves_the_object_copy_serving(object_store):
     s = object_store()
     keys = make_keys(3)
