@@ -9,7 +9,8 @@ Where metadata lives:
 
 Gets, promotion and prefetch live in kvstore/reads.py (the read half); puts, write-back
 demotion and flush in kvstore/writes.py (the write half); registering and renaming
-namespaces in kvstore/namespaces.py.
+namespaces in kvstore/namespaces.py; what becomes of a copy that fails verification in
+kvstore/quarantine.py.
 
 The collector is handed in, never imported (gc/ is built on kvstore): `maintenance=Collector`
 (kvcache.gc.collector). With it, a put over the NVMe high watermark makes room first and
@@ -25,10 +26,7 @@ the store to demote. DRAM reads take only the DRAM lock, briefly.
 from __future__ import annotations
 
 import collections
-import functools
-import json
 import logging
-import os
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -42,6 +40,7 @@ from kvcache.kvstore.periodic import Periodic
 from kvcache.kvstore.leases import StoreLeases
 from kvcache.kvstore.namespaces import StoreNamespaces
 from kvcache.kvstore.protocol import Maintenance
+from kvcache.kvstore.quarantine import StoreQuarantine
 from kvcache.kvstore.reads import StoreReads
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.writes import StoreWrites
@@ -56,24 +55,10 @@ MAX_PENDING_TOUCHES = 100_000
 MaintenanceFactory = Callable[["BlockStore"], Maintenance]
 
 
-def _recorded_if_possible(callback):
-    """For the callbacks a read makes when a copy fails verification or has vanished: the read
-    answers a miss whatever they meet (a full disk for quarantine.jsonl, a full index map). The
-    copy is still never served: the next read verifies it again."""
-    @functools.wraps(callback)
-    def wrapped(self, key: bytes, placement: Placement, reason: str) -> None:
-        try:
-            callback(self, key, placement, reason)
-        except Exception as e:                  # noqa: BLE001 (see above)
-            self.stats_counters["quarantine_errors"] += 1
-            log.error("could not record the bad copy of %s (%s): %s: %s", key.hex(), reason, type(e).__name__, e)
-    return wrapped
-
-
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
 
 
-class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
+class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQuarantine):
     def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
                  events: EventSink | None = None, maintenance: MaintenanceFactory | None = None):
         """`maintenance`: the collector's factory (see the module docstring); None: no GC."""
@@ -296,43 +281,6 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases):
     def _object_dropped(self, keys: list[bytes], reason: str) -> None:
         self.stats_counters["object_dropped"] += len(keys)
         log.warning("%d blocks not written to the object tier: %s", len(keys), reason)
-
-    @_recorded_if_possible
-    def _object_vanished(self, key: bytes, placement: Placement, reason: str) -> None:
-        """The pack holding a copy was deleted outside kvcache (a bucket lifecycle rule): forget
-        the copy; GC forgets the rest of that pack's copies in one go."""
-        log.info("object copy of %s forgotten: %s", key.hex(), reason)
-        self.index.commit(object_drops={key: placement})
-        self.stats_counters["object_vanished"] += 1
-
-    @_recorded_if_possible
-    def _quarantine_object(self, key: bytes, placement: Placement, reason: str) -> None:
-        """A pack record failed verification: forget that copy (other tiers' copies stay)."""
-        log.error("quarantined object copy of %s: %s", key.hex(), reason)
-        self.index.commit(object_drops={key: placement}, counters={"quarantined": 1})
-        self.stats_counters["quarantined"] += 1
-
-    @_recorded_if_possible
-    def _quarantine(self, key: bytes, placement: Placement, reason: str) -> None:
-        """An NVMe copy failed verification: forget it (and the block, unless an object copy
-        remains), count it, log it. Never served.
-        A block that compaction has just moved elsewhere is left alone (the reader retries)."""
-        with self._lock:
-            meta = self.index.get(key)
-            if meta is None or (meta.segment_id, meta.offset) != (placement.segment_id, placement.offset):
-                return
-            log.error("quarantined block %s: %s", key.hex(), reason)
-            if self.index.object_location(key) is not None:     # the object copy is intact: keep it
-                meta.residency &= ~Tier.NVME
-                self.index.commit({key: meta}, counters={"quarantined": 1})
-            else:
-                self.index.commit(deletes=[key], counters={"quarantined": 1})
-                if self.dram is not None:        # no index entry: nothing may serve or hold it
-                    self.dram.delete(key)
-            self.stats_counters["quarantined"] += 1
-            line = json.dumps({"time": self.clock(), "key": key.hex(), "reason": reason})
-            with open(os.path.join(self.config.data_dir, "quarantine.jsonl"), "a") as f:
-                f.write(line + "\n")
 
     # ---------------------------------------------------------------- stats / lifecycle
     def tenant_usage(self, tenant: str) -> tuple[int, int]:
