@@ -39,9 +39,10 @@ from typing import Iterable, Iterator, Sequence
 
 from kvcache.kvstore.block_format import RecordHeader, encode_header, verify_payload
 from kvcache.kvstore.errors import CorruptBlockError, StoreError
-from kvcache.kvstore.types import DTYPE_SIZES, Tier
+from kvcache.kvstore.types import Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
-from kvcache.tiering.object_codec import CODEC_NAMES, ObjCodec, PayloadCodec, decode_header_any
+from kvcache.tiering.codec_choice import CodecChoice
+from kvcache.tiering.object_codec import ObjCodec, PayloadCodec, decode_header_any
 from kvcache.tiering.config import ObjectConfig
 from kvcache.tiering.object_io import CircuitBreaker, FsIO, ObjectStoreUnavailable, make_fs
 from kvcache.tiering.object_pack import PackBuilder, pack_name, parse_pack_name, read_index
@@ -78,7 +79,7 @@ class ObjectTier(BlockTier):
              "dropped_bytes", "packs_removed", "torn_packs", "vanished"), 0)
         self._packs: dict[int, PackStat] = {}
         self._next_id: int | None = None      # learned from the first listing (lazily: no I/O here)
-        self._auto = {"state": "sampling" if config.codec == "auto" else "fixed", "reason": ""}
+        self.codec_choice = CodecChoice(config)
         self._closed = False
         self._dirs_ready = False
         self._queue = WriteBackQueue(config, self.breaker, self._encode, self._upload, on_stored, on_dropped,
@@ -96,42 +97,21 @@ class ObjectTier(BlockTier):
         return self.config.timeout_s + nbytes / self.config.min_bandwidth_bytes_s
 
     # ---------------------------------------------------------------- encoding
-    def _codec_for(self, layout) -> ObjCodec:
-        name = self.config.codec
-        if name != "auto":
-            return CODEC_NAMES[name]
-        if self._auto["state"] == "off":
-            return ObjCodec.RAW
-        two_byte = all(DTYPE_SIZES.get(t.dtype) == 2 for t in layout)
-        return ObjCodec.ZSTD_SHUFFLE2 if two_byte else ObjCodec.ZSTD
-
     def _encode(self, w: BlockWrite) -> tuple[bytes, object]:
         payload = memoryview(w.payload).cast("B")
-        stored, used = self.codec.encode(payload, self._codec_for(w.layout))
+        stored, used = self.codec.encode(payload, self.codec_choice.codec_for(w.layout))
         header = encode_header(w.key, w.namespace_id, w.layout, stored, payload.nbytes, w.created, used,
                                tenant=w.tenant)
         self._count(records_encoded=1, put_bytes_raw=payload.nbytes, put_bytes_stored=memoryview(stored).nbytes)
-        if self._auto["state"] == "sampling":
+        if self.codec_choice.sampling:
             self._maybe_decide()
         return header, stored
 
     def _maybe_decide(self) -> None:
-        """codec=auto: once auto_sample_bytes were compressed and an upload rate is known,
-        keep compressing only if it shrinks enough and outruns the store (pipelined)."""
-        cfg, t = self.config, self.codec.totals()
+        """codec=auto, still sampling: decide if the numbers are in (tiering/codec_choice.py)."""
         with self._lock:
-            up_s, up_b = self._counters["upload_s"], self._counters["upload_bytes"]
-        bw = cfg.auto_bandwidth_bytes_s or (up_b / up_s if up_s else 0.0)
-        if t["raw_bytes"] < cfg.auto_sample_bytes or not bw:
-            return
-        speed = t["compress_MBps"] * 1e6
-        on = t["ratio"] >= cfg.auto_min_ratio and speed >= bw
-        self._auto = {"state": "on" if on else "off", "ratio": round(t["ratio"], 3),
-                      "compress_MBps": round(speed / 1e6, 1), "store_MBps": round(bw / 1e6, 1),
-                      "reason": ("compresses enough and faster than the store takes data" if on else
-                                 f"ratio < {cfg.auto_min_ratio}" if t["ratio"] < cfg.auto_min_ratio else
-                                 "compression is slower than the store")}
-        log.info("object tier codec=auto decided: %s", self._auto)
+            up_b, up_s = self._counters["upload_bytes"], self._counters["upload_s"]
+        self.codec_choice.maybe_decide(self.codec.totals(), up_b, up_s)
 
     # ---------------------------------------------------------------- writes
     def _alloc_id(self) -> int:
@@ -163,7 +143,7 @@ class ObjectTier(BlockTier):
         self._count(packs_uploaded=1, upload_bytes=len(data), upload_s=time.perf_counter() - t0)
         with self._lock:
             self._packs[pack_id] = PackStat(len(data), builder.count)
-        if self._auto["state"] == "sampling":
+        if self.codec_choice.sampling:
             self._maybe_decide()
         return pack_id
 
@@ -394,7 +374,7 @@ class ObjectTier(BlockTier):
             **{k: int(v) if k != "upload_s" else round(v, 3) for k, v in c.items()},
             "upload_MBps": round(c["upload_bytes"] / c["upload_s"] / 1e6, 2) if c["upload_s"] else 0.0,
             "stored_ratio": round(c["put_bytes_raw"] / c["put_bytes_stored"], 3) if c["put_bytes_stored"] else 0.0,
-            "codec": self.config.codec, "codec_auto": dict(self._auto),
+            "codec": self.config.codec, "codec_auto": self.codec_choice.snapshot(),
             "zstd_ratio": round(t["ratio"], 3), "zstd_compress_MBps": round(t["compress_MBps"], 1),
             "zstd_decompress_MBps": round(t["decompress_MBps"], 1),
             "breaker": self.breaker.snapshot(), **self._queue.snapshot(),
