@@ -1,0 +1,1 @@
+"""The model server: OpenAI- and Anthropic-compatible routes over the engine."""
