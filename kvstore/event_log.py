@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable
 
+from kvcache.kvstore.durable import fsync_dir, replace_synced
 from kvcache.kvstore.events import Event
 
 __all__ = ["ParquetEventLog", "read_events", "event_files", "live_files", "event_schema", "FIELDS"]
@@ -205,8 +206,7 @@ class ParquetEventLog:
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             pq.write_table(table, tmp, compression=self.compression)
-            _fsync(tmp)
-            os.replace(tmp, path)
+            replace_synced(tmp, path)
         except Exception:
             log.exception("event log: could not write %s; its events become readable at rotation", path)
             _unlink(tmp)
@@ -226,8 +226,7 @@ class ParquetEventLog:
         live, self._live_seq = self._live_seq, 0
         try:
             writer.close()
-            _fsync(tmp)
-            os.replace(tmp, final)
+            replace_synced(tmp, final)
         except Exception:   # its live files stay: what they hold is still readable
             log.exception("event log: could not close %s; removing it", tmp)
             _unlink(tmp)
@@ -366,14 +365,6 @@ def _size(path: str | None) -> int:
         return 0
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -383,6 +374,6 @@ def _unlink(path: str) -> None:
 
 def _fsync_dir(directory: str) -> None:
     try:
-        _fsync(directory)
+        fsync_dir(directory)
     except OSError:  # best effort, like the rest of the log: its events are statistics
         pass

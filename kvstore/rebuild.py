@@ -18,6 +18,7 @@ import shutil
 
 from tqdm import tqdm
 
+from kvcache.kvstore.durable import fsync_dir
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.index import Index
 from kvcache.kvstore.types import BlockMeta, Tier
@@ -194,8 +195,4 @@ def open_index(index_dir: str, nvme: NvmeTier | None, map_size: int, sync: bool,
 def _durable(action, path: str) -> None:
     """Create or remove `path`, then fsync its directory so the change survives a crash."""
     action()
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(path) or ".")

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 
+from kvcache.kvstore.durable import replace_synced
+
 log = logging.getLogger(__name__)
 NAME = "namespaces.json"
 
@@ -23,10 +25,7 @@ def save(root: str, descriptors: dict[str, dict]) -> None:
     try:
         with open(tmp, "w") as f:
             json.dump(descriptors, f, sort_keys=True, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(root)
+        replace_synced(tmp, path, sync_dir=True)
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -47,11 +46,3 @@ def load(root: str) -> dict[str, dict]:
         log.error("%s in %s is not an object; register namespaces again", NAME, root)
         return {}
     return {k: v for k, v in raw.items() if isinstance(v, dict)}
-
-
-def _fsync_dir(root: str) -> None:
-    dfd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -30,6 +30,7 @@ import time
 from typing import Callable, Sequence
 
 from kvcache.kvstore.block_format import FLAG_TOMBSTONE, Codec, encode_header
+from kvcache.kvstore.durable import fsync_dir, fsync_file
 from kvcache.kvstore.errors import StoreError, TierFullError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering import namespace_file
@@ -123,7 +124,7 @@ class NvmeTier(NvmeReads, BlockTier):
             self._pwrite_all(fd, [head], 0)
             if self.config.fsync != "never":
                 os.fsync(fd)
-                self._fsync_dir()
+                fsync_dir(self.root)
         except BaseException as e:
             os.close(fd)
             os.unlink(path)
@@ -131,13 +132,6 @@ class NvmeTier(NvmeReads, BlockTier):
                 raise _tier_error(e, self.root) from e
             raise
         self._active_fd, self._active_end = fd, HEAD_BYTES
-
-    def _fsync_dir(self) -> None:
-        dfd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def _seal_active(self) -> None:
         if self._active_fd >= 0:
@@ -287,18 +281,14 @@ class NvmeTier(NvmeReads, BlockTier):
         with self._write_lock:
             for sid in set(segments) - {self._active_id}:
                 try:
-                    fd = os.open(self.path(sid), os.O_RDONLY)
-                except FileNotFoundError:
+                    fsync_file(self.path(sid))
+                except FileNotFoundError:     # removed meanwhile: nothing of it left to sync
                     continue
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
             if self._active_fd >= 0 and (self._unsynced or segments):
                 os.fdatasync(self._active_fd)
                 self._unsynced = False
             if segments:
-                self._fsync_dir()
+                fsync_dir(self.root)
 
     # ---------------------------------------------------------------- namespaces
     def save_namespaces(self, descriptors: dict[str, dict]) -> None:
