@@ -51,31 +51,13 @@ def add_parser(sub) -> None:
 
 
 def cmd_init(args) -> int:
-    import torch
     from tqdm import tqdm
-    from kvcache.engine.checkpoint.init import random_weights
-    from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
-    from kvcache.engine.model_config import ModelConfig
-    from kvcache.engine.models import build_model
-    from kvcache.engine.tokenizer import build_demo_tokenizer
-    config = ModelConfig.load(resolve_config(args.config))
-    tok = build_demo_tokenizer(min(config.vocab_size, 32768))
-    if config.engram_layer_ids:       # Engram's hash tables are sized by the tokenizer's compressed vocabulary
-        import dataclasses
-        from kvcache.engine.layers.engram import compressed_token_map
-        token_map = compressed_token_map(tok)
-        config = dataclasses.replace(config, engram_compressed_vocab_size=int(token_map.max()) + 1)
-    torch.manual_seed(args.seed)
-    model = random_weights(build_model(config), args.seed)
-    if config.engram_layer_ids:
-        model.set_token_map(token_map)
-    snap_to_formats(model, config)          # what is saved is exactly what loads back
-    tensors = len(model.state_dict())
-    with tqdm(total=tensors, desc="writing checkpoint", unit="tensor", disable=not sys.stderr.isatty()) as bar:
-        files = save_checkpoint(model, config, args.out, int(args.shard_mib * (1 << 20)), progress=bar)
-    tok.save(args.out)
-    print(f"wrote {config.model_type} checkpoint to {args.out}: {len(files)} shard(s), {tensors} tensors, "
-          f"{_count(model):,} parameters, tokenizer of {tok.vocab_size} tokens (logits: {config.vocab_size})")
+    from kvcache.engine.checkpoint.demo import write_demo_checkpoint
+    config_file = resolve_config(args.config)
+    with tqdm(desc="writing checkpoint", unit="tensor", disable=not sys.stderr.isatty()) as bar:
+        demo = write_demo_checkpoint(config_file, args.out, args.seed, int(args.shard_mib * (1 << 20)), progress=bar)
+    print(f"wrote {demo.model_type} checkpoint to {args.out}: {demo.shards} shard(s), {demo.tensors} tensors, "
+          f"{demo.parameters:,} parameters, tokenizer of {demo.tokenizer_vocab} tokens (logits: {demo.logit_vocab})")
     return 0
 
 
@@ -96,10 +78,6 @@ def cmd_logits(args) -> int:
     np.save(args.out, logits.astype(np.float32))
     print(f"wrote {args.out}: float32 {logits.shape[0]} positions x {logits.shape[1]} vocab")
     return 0
-
-
-def _count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def model_facts(config) -> dict:

@@ -1,6 +1,12 @@
 """Running the daemon: its settings (the config file under the command line's overrides), the
 process's hardening (not dumpable, umask 077), the store and event log it opens, and the serve
-loop until a signal drains it. `kvcache serve` (cli/serve.py) parses arguments and calls run."""
+loop until a signal drains it. `kvcache serve` (cli/serve.py) parses arguments and calls run.
+
+With a model (`--model`) the engine joins the daemon: the model routes (server/model_api) beside
+the cache API on the same port, the engine using the daemon's BlockStore in-process. With
+`--cache URL` as well, the engine uses that cache daemon and this process opens no store: it
+serves only the model routes. At shutdown the engine closes (its pending saves done) before the
+store."""
 
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ from kvcache.server.config import ServerConfig, default_data_dir
 from kvcache.server.front import site
 from kvcache.server.front.bulk_put import UPLOAD
 from kvcache.server.reconfigure import CONFIG_FILE, reload_on_sighup
+from kvcache.server.request_state import METRICS
+
+ENGINE_SECTIONS = ("engine", "cache")     # engine/config.py's; kept in step with server/model_api/host.py
 
 
 @dataclass(frozen=True)
@@ -31,19 +40,34 @@ class Overrides:
     port: int | None = None
     unix_socket: str | None = None
     gc_interval_s: float | None = None
+    model: str | None = None             # a checkpoint directory, demo or demo:NAME: the model routes
+    served_model_name: str | None = None
+    cache_url: str | None = None         # the engine's cache daemon (then no store of our own)
+    cache_mode: str | None = None        # replay | exact (the engine's [cache].mode)
+    device: str = "cpu"
+    access_log: str | None = None        # a path, or "-" for stdout
+    max_waiting: int = 256               # model requests in flight (beyond: 429)
+    tenant_max_requests: int | None = None
+    tenant_max_tokens: int | None = None
+
+
+def read_config_file(path: str | None) -> dict:
+    """The parsed TOML (empty without a file)."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
 
 
 def load_configs(over: Overrides) -> tuple[StoreConfig, ServerConfig]:
-    """The store's and the [server] settings: the config file (if any) under the command line's."""
-    raw = {}
-    if over.config_file:
-        try:
-            with open(over.config_file, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {over.config_file} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {over.config_file} is not valid TOML: {e}") from None
+    """The store's and the [server] settings: the config file (if any) under the command line's.
+    The engine's sections ([engine], [cache]) may share the file: they are the engine's to read."""
+    raw = {k: v for k, v in read_config_file(over.config_file).items() if k not in ENGINE_SECTIONS}
     server = ServerConfig.from_dict(raw.get("server", {}), host=over.host, port=over.port,
                                     unix_socket=over.unix_socket)
     data_dir = over.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
@@ -115,6 +139,8 @@ def run(over: Overrides) -> None:
     undumpable()   # first: before tokens and blocks are loaded
     private_files()
     store_cfg, server_cfg = load_configs(over)
+    if over.model and over.cache_url:
+        return run_model_only(over, store_cfg, server_cfg)
     events = open_event_log(store_cfg)
     try:
         store = BlockStore(store_cfg, events=events, maintenance=Collector)
@@ -126,15 +152,74 @@ def run(over: Overrides) -> None:
     app = build_app(store, server_cfg)
     app[CONFIG_FILE] = os.path.abspath(over.config_file) if over.config_file else ""
     reload_on_sighup(app)   # the main thread's loop: signal handlers can only be installed there
+    try:
+        host = attach_model(app, over, store_cfg.data_dir, store, app[METRICS].registry) if over.model else None
+    except BaseException:
+        store.close()
+        if events is not None:
+            events.close()
+        raise
 
     async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
+        if host is not None:              # the engine first: its last saves go to the open store
+            host.close()
         store.close()
         if events is not None:  # after the store, so that its last events are kept too
             events.close()
     app.on_cleanup.append(close_store)
-    print(describe(store_cfg, server_cfg), flush=True)
+    print(describe(store_cfg, server_cfg) + (describe_model(host) if host else ""), flush=True)
     site.run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s,
              upload=UPLOAD)
+
+
+def attach_model(app, over: Overrides, data_dir: str, store, registry):
+    """Load the model and add its routes to `app` (with admission, metrics and the access log)."""
+    from kvcache.server.model_api import host as model_host
+    from kvcache.server.model_api.admission import Admission
+    from kvcache.server.model_api.metrics import ServingMetrics
+    from kvcache.server.model_api.routes import add_routes
+    sections = {k: v for k, v in read_config_file(over.config_file).items() if k in ENGINE_SECTIONS}
+    config = model_host.engine_config(sections, over.cache_url, over.cache_mode)
+    host = model_host.open_model_host(over.model, data_dir, config, store, over.served_model_name, over.device)
+    try:
+        metrics = ServingMetrics(registry, host.running_waiting, host.served_model_name)
+        admission = Admission(over.max_waiting, over.tenant_max_requests, over.tenant_max_tokens)
+        add_routes(app, host, admission, metrics, open_access_log(over.access_log))
+    except BaseException:
+        host.close()
+        raise
+    return host
+
+
+def open_access_log(path: str | None):
+    """The model routes' JSON access log: a file (appended to), "-" for stdout, None: off."""
+    if not path:
+        return None
+    import sys
+    from kvcache.server.model_api.access_log import AccessLog
+    return AccessLog(sys.stdout if path == "-" else open(path, "a", buffering=1))
+
+
+def describe_model(host) -> str:
+    cache = host.engine.engine.config.cache
+    mode = f"cache {cache.mode}" + (f" via {cache.store}" if cache.store else "") if cache else "no cache"
+    return (f"\n  model           {host.served_model_name} ({mode}; context {host.context_limit} tokens)"
+            "\n  model routes    /v1/chat/completions /v1/completions /v1/responses /v1/messages /v1/models")
+
+
+def run_model_only(over: Overrides, store_cfg, server_cfg) -> None:
+    """--model with --cache URL: the model routes alone; the engine's store is that cache daemon,
+    and no data directory store is opened here (the demo checkpoint is still built under it)."""
+    from kvcache.server.model_api.model_app import build_model_app
+    app, registry = build_model_app(server_cfg)
+    host = attach_model(app, over, store_cfg.data_dir, None, registry)
+
+    async def close_engine(_app) -> None:
+        host.close()
+    app.on_cleanup.append(close_engine)
+    print(f"kvcache serving http://{server_cfg.host}:{server_cfg.port} (model routes only)" + describe_model(host),
+          flush=True)
+    site.run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s)
 
 
 def open_event_log(store_cfg):

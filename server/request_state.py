@@ -33,7 +33,15 @@ METRICS = web.AppKey("metrics", Metrics)
 QUOTAS = web.AppKey("quotas", Quotas)
 GET_BUDGET = web.AppKey("get_budget", GetBudget)
 TOKENED = web.AppKey("tokened_transports", weakref.WeakSet)   # connections that showed a valid token
-METRICS_PATHS = ("/metrics", "/healthz")   # all a metrics token may read
+# how a refused token is answered: (request, status, code, message) -> Response; unset: error_response.
+# The model routes set it, so that a refusal there comes in their API's error shape
+REFUSAL = web.AppKey("refusal", object)
+OPEN_PATHS = ("/healthz", "/health", "/ready")   # liveness and readiness: anyone may ask
+METRICS_PATHS = ("/metrics", *OPEN_PATHS)   # all a metrics token may read
+# the model server's routes (server/model_api): there an x-api-key header (the anthropic SDK's)
+# is a bearer token too
+MODEL_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+               "/v1/messages/count_tokens", "/v1/models")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +74,7 @@ def identify(cfg: ServerConfig, authorization: str, path: str) -> Principal | No
     """The principal of an Authorization header value; None when the token is missing or unknown."""
     if not cfg.auth_required:
         return OPEN
-    if path == "/healthz":      # anyone may ask; the answer acts as nobody
+    if path in OPEN_PATHS:      # anyone may ask; the answer acts as nobody
         return NOBODY
     presented = authorization[7:] if authorization.startswith("Bearer ") else ""
     match = cfg.match_token(presented)
@@ -75,13 +83,27 @@ def identify(cfg: ServerConfig, authorization: str, path: str) -> Principal | No
     return Principal(match.tenant, match.admin, match.quota_bytes, match.admin or match.shared_memory, match.metrics)
 
 
+def credentials(request: web.Request) -> str:
+    """The request's Authorization value; on a model route without one, its x-api-key as a bearer token."""
+    authorization = request.headers.get("Authorization", "")
+    api_key = request.headers.get("x-api-key", "")
+    if not authorization and api_key and request.path in MODEL_PATHS:
+        return f"Bearer {api_key}"
+    return authorization
+
+
+def refuse(request: web.Request, status: int, code: str, message: str) -> web.Response:
+    shape = request.app.get(REFUSAL)
+    return error_response(status, code, message) if shape is None else shape(request, status, code, message)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    who = identify(request.app[CONFIG], request.headers.get("Authorization", ""), request.path)
+    who = identify(request.app[CONFIG], credentials(request), request.path)
     if who is None:
-        return error_response(*UNAUTHORIZED)
+        return refuse(request, *UNAUTHORIZED)
     if who.metrics_only and request.path not in METRICS_PATHS:   # it has no tenant: never near the data
-        return error_response(*METRICS_FORBIDDEN)
+        return refuse(request, *METRICS_FORBIDDEN)
     request[PRINCIPAL] = who
     if who is not NOBODY and request.transport is not None:   # a token's connection: never dropped for room
         request.app[TOKENED].add(request.transport)
