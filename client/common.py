@@ -1,4 +1,4 @@
-"""What both daemon clients share (AsyncKVClient in client.py, KVClient in sync_client.py):
+"""What both daemon clients share (AsyncKVClient in async_client.py, KVClient in sync_client.py):
 the daemon's errors mapped onto the store's exceptions, and put batches split and encoded as
 pieces (frame heads joined, payloads as views of the caller's buffers, never copied).
 """
