@@ -1,0 +1,55 @@
+"""The model server for the SDK tests: one real `kvcache serve --model demo:v41-tiny` process per
+test module (tests/daemon_proc.py), and prompts long enough to leave cached prefixes.
+
+The demo checkpoint is built under the module's data directory on first use (a few seconds),
+which is the path the README's first command takes. Cached-prefix tests need prompts past one
+exact-mode snapshot point (cache.snapshot_interval = 512 tokens by default): `long_text` makes
+such text from a fixed vocabulary, so every run sends the same prompts.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from tests.daemon_proc import DaemonProcess
+
+MODEL = "v41-tiny"
+NO_THINKING = {"thinking": {"type": "disabled"}}
+WORDS = ("cache", "block", "tier", "prefix", "window", "token", "layer", "expert", "tenant", "store", "index",
+         "segment", "record", "lease", "pin", "snapshot", "namespace", "engine", "request", "stream")
+
+
+def long_text(words: int, seed: int) -> str:
+    """Deterministic prose of `words` words (about 1.5 tokens each with the demo tokenizer)."""
+    return " ".join(WORDS[(i * 7 + seed * 13 + i // 5) % len(WORDS)] + str((i + seed) % 10) for i in range(words))
+
+
+def start_server(tmp_path_factory, *args: str, env: dict | None = None) -> DaemonProcess:
+    data = tmp_path_factory.mktemp("model-server")
+    server = DaemonProcess(data / "data", "--model", f"demo:{MODEL}", *args, env=env)
+    try:
+        server.wait_ready(timeout=240)      # the demo checkpoint is built first
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory)
+    yield s
+    s.kill()
+
+
+def running_requests(url: str, headers: dict | None = None) -> int:
+    """kvcache:num_requests_running from /metrics."""
+    req = urllib.request.Request(url + "/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r'^kvcache:num_requests_running\{[^}]*\} (\S+)$', text, re.M)
+    assert m, "no kvcache:num_requests_running in /metrics"
+    return int(float(m.group(1)))
