@@ -1,0 +1,154 @@
+"""Bad requests to the model routes get a 4xx in their API's own error shape, read through the
+SDKs' exception types (raw HTTP where the SDKs cannot send the mistake): malformed JSON, unknown
+models, invalid parameters, prompts past the context, oversized bodies, missing or wrong tokens.
+
+One server with tokens and a config file that holds both the daemon's [server] and the engine's
+[engine] sections (a pool of 16 blocks: a context of 2048 tokens, so an oversized prompt is cheap)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import anthropic
+import openai
+import pytest
+
+from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, start_server
+
+pytestmark = pytest.mark.timeout(600)
+TOKEN, METRICS_TOKEN = "model-test-token-0123456789", "model-metrics-token-0123456789"
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("cfg") / "serve.toml"
+    cfg.write_text("[server]\nshutdown_timeout_s = 20\n\n[engine]\nnum_blocks = 16\nmax_running = 8\n")
+    s = start_server(tmp_path_factory, "--config", str(cfg),
+                     env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{METRICS_TOKEN}::metrics"})
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def raw_post(server, path: str, body: bytes, token: str = TOKEN) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def assert_openai_shape(body: dict, kind: str = "invalid_request_error") -> None:
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    assert body["error"]["type"] == kind and body["error"]["message"]
+
+
+def assert_anthropic_shape(body: dict, kind: str = "invalid_request_error") -> None:
+    assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"]
+
+
+def test_the_engine_settings_came_from_the_shared_config_file(oai):
+    with pytest.raises(openai.BadRequestError) as e:      # 2048 tokens of context: 16 blocks of 128
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2040)
+    assert "2048" in e.value.message and e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("path", OPENAI_ROUTES + ANTHROPIC_ROUTES)
+def test_malformed_json_is_a_400_in_the_api_shape(server, path):
+    for body in (b'{"model": "v41-tiny", "messages": [', b"[1, 2]", b"\xff\xfe"):
+        status, answer = raw_post(server, path, body)
+        assert status == 400, answer
+        (assert_anthropic_shape if path in ANTHROPIC_ROUTES else assert_openai_shape)(answer)
+
+
+def test_a_body_past_the_limit_is_a_413(server):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (9 << 20)}).encode()
+    status, answer = raw_post(server, "/v1/completions", big)
+    assert status == 413
+    assert_openai_shape(answer)
+
+
+def test_an_unknown_model_is_a_404(oai, claude):
+    msgs = [{"role": "user", "content": "hi"}]
+    for call in (lambda: oai.chat.completions.create(model="gpt-9", messages=msgs, max_tokens=2),
+                 lambda: oai.completions.create(model="gpt-9", prompt="hi", max_tokens=2),
+                 lambda: oai.responses.create(model="gpt-9", input="hi", max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.code == "model_not_found" and "gpt-9" in e.value.message
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="claude-9", max_tokens=2, messages=msgs)
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 2), ("n", 5), ("logprobs", True),
+                                          ("presence_penalty", 5), ("max_completion_tokens", 0), ("top_k", -5),
+                                          ("logit_bias", {"999999": 1}), ("repetition_penalty", 0),
+                                          ("seed", -1), ("stop", [""])])
+def test_invalid_chat_parameters_are_400s(oai, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_body={field: value, **NO_THINKING})
+    assert e.value.status_code == 400 and e.value.message
+    if field in ("logprobs",):
+        assert "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 3}, {"top_p": 2}, {"top_logprobs": 2},
+                                   {"previous_response_id": "resp_1"}])
+def test_invalid_responses_parameters_are_400s(oai, extra):
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body=extra)
+
+
+@pytest.mark.parametrize("extra", [{"temperature": -1}, {"top_p": 2}, {"top_k": -3}])
+def test_invalid_messages_parameters_are_400s_in_anthropic_shape(claude, extra):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                               extra_body=extra)
+    assert_anthropic_shape(e.value.body)
+
+
+def test_prompts_past_the_context_are_refused_before_any_compute(oai, claude):
+    text = long_text(500, seed=9)          # over 2048 tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt=text, max_tokens=2)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": text}])
+    assert_anthropic_shape(e.value.body)
+
+
+def test_model_routes_need_a_token(server, oai, claude):
+    for key in ("", "wrong-token"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=server.url + "/v1", api_key=key or "-", max_retries=0).models.list()
+        assert e.value.body["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=server.url, api_key=key or "-", max_retries=0).messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert_anthropic_shape(e.value.body, "authentication_error")
+    with pytest.raises(openai.PermissionDeniedError):      # a metrics token reads /metrics only
+        openai.OpenAI(base_url=server.url + "/v1", api_key=METRICS_TOKEN, max_retries=0).models.list()
+    assert [m.id for m in oai.models.list()] == [MODEL]
+    m = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                               thinking={"type": "disabled"})          # x-api-key is the anthropic SDK's header
+    assert m.usage.output_tokens <= 2
+    status, _ = server.call("GET", "/ready")
+    assert status == 200                                     # readiness needs no token
