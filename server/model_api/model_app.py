@@ -1,6 +1,6 @@
 """The app of a model server that uses a cache daemon elsewhere (`kvcache serve --model M --cache URL`):
-the model routes alone, behind the daemon's token check, and /metrics for the serving metrics.
-There is no store here, so none of the cache API's routes or state."""
+the model routes alone, behind the daemon's token check, with /metrics for the serving metrics and
+the daemon's /healthz. There is no store here, so none of the cache API's routes or state."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ def build_model_app(config: ServerConfig) -> tuple[web.Application, CollectorReg
     app[CONFIG], app[TOKENED] = LiveConfig(config), weakref.WeakSet()
     app[REGISTRY] = registry = CollectorRegistry()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
     return app, registry
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
