@@ -116,6 +116,7 @@ class Run:
         if out.finished and req.finish_reason is FinishReason.STOP and tokens:
             tokens = tokens[:-1]                 # the stop token: pushed as text it would show in the answer
         if tokens:
+            self.outcome.generated += len(tokens)
             chunks.append(dr.InferenceChunk.tokens(tokens))
         if out.finished and req.finish_reason in _FINISH:
             chunks.append(dr.InferenceChunk.finish(_FINISH[req.finish_reason]))
@@ -132,16 +133,14 @@ class Run:
         o.finish_reason = reason
         if req is None:
             return
-        stopped = req.finish_reason is FinishReason.STOP and reason == "stop"
-        o.generated = max(0, len(req.output) - (1 if stopped and req.output else 0))
         o.tpot_s = req.metrics.tpot_s(len(req.output))
         o.error = req.error
 
 
 def with_usage(text: str, outcome: Outcome, keep_usage: bool) -> str:
     """A chunk's JSON with the per-tier split in its usage block (top-level `usage`, or a
-    Responses event's `response.usage`); without keep_usage, the block dropped (an OpenAI chat
-    stream that did not ask for it)."""
+    Responses event's `response.usage`) and the engine's count of generated tokens; without
+    keep_usage, the block dropped (an OpenAI chat stream that did not ask for it)."""
     if '"usage":{' not in text:
         return text
     obj = json.loads(text)
@@ -149,10 +148,27 @@ def with_usage(text: str, outcome: Outcome, keep_usage: bool) -> str:
     if not isinstance(holder, dict) or not isinstance(holder.get("usage"), dict):
         return text
     if keep_usage:
+        _own_counts(holder["usage"], outcome)
         holder["usage"]["cached_tokens_by_tier"] = outcome.tiers()
     else:
         holder.pop("usage")
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _own_counts(usage: dict, outcome: Outcome) -> None:
+    """The output counts as the engine generated them (every token pushed, the stop token not):
+    the recipe counts from the text it decoded, which a model emitting special tokens inside its
+    answer (the demo's random weights do) makes come out lower, and its reasoning count higher."""
+    n = outcome.generated
+    for key in ("completion_tokens", "output_tokens"):
+        if isinstance(usage.get(key), int):
+            usage[key] = n
+    if isinstance(usage.get("total_tokens"), int):
+        usage["total_tokens"] = outcome.prompt_tokens + n
+    for key in ("completion_tokens_details", "output_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+            details["reasoning_tokens"] = min(details["reasoning_tokens"], n)
 
 
 def sse_frame(name: str | None, data: str) -> bytes:

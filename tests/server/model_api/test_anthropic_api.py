@@ -44,8 +44,10 @@ def test_message_stream_matches_the_answer(client):
 
 
 def test_thinking_comes_as_a_thinking_block(client):
-    m = client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Think first"}])
+    m = client.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "Think first"}],
+                               extra_body={"ignore_eos": True})
     assert m.content[0].type == "thinking"
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 16    # every token the engine generated
 
 
 def test_count_tokens_is_the_prompt_the_message_runs_with(client):

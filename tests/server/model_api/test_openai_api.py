@@ -50,9 +50,12 @@ def test_chat_stream_has_usage_only_when_asked(client):
 
 def test_chat_thinking_streams_reasoning(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think"}],
-                                                 max_tokens=4, stream=True))
+                                                 max_tokens=16, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert any((d.model_extra or {}).get("reasoning_content") for d in deltas)     # the model begins in <think>
+    usage = chunks[-1].usage              # the engine's count: every token it generated
+    assert usage.completion_tokens == 16 and usage.completion_tokens_details.reasoning_tokens <= 16
 
 
 def test_completions_streamed_and_not(client):
