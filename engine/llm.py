@@ -15,11 +15,13 @@ import numbers
 import os
 from dataclasses import dataclass
 
+from kvcache.engine.checkpoint.loader import load_model
 from kvcache.engine.config import EngineConfig
 from kvcache.engine.llm_engine import LLMEngine
 from kvcache.engine.cache.prefix_cache import CacheUsage
 from kvcache.engine.request import Metrics, Request
 from kvcache.engine.sampling import SamplingParams
+from kvcache.engine.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -42,8 +44,6 @@ def completion(req: Request) -> Completion:
 def load_checkpoint(model_dir: str, device: str = "cpu", progress: bool = False):
     """(model, tokenizer or None) from a checkpoint directory: the model to shard (parallel.shard)
     before an engine is built on it; no tokenizer.json: token-id prompts only (text is refused)."""
-    from kvcache.engine.checkpoint.loader import load_model
-    from kvcache.engine.tokenizer import load_tokenizer
     model, _ = load_model(model_dir, device=device, progress=progress)
     has_tokenizer = os.path.exists(os.path.join(model_dir, "tokenizer.json"))
     return model, load_tokenizer(model_dir) if has_tokenizer else None

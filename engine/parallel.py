@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kvcache.engine.layers.moe import MoE
+
 
 def all_reduce_sum(group=None):
     def reduce(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,6 @@ def shard(model: nn.Module, rank: int, world: int, tp: bool = True, ep: bool = F
     would sum every expert at full width and the all-reduce would multiply the MoE's output."""
     if world == 1 or not (tp or ep):
         return model
-    from kvcache.engine.layers.moe import MoE
     if any(isinstance(m, MoE) and m.stacked is not None for m in model.modules()) \
             or any(blk.__dict__.get("compiled") for blk in model.layers):
         raise ValueError("shard the model before building an engine on it (LLM(model=shard(model, ...)))")

@@ -30,6 +30,10 @@ from kvcache.engine.checkpoint.formats import fp8_block, scale_name
 from kvcache.engine.checkpoint.hf_names import UnknownTensorName, from_transformers, is_transformers_layout
 from kvcache.engine.checkpoint.quant import dequant_fp4, dequant_fp8
 from kvcache.engine.model_config import ModelConfig
+from kvcache.engine.device import select
+from kvcache.engine.layers.engram import compressed_token_map
+from kvcache.engine.models import build_empty
+from kvcache.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 SKIPPED_PREFIXES = {"vision.": "the vision tower", "aligner.": "the vision aligner", "image_": "image embeddings",
@@ -188,8 +192,6 @@ def _without_absent_drafter(config: ModelConfig, path: str) -> ModelConfig:
 def load_model(path: str, device: str = "cpu", progress: bool = True):
     """(model, config) from a checkpoint directory: fp32 weights on CPU, bf16 on an accelerator
     (engine/device.py); quantised tensors are dequantised on the way in."""
-    from kvcache.engine.device import select
-    from kvcache.engine.models import build_empty
     place = select(device)
     config = _without_absent_drafter(ModelConfig.load(path), path)
     model = build_empty(config).to_empty(device=place.device)
@@ -197,7 +199,5 @@ def load_model(path: str, device: str = "cpu", progress: bool = True):
         model = model.to(place.dtype)
     load_weights(model, config, path, progress)
     if config.engram_layer_ids:      # Engram keys n-grams by the checkpoint tokenizer's normalised spellings
-        from kvcache.engine.layers.engram import compressed_token_map
-        from kvcache.engine.tokenizer import load_tokenizer
         model.set_token_map(compressed_token_map(load_tokenizer(path)))
     return model.eval(), config

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvcache.engine.checkpoint.formats import fp8_block, scale_name, storage_format
+from kvcache.engine.checkpoint.loader import decode_stored
 from kvcache.engine.checkpoint.quant import quantize_fp4, quantize_fp8
 from kvcache.engine.model_config import ModelConfig
 
@@ -73,7 +74,6 @@ def save_checkpoint(model: torch.nn.Module, config: ModelConfig, out_dir: str, s
 def snap_to_formats(model: torch.nn.Module, config: ModelConfig) -> None:
     """Round every parameter through its storage format in place, so the model in memory equals
     what loading its checkpoint gives back (demo checkpoints, tests)."""
-    from kvcache.engine.checkpoint.loader import decode_stored
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             enc = encode_tensor(name, t, config)

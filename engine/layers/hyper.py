@@ -28,6 +28,13 @@ def hc_params(module: nn.Module, prefix: str, n: int, dim: int) -> None:
     module.register_parameter(f"{prefix}_scale", nn.Parameter(torch.ones(3)))
 
 
+def hc_head_params(module: nn.Module, n: int, dim: int) -> None:
+    """Register V4's learned head (`hc_head_fn/base/scale`) on `module`: pre weights only."""
+    module.hc_head_fn = nn.Parameter(torch.zeros(n, n * dim))
+    module.hc_head_base = nn.Parameter(torch.zeros(n))
+    module.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
 def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre [.., n], post [.., n], comb [.., n, n]) of one site, fp32."""

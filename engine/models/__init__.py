@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 
 from kvcache.engine.model_config import ModelConfig
+from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 
 def model_class(config: ModelConfig):
     if config.model_type == "deepseek_v4":
-        from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
         return DeepseekV4ForCausalLM
     if config.model_type == "deepseek_v41":
-        from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
         return DeepseekV41ForCausalLM
     raise NotImplementedError(f"{config.model_type} is parsed but its model is not built yet")
 

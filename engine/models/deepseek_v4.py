@@ -23,11 +23,12 @@ from kvcache.engine.compiled import phase
 from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.decode_plan import DecodePlan, plan_decode
 from kvcache.engine.layers.attention import Attended, Attention, AttentionState, core_or_attend
-from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_mix, hc_params
+from kvcache.engine.layers.hyper import collapse, expand, hc_head, hc_head_params, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.decode_step import DecodeStep, decode_keys
 from kvcache.engine.layers.rope import RotaryTables
+from kvcache.engine.models.dspark import make_stages
 
 
 @dataclass
@@ -111,13 +112,6 @@ class DecoderLayer(nn.Module):
         return expand(out.view(h.shape[:-2] + h.shape[-1:]), h, post, comb)
 
 
-def _head_params(module: nn.Module, c: ModelConfig) -> None:
-    n, d = c.hc_mult, c.hidden_size
-    module.hc_head_fn = nn.Parameter(torch.zeros(n, n * d))
-    module.hc_head_base = nn.Parameter(torch.zeros(n))
-    module.hc_head_scale = nn.Parameter(torch.ones(1))
-
-
 class MTPLayer(DecoderLayer):
     """`mtp.{i}`: a SWA layer (non-hash MoE) that predicts the token after next from the
     target's streams and the next token's embedding; its own hc head and norm."""
@@ -130,7 +124,7 @@ class MTPLayer(DecoderLayer):
         self.norm = RMSNorm(d, c.rms_norm_eps)
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)
-        _head_params(self, c)
+        hc_head_params(self, c.hc_mult, c.hidden_size)
 
     def draft(self, streams: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
               state: AttentionState, rope: RotaryTables, next_ids: torch.Tensor) -> torch.Tensor:
@@ -150,10 +144,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        _head_params(self, c)
+        hc_head_params(self, c.hc_mult, c.hidden_size)
         if "dspark_block_size" in c.extra:      # V4-Flash-0731 / -DSpark: a 3-stage DSpark drafter
-            from kvcache.engine.models.dspark import make_stages
-            self.mtp = make_stages(c)
+            self.mtp = make_stages(c, DecoderLayer)
         else:                                   # the preview's MTP-1 layer
             self.mtp = nn.ModuleList(MTPLayer(c) for _ in range(c.num_nextn_predict_layers))
 

@@ -35,6 +35,7 @@ from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables
 from kvcache.engine.models.deepseek_v4 import ModelState, batch_inputs
+from kvcache.engine.models.dspark import make_stages
 
 
 class DecoderLayer41(nn.Module):
@@ -107,8 +108,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"prefill_keep_tokens ({prefill_keep_tokens}) must cover the sliding window "
                              f"({c.sliding_window})")
         if c.num_nextn_predict_layers:
-            from kvcache.engine.models.dspark import make_stages
-            self.mtp = make_stages(c)
+            self.mtp = make_stages(c, DecoderLayer41)
         if c.engram_layer_ids:
             mults, primes, offsets = hash_geometry(c)
             self._engram_geometry = tuple(torch.from_numpy(a) for a in (mults, primes, offsets))

@@ -19,12 +19,14 @@ for V4.1; for V4 it is our reading, not confirmed by a public implementation).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.attention import AttentionState
-from kvcache.engine.layers.hyper import collapse, hc_head
+from kvcache.engine.layers.hyper import collapse, hc_head, hc_head_params
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import apply_rope
 
@@ -50,19 +52,17 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dim, 1, bias=False)
 
 
-def make_stages(config: ModelConfig) -> nn.ModuleList:
-    """The drafter's stages under their official names (`mtp.0` .. `mtp.2`): V4.1 or V4 layers."""
+def make_stages(config: ModelConfig, layer: Callable[..., nn.Module]) -> nn.ModuleList:
+    """The drafter's stages under their official names (`mtp.0` .. `mtp.2`), each one the target
+    model's own decoder layer (`layer`: V4.1's DecoderLayer41 or V4's DecoderLayer), window only."""
     c, x = config, config.extra
     n = max(c.num_nextn_predict_layers, len(x.get("dspark_target_layer_ids", [])) or 3)
     if c.is_v41:
-        from kvcache.engine.models.deepseek_v41 import DecoderLayer41
-        stages = nn.ModuleList(DecoderLayer41(c, c.num_hidden_layers + i, ratio=0,
-                                              n_experts=x.get("dspark_n_routed_experts"),
-                                              top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
+        stages = nn.ModuleList(layer(c, c.num_hidden_layers + i, ratio=0, n_experts=x.get("dspark_n_routed_experts"),
+                                     top_k=x.get("dspark_num_experts_per_tok")) for i in range(n))
     else:
-        from kvcache.engine.models.deepseek_v4 import DecoderLayer, _head_params
-        stages = nn.ModuleList(DecoderLayer(c, c.num_hidden_layers + i, ratio=0, hashed=False) for i in range(n))
-        _head_params(stages[-1], c)             # V4 keeps a learned hc head on the last stage
+        stages = nn.ModuleList(layer(c, c.num_hidden_layers + i, ratio=0, hashed=False) for i in range(n))
+        hc_head_params(stages[-1], c.hc_mult, c.hidden_size)   # V4 keeps a learned hc head on the last stage
     targets = len(x.get("dspark_target_layer_ids", [])) or 3
     stages[0].main_proj = nn.Linear(targets * c.hidden_size, c.hidden_size, bias=False)
     stages[0].main_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
