@@ -9,10 +9,10 @@ from kvcache.engine.checkpoint.loader import load_model
 from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
 from kvcache.engine.layers.engram import compressed_token_map, hash_geometry
 from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
-from kvcache.engine.models.deepseek_v41_reference import reference_logits
 from kvcache.engine.models.dspark import greedy_draft, write_context
 from kvcache.engine.tokenizer import build_demo_tokenizer
 from tests.engine.tiny import randomize, v41_config
+from tests.engine.v41_reference import reference_logits
 
 IMAGE = 11
 

@@ -2,7 +2,7 @@
 
 One prompt, no state, no chunking, no batching tricks: every token, every compressed entry and
 every attention key is handled one at a time in plain loops, reading the weights of a
-DeepseekV41ForCausalLM. The fast path (models/deepseek_v41.py) must agree with it.
+DeepseekV41ForCausalLM. The fast path (engine/models/deepseek_v41.py) must agree with it.
 Tie rule shared with the fast path (a definition, not an optimisation): among equal index
 scores the older entry wins; among equal block scores the older block wins.
 """
