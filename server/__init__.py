@@ -22,8 +22,12 @@
     shm_leases.py    the shared-memory lease table; shm_control.py its control socket
     front/           the connections: listening sockets, request heads, native bulk uploads
                      (the front is handed its upload path as callbacks and imports no handler)
+  beside the cache API:
+    model_api/       `kvcache serve --model`: OpenAI- and Anthropic-compatible routes over the
+                     engine (daemon.py adds them to the app; its own app with --cache URL)
 
 Imports go one way: handlers -> request_state/request_body -> errors, config, quota, metrics;
-app.py and daemon.py on top. No module here imports another in a cycle. An API served beside
-the cache's (a model-serving one) belongs here as modules of its own, routes added by build_app.
+app.py and daemon.py on top. No module here imports another in a cycle. model_api/ imports
+request_state and errors, never the reverse: the token check reaches its error shapes through
+request_state.REFUSAL, a callable the model routes set.
 """
