@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.client.open_store import open_store
 from kvcache.engine.block_pool import BlockPool, PoolExhausted
 from kvcache.engine.compiled import compile_layers, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
 from kvcache.engine.cache.connector import KVConnector
 from kvcache.engine.config import CacheConfig, EngineConfig
+from kvcache.engine.decode_graphs import DecodeGraphs
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
@@ -59,7 +61,6 @@ class LLMEngine:
         model.planned_decode = config.planned_decode
         self.decode_graphs = None
         if config.cuda_graphs:
-            from kvcache.engine.decode_graphs import DecodeGraphs
             if not config.planned_decode:
                 raise ValueError("cuda_graphs replays planned decode steps: set planned_decode = true")
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
@@ -100,14 +101,15 @@ class LLMEngine:
             return None
         self._own_store = store is None and bool(cfg.store)
         if self._own_store:
-            from kvcache.client.open_store import open_store
             store = open_store(cfg.store, **({"token": cfg.token} if cfg.token else {}))
         conn = KVConnector(store, self.namespace, block_layout(self.kv), cfg) if store is not None else None
         queues = QueueView(lambda: self.scheduler.waiting, self.scheduler.has_runnable)
         return PrefixCache(self.pool, self.kv, self.model, self.namespace, conn, cfg, queues)
 
     def reset_prefix_cache(self) -> None:
-        """Forget the prefixes held in this engine's pool (the store keeps its copies)."""
+        """The operator's reset, under vLLM's name: forget the prefixes this engine keeps for reuse
+        (idle pool blocks, snapshots in memory; the store keeps its copies), so later requests find
+        them only in the store, as after a restart of the engine. Nothing to do without a cache."""
         if self.cache is not None:
             self.cache.reset()
 

@@ -6,7 +6,8 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
         at least one prompt token is always left to compute)
         hbm   = the longest run of those keys still held by the BlockPool
         store = tiers of the rest (connector.lookup), cut where loading costs more than recomputing
-        exact : end at the longest block boundary with a tail snapshot (engine memory, then store)
+        exact : end at the longest block boundary with a tail snapshot (engine memory, then store;
+                `TailSnapshots`, tail_snapshots.py), or at an earlier request's end inside a block
         replay: load the whole hit, then recompute its last `replay_blocks` blocks from an empty
                 window and carry, keeping their stored history rows (a write floor): bounded
                 replay; only windows and carry are approximate
@@ -14,8 +15,10 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
     each step, before scheduling ─ poll(): decode fetched payloads into fresh pool blocks (a failed
         block ends the hit there and its tokens are recomputed), note how to build the state
         (snapshot or boundary), set num_computed; the scheduler then admits it like any other
-    after each step ─ saved(): new full blocks (encoded now, stored in the background) and, in exact
-        mode, a tail snapshot whenever a prefill chunk ended on a block boundary
+    after each step ─ after_step(): new full blocks (encoded now, stored in the background) and,
+        in exact mode, a tail snapshot whenever a prefill chunk ended on a snapshot point
+    a request finishing ─ on_finish(): its last full blocks and, in exact mode, an end snapshot
+        (mid-block: the partial block's rows with it), where the next chat turn resumes
 
 Requests whose prefix another request is loading wait for that load and then hit the pool, so a
 prefix shared by concurrent requests is fetched once.
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -39,11 +41,12 @@ import torch
 from kvcache.engine.cache import snapshot
 from kvcache.engine.cache.block_payload import decode_blocks, encode_block
 from kvcache.engine.cache.connector import KVConnector
+from kvcache.engine.cache.tail_snapshots import Boundary, TailSnapshots
 from kvcache.engine.config import CacheConfig
 from kvcache.engine.block_pool import BlockPool
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.request import FinishReason, Request, Status
-from kvcache.kvstore.hashing import Namespace, end_snapshot_key, snapshot_key
+from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.types import TierName
 
 log = logging.getLogger(__name__)
@@ -117,9 +120,7 @@ class PrefixCache:
                              f"block size {self.bs}")
         self.plans: dict[str, _Plan] = {}
         self.inflight: set[bytes] = set()
-        self.snapshots: OrderedDict[bytes, bytes] = OrderedDict()
-        self._snap_bytes = 0
-        self._template: dict | None = None       # capture() of a fresh state: what a snapshot must fit
+        self.snapshots = TailSnapshots(namespace, connector, model, self.bs, config.snapshot_memory_bytes)
         self.prefill_s_per_token: float | None = None
 
     # ------------------------------------------------------------ before scheduling
@@ -175,54 +176,17 @@ class PrefixCache:
                 best, best_gain = k, gain
         return best
 
-    def _boundary(self, req, keys, tiers, k: int) -> tuple[int, bytes | None, bytes | None, int]:
+    def _boundary(self, req, keys, tiers, k: int) -> Boundary:
         """(blocks to use, snapshot bytes from memory, snapshot key in the store, end) for a hit of
         k blocks; end > 0 when an earlier request ended inside block k (exact mode resumes there)."""
         if self.config.mode == "replay":
             return self._replay_boundary(k)
-        return self._exact_boundary(req, keys, k)
+        return self.snapshots.boundary(req, keys, k)
 
     def _replay_boundary(self, k: int) -> tuple[int, None, None, int]:
         """Replay mode loads the whole hit, or nothing when it is no longer than the blocks it
         would recompute anyway (`replay_blocks`). No snapshot: windows and carry are rebuilt."""
         return (k if k > self.replay_blocks else 0), None, None, 0
-
-    def _exact_boundary(self, req, keys, k: int) -> tuple[int, bytes | None, bytes | None, int]:
-        """Exact mode uses a hit only up to a point with a tail snapshot: an earlier request's end
-        after (or inside) the hit's last block, else the last block boundary with one (engine
-        memory first, then the store); no snapshot, no hit: the request must resume bit for bit."""
-        found = self._end_snapshot(req, keys, k)       # an earlier request ended after the hit's blocks
-        if found is not None:
-            return (k, *found)
-        best = (0, None, None, 0)
-        in_store = self.connector.snapshots_present(keys[:k]) if self.connector else [False] * k
-        for j in range(k, 0, -1):                       # the last block boundary with a snapshot
-            if keys[j - 1] in self.snapshots:
-                self.snapshots.move_to_end(keys[j - 1])
-                best = (j, self.snapshots[keys[j - 1]], None, 0)
-                break
-            if in_store[j - 1]:
-                best = (j, None, snapshot_key(keys[j - 1]), 0)
-                break
-        inside = self._end_snapshot(req, keys, k - 1) if k else None    # or one inside the last block
-        if inside is not None and inside[2] > best[0] * self.bs:
-            return (k - 1, *inside)
-        return best
-
-    def _end_snapshot(self, req, keys, k: int):
-        """The longest earlier request end in (k*bs, (k+1)*bs) that this prompt continues:
-        (snapshot bytes in memory, its key in the store, end) or None. One batched exists call."""
-        prev = keys[k - 1] if k else self.namespace.id
-        ends = range(min((k + 1) * self.bs - 1, len(req.prompt) - 1), k * self.bs, -1)
-        size = self.namespace.algo.digest_size
-        cands = [(L, end_snapshot_key(prev, req.prompt[k * self.bs: L], size)) for L in ends]
-        for L, key in cands:
-            if key in self.snapshots:
-                return self.snapshots[key], None, L
-        if self.connector is None or not cands:
-            return None
-        there = self.connector.present([key for _, key in cands])
-        return next(((None, key, L) for (L, key), ok in zip(cands, there) if ok), None)
 
     def _apply(self, plan: _Plan) -> None:
         """A load finished (or needed none): give the request its blocks and resume point."""
@@ -262,7 +226,7 @@ class PrefixCache:
         is no hit at all (recompute from the start), never an approximate resume."""
         if held < plan.use or snap is None:
             return _Hit()
-        state = self._fitting(snap, plan.end or held * self.bs)
+        state = self.snapshots.fitting(snap, plan.end or held * self.bs)
         if state is None:
             return _Hit()                                # not a snapshot of this model here: a miss
         if not plan.end:
@@ -298,19 +262,6 @@ class PrefixCache:
             tier = TierName.HBM if plan.snap_mem else (plan.tiers[-1] if plan.tiers else TierName.DRAM)
             u.cached_tokens[tier] = u.cached_tokens.get(tier, 0) + plan.end - len(req.block_keys) * self.bs
         req.status = Status.WAITING
-
-    def _fitting(self, snap, length: int) -> dict | None:
-        """The tail snapshot decoded, if it can resume this model at `length` tokens (else None, logged)."""
-        state = _decoded(snap)
-        if state is None:
-            return None
-        if self._template is None:
-            self._template = snapshot.capture(self.model.new_state())
-        why = snapshot.misfit(self._template, state, length)
-        if why is not None:
-            log.warning("a tail snapshot from the store does not fit (%s): recomputing instead", why)
-            return None
-        return state
 
     def _partial_block(self, snap: dict) -> int | None:
         """A pool block holding the end snapshot's partial block rows (None: no block free, or
@@ -353,7 +304,7 @@ class PrefixCache:
             end = ch.start + len(ch.tokens)
             if self.config.mode == "exact" and end % self.config.snapshot_interval == 0 and end <= len(req.prompt) \
                     and end // self.bs <= len(req.block_keys) and req.state.length == end:
-                self._save_snapshot(req.block_keys[end // self.bs - 1], req)
+                self.snapshots.save_at_block(req.block_keys[end // self.bs - 1], req.state)
 
     def on_finish(self, req: Request, reason) -> None:
         """A request is finishing (its blocks and state still held): save its last full blocks
@@ -368,13 +319,11 @@ class PrefixCache:
             return
         if L % self.bs == 0:
             if k:
-                self._save_snapshot(req.block_keys[k - 1], req)
+                self.snapshots.save_at_block(req.block_keys[k - 1], req.state)
             return
-        prev = req.block_keys[k - 1] if k else self.namespace.id
-        key = end_snapshot_key(prev, req.tokens[k * self.bs: L], self.namespace.algo.digest_size)
         snap = snapshot.capture(req.state)
         snap["partial"] = torch.frombuffer(bytearray(encode_block(self.kv, req.block_ids[k])), dtype=torch.uint8)
-        self._remember(key, snapshot.encode(snap))
+        self.snapshots.remember(self.snapshots.end_key(req.block_keys, req.tokens, L), snapshot.encode(snap))
 
     def _save_blocks(self, req: Request) -> None:
         new = range(req.saved_blocks, len(req.block_keys))
@@ -383,26 +332,12 @@ class PrefixCache:
             self.connector.save([(req.block_keys[i], encode_block(kv, req.block_ids[i])) for i in new])
         req.saved_blocks = len(req.block_keys)
 
-    def _save_snapshot(self, key: bytes, req: Request) -> None:
-        if key not in self.snapshots:
-            self._remember(key, snapshot.encode(snapshot.capture(req.state)), snapshot_key(key))
-
-    def _remember(self, key: bytes, data: bytes, store_key: bytes | None = None) -> None:
-        """Keep a snapshot in engine memory (bounded) and save it to the store."""
-        old = self.snapshots.pop(key, None)          # the same point again: replace, not count twice
-        self._snap_bytes += len(data) - (len(old) if old is not None else 0)
-        self.snapshots[key] = data
-        while self._snap_bytes > self.config.snapshot_memory_bytes and self.snapshots:
-            self._snap_bytes -= len(self.snapshots.popitem(last=False)[1])
-        if self.connector is not None:
-            self.connector.save_raw(store_key or key, data)
-
     def reset(self) -> None:
-        """Forget every prefix the engine itself holds (pool block keys, snapshots in memory);
-        the store keeps its copies. For benchmarks and operators (vLLM's reset_prefix_cache)."""
+        """Forget the prefixes the engine keeps for reuse: idle pool blocks lose their keys (blocks a
+        request holds keep theirs) and the snapshots in engine memory go; the store keeps its copies.
+        Later requests find their prefixes only in the store, as after a restart of the engine."""
         self.pool.forget_cached()
         self.snapshots.clear()
-        self._snap_bytes = 0
 
     def forget(self, req: Request) -> None:
         """The request lost its state (preempted, failed): plan again when it is next admitted."""
@@ -421,11 +356,3 @@ def snapshot_cut(config: CacheConfig):
         return nxt - start if start < nxt < start + n and nxt < len(req.prompt) else n
     return cut
 
-
-def _decoded(snap) -> dict | None:
-    """A tail snapshot's contents, or None (logged) if its bytes do not decode as one."""
-    try:
-        return snapshot.decode(snap)
-    except Exception as e:           # safetensors' own errors, bad metadata, a missing tensor...
-        log.warning("a tail snapshot from the store does not decode (%s): recomputing instead", e)
-        return None
