@@ -106,7 +106,7 @@ def test_batched_equals_one_by_one_on_the_device(model):
 def test_exact_prefix_reuse_is_bit_identical_on_the_device(model, tmp_path):
     """bf16 block lanes and fp32 window/carry slots: a warm request resumed from the store's blocks
     and tail snapshot gives the cold run's logits bit for bit."""
-    from tests.engine.test_prefix_cache import CFG as CACHE_CFG, _tapped, cached, open_store, prompts, run
+    from tests.engine.prefix_cache_setup import CFG as CACHE_CFG, cached, open_store, prompts, run, tap_logits
     m = _on(model, torch.bfloat16)
     P, Qs = prompts(7, n_questions=2)
     store = open_store(tmp_path)
@@ -114,10 +114,10 @@ def test_exact_prefix_reuse_is_bit_identical_on_the_device(model, tmp_path):
         run(first, [P + Qs[0]])
     cold, warm = {}, {}
     plain = LLM(model=m, config=CACHE_CFG)
-    _tapped(plain, cold, 1)
+    tap_logits(plain, cold, 1)
     plain.generate([P + Qs[1]], GREEDY)
     with LLM(model=m, config=cached("exact"), store=store) as again:
-        _tapped(again, warm, 1)
+        tap_logits(again, warm, 1)
         _, usage = run(again, [P + Qs[1]])
     store.close()
     assert usage[0].cached_tokens == {"dram": 96}

@@ -109,7 +109,7 @@ def test_v4_compiled_matches_eager(monkeypatch):
 def test_exact_prefix_reuse_stays_bit_identical_compiled(tmp_path, monkeypatch, backend):
     """A warm request resumed from the store's blocks and snapshot (compiled) gives the cold
     compiled run's logits bit for bit. Runs right after the V4 test: the same graphs, little compiling."""
-    from tests.engine.test_prefix_cache import CFG as CACHE_CFG, _tapped, cached, open_store, prompts, run
+    from tests.engine.prefix_cache_setup import CFG as CACHE_CFG, cached, open_store, prompts, run, tap_logits
     monkeypatch.setattr("kvcache.engine.compiled.OPTIONS", {})
     monkeypatch.setattr("kvcache.engine.compiled.BACKEND", backend)
     torch._dynamo.reset()
@@ -121,10 +121,10 @@ def test_exact_prefix_reuse_stays_bit_identical_compiled(tmp_path, monkeypatch, 
         run(first, [P + Qs[0]])                                           # fills the store
     cold_logits, warm_logits = {}, {}
     plain = LLM(model=model, config=dataclasses.replace(CACHE_CFG, compile=True, compile_warmup=False))
-    _tapped(plain, cold_logits, 1)
+    tap_logits(plain, cold_logits, 1)
     plain.generate([P + Qs[1]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     with LLM(model=model, config=exact_compiled, store=store) as warm:
-        _tapped(warm, warm_logits, 1)
+        tap_logits(warm, warm_logits, 1)
         _, usage = run(warm, [P + Qs[1]])
     store.close()
     assert usage[0].cached_tokens == {"dram": 96}

@@ -17,7 +17,7 @@ from kvcache.engine.config import EngineConfig
 from kvcache.engine.request import FinishReason
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.test_engine import model  # noqa: F401  (the v4 / v41 tiny model fixture)
-from tests.engine.test_prefix_cache import cached, open_store, prompts
+from tests.engine.prefix_cache_setup import cached, open_store, prompts
 
 CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4)
 MIXED = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
