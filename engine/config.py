@@ -99,9 +99,10 @@ class EngineConfig:
     @classmethod
     def _parts(cls, d: Mapping[str, Any]) -> tuple["EngineConfig", CacheConfig | None]:
         """The settings, and the [cache] section's (checked whether or not it is enabled)."""
-        unknown = sorted(set(d) - {"engine", "cache"})
+        unknown = sorted(set(d) - {"engine", "cache"} - DAEMON_SECTIONS)
         if unknown:
-            raise EngineConfigError(f"unknown sections {unknown}; an engine config has [engine] and [cache]")
+            raise EngineConfigError(f"unknown sections {unknown}; an engine config has [engine] and [cache] "
+                                    "(beside the daemon's, when `kvcache serve --model` shares the file)")
         settings = _settings(cls, "engine", _table("engine", d.get("engine", {})))
         enabled, cache = _cache(_table("cache", d["cache"])) if "cache" in d else (False, None)
         return _build(cls, "engine", {**settings, "cache": cache if enabled else None}), cache
@@ -111,6 +112,8 @@ class EngineConfigError(ValueError):
     """An engine config that cannot be used; the message names the file and the key."""
 
 
+# the daemon's sections: `kvcache serve --model --config FILE` reads one file for both, each its own
+DAEMON_SECTIONS = frozenset({"store", "server", "dram", "nvme", "object", "retention"})
 _AUTO = {"device_experts"}              # `bool | None` settings: "auto" in TOML is None
 _POSITIVE = {"block_size", "num_blocks", "max_tokens_per_step", "max_running"}
 _TIERS = [str(t) for t in STORE_TIERS]  # the tiers a cache's bandwidth guesses name

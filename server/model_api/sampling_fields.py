@@ -168,7 +168,7 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
-    stops = (stop,) if isinstance(stop, str) else stop
+    stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad_field("stop", "stop must be a non-empty string or a list of them")
     return tuple(stops)

@@ -137,3 +137,26 @@ def test_a_disconnect_mid_stream_frees_the_request(server):
     while running_requests(server.url) and time.time() < deadline:
         time.sleep(0.2)
     assert running_requests(server.url) == 0
+
+
+def _stop_in(text: str) -> str:
+    """Two plain characters from the middle of `text`, where they first occur."""
+    return next(text[i:i + 2] for i in range(2, len(text) - 2)
+                if text[i:i + 2].isascii() and text[i:i + 2].isalnum() and text.find(text[i:i + 2]) == i)
+
+
+def test_a_stop_string_ends_the_answer_and_the_request(server, client):
+    kw = {"max_tokens": 24, "extra_body": {**NO_THINKING, "ignore_eos": True}}
+    full = chat(client, "Stop somewhere", **kw).choices[0].message.content
+    stop = _stop_in(full)
+    r = chat(client, "Stop somewhere", stop=[stop], **kw)
+    assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = chat(client, "Stop somewhere", stop=stop, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+    assert running_requests(server.url) == 0              # the engine request ended at the stop string
+    text = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = _stop_in(text)
+    cut = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
