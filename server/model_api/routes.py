@@ -34,7 +34,7 @@ from kvcache.server.model_api.completions import (CompletionRun, completion_answ
 from kvcache.server.model_api.errors import ApiError, dialect_for, error_response, internal_error, refusal
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.stream import Outcome, Run, answer, sse_events
-from kvcache.server.request_state import REFUSAL, principal
+from kvcache.server.request_state import PRINCIPAL, REFUSAL, principal
 
 log = logging.getLogger("kvcache.server.model_api")
 
@@ -67,7 +67,7 @@ class Exchange:
 def add_routes(app: web.Application, host: ModelHost, admission=None, metrics=None, access_log=None,
                max_body_bytes: int = MAX_BODY_BYTES) -> None:
     app[SERVING] = Serving(host, admission, metrics, access_log, max_body_bytes)
-    app[REFUSAL] = refusal
+    app[REFUSAL] = _refused
     app.router.add_post("/v1/chat/completions", _api("chat", lambda r, x: _chat(r, x, conversation.CHAT)))
     app.router.add_post("/v1/responses", _api("responses", lambda r, x: _chat(r, x, conversation.RESPONSES)))
     app.router.add_post("/v1/messages", _api("messages", lambda r, x: _chat(r, x, conversation.MESSAGES)))
@@ -76,6 +76,18 @@ def add_routes(app: web.Application, host: ModelHost, admission=None, metrics=No
     app.router.add_get("/v1/models", _api("models", _models))
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+
+
+_APIS = {"/v1/chat/completions": "chat", "/v1/responses": "responses", "/v1/messages": "messages",
+         "/v1/completions": "completions", "/v1/messages/count_tokens": "count_tokens", "/v1/models": "models"}
+
+
+def _refused(request: web.Request, status: int, code: str, message: str) -> web.Response:
+    """The token check's refusal, in the API's shape, and in the access log for a model route."""
+    api = _APIS.get(request.path)
+    if api is not None:
+        _log(request.app[SERVING], request, Exchange(api), status, message)
+    return refusal(request, status, code, message)
 
 
 def _api(api: str, serve):
@@ -227,9 +239,9 @@ def _observe(s: Serving, x: Exchange) -> None:
 def _log(s: Serving, request: web.Request, x: Exchange, status: int, error: str | None) -> None:
     if s.access_log is None:
         return
-    o = x.outcome
+    o, who = x.outcome, request.get(PRINCIPAL)      # (none when its token was refused)
     s.access_log.write({"method": request.method, "path": request.path, "status": status,
-                        "tenant": principal(request).tenant, "api": x.api, "request_id": x.request_id,
+                        "tenant": who.tenant if who is not None else None, "api": x.api, "request_id": x.request_id,
                         "prompt_tokens": o.prompt_tokens if o else None, "cached_tokens": o.cached if o else None,
                         "generated_tokens": o.generated if o else None, "ttft_s": o.ttft_s if o else None,
                         "duration_s": time.perf_counter() - x.started,

@@ -3,12 +3,14 @@ SDKs' exception types (raw HTTP where the SDKs cannot send the mistake): malform
 models, invalid parameters, prompts past the context, oversized bodies, missing or wrong tokens.
 
 One server with tokens and a config file that holds both the daemon's [server] and the engine's
-[engine] sections (a pool of 16 blocks: a context of 2048 tokens, so an oversized prompt is cheap)."""
+[engine] sections (a pool of 16 blocks: a context of 2048 tokens, so an oversized prompt is cheap),
+tenant limits of one request and 1500 tokens in flight, and an access log."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import anthropic
 import openai
@@ -26,8 +28,10 @@ ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 def server(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("cfg") / "serve.toml"
     cfg.write_text("[server]\nshutdown_timeout_s = 20\n\n[engine]\nnum_blocks = 16\nmax_running = 8\n")
-    s = start_server(tmp_path_factory, "--config", str(cfg),
+    s = start_server(tmp_path_factory, "--config", str(cfg), "--tenant-max-requests", "1", "--tenant-max-tokens",
+                     "1500", "--access-log", str(cfg.parent / "access.log"),
                      env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{METRICS_TOKEN}::metrics"})
+    s.access_log = cfg.parent / "access.log"
     yield s
     s.kill()
 
@@ -152,3 +156,38 @@ def test_model_routes_need_a_token(server, oai, claude):
     assert m.usage.output_tokens <= 2
     status, _ = server.call("GET", "/ready")
     assert status == 200                                     # readiness needs no token
+
+
+def test_tenant_limits_answer_429_with_retry_after_and_400_for_what_never_fits(server, oai):
+    with pytest.raises(openai.BadRequestError, match="1500"):          # prompt + max_tokens past the cap
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1600)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 1000,
+            "ignore_eos": True, "stream": True, **NO_THINKING}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    try:
+        assert conn.getresponse().readline().startswith(b"data: ")    # the tenant's one request in flight
+        with pytest.raises(openai.RateLimitError) as e:
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+    finally:
+        conn.close()
+
+
+def test_the_access_log_has_a_line_per_model_request(server, oai):
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt="hi", max_tokens=2)
+    deadline = time.time() + 60
+    while True:                        # the stream the test above left may still hold the tenant's place
+        try:
+            oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.time() < deadline, "the abandoned stream never gave its place back"
+            time.sleep(0.2)
+    lines = [json.loads(line) for line in server.access_log.read_text().splitlines()]
+    assert any(r["status"] == 404 and r["api"] == "completions" and r["tenant"] == "acme" for r in lines)
+    ok = [r for r in lines if r["status"] == 200 and r["api"] == "completions"][-1]
+    assert ok["prompt_tokens"] > 0 and ok["generated_tokens"] <= 2 and ok["request_id"].startswith("cmpl-")
+    assert any(r["status"] == 401 and r["tenant"] is None for r in lines)     # the token check's refusals too
