@@ -14,6 +14,11 @@ every process, rank and restart computes the same keys (the silent 0 % hit rate 
 LMCache and vLLM users hit). xxh3-128 is the default; sha256 is for deployments that do not
 trust their tenants (a crafted collision could otherwise poison another tenant's prefix).
 
+A request's cache salt (one per tenant, or per sharing group of tenants) starts its chain at a
+salted root instead (`salted_root`): requests with different salts share no block key, so none
+finds (or times) another's prefix, in the engine's pool or in the store; the salt "" is the
+namespace root itself, so unsalted keys stay as they were.
+
 The keys of exact mode's tail snapshots are derived here too (`snapshot_key`, `end_snapshot_key`):
 blake2b over a tag, the block key and, for an end snapshot, its tokens packed as little-endian int64.
 """
@@ -209,6 +214,18 @@ def hash_blocks(ns: Namespace, tokens, extra_keys=None, parent: bytes | None = N
         prev = _chain(ns.algo, prev, rows[i], extras[i])
         keys.append(prev)
     return keys
+
+
+def salted_root(ns: Namespace, salt: str) -> bytes:
+    """Where the block-key chain of a request with cache salt `salt` starts (hash_blocks' `parent`
+    for its first block): H("kvcache.cache-salt" | namespace root | salt), framed, as long as the
+    namespace's keys. The salt "" is no salt: the namespace root, so its keys are today's."""
+    if not salt:
+        return ns.root
+    h = ns.algo.new()
+    for part in (b"kvcache.cache-salt", ns.root, salt.encode()):
+        _frame(h, part)
+    return h.digest()
 
 
 def snapshot_key(block_key: bytes) -> bytes:

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvcache.kvstore import HashAlgo, Namespace, hash_block, hash_blocks
-from kvcache.kvstore.hashing import end_snapshot_key, snapshot_key
+from kvcache.kvstore.hashing import end_snapshot_key, salted_root, snapshot_key
 
 NS = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256)
 NS_SHA = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256,
@@ -70,6 +70,28 @@ def test_end_snapshot_key_packs_tokens_little_endian():
     assert end_snapshot_key(K16, np.array(tail), 16) == want      # numpy ids pack the same
     with pytest.raises(struct.error):
         end_snapshot_key(K16, [1.5], 16)
+
+
+# a request's cache salt: where its chain starts (stored blocks of salted requests keep these keys)
+GOLDEN_SALTED_ROOT = {"xxh3-128": "f1b7f8fe871ff3573fe6ab3e593e3906",
+                      "sha256": "4057565079abe6fc2f536571fd584680984b96584c497d8da7a85bf320877c69"}
+
+
+def test_golden_salted_root():
+    assert salted_root(NS, "tenant-a").hex() == GOLDEN_SALTED_ROOT["xxh3-128"]
+    assert salted_root(NS_SHA, "tenant-a").hex() == GOLDEN_SALTED_ROOT["sha256"]
+    by_hand = xxhash.xxh3_128_digest(b"".join(_frame(p) for p in (b"kvcache.cache-salt", NS.root, b"tenant-a")))
+    assert salted_root(NS, "tenant-a") == by_hand
+    assert len(salted_root(NS_SHA, "tenant-a")) == 32
+
+
+def test_the_empty_salt_keeps_todays_keys_and_salts_key_apart():
+    tokens = np.arange(1024) % 1000
+    assert salted_root(NS, "") == NS.root
+    assert hash_blocks(NS, tokens, parent=salted_root(NS, "")) == hash_blocks(NS, tokens)
+    a, b = (hash_blocks(NS, tokens, parent=salted_root(NS, s)) for s in ("a", "b"))
+    assert not set(a) & set(b) and not set(a) & set(GOLDEN_KEYS)
+    assert salted_root(NS, "a") != salted_root(dataclasses.replace(NS, block_size=128), "a")
 
 
 def _frame(b: bytes) -> bytes:
