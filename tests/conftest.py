@@ -75,6 +75,16 @@ def make_store(tmp_path, clock):
         s.close()
 
 
+@pytest.fixture(scope="session")
+def v4_tiny_checkpoint(tmp_path_factory):
+    """The demo checkpoint `kvcache model init --config v4-tiny` writes (seed 0), built once for
+    the session: tests only read it; one that changes a checkpoint copies it first."""
+    from kvcache.engine.checkpoint.demo import config_path, write_demo_checkpoint
+    out = tmp_path_factory.mktemp("checkpoints") / "v4-tiny"
+    write_demo_checkpoint(config_path("v4-tiny"), str(out))
+    return out
+
+
 def put_blocks(store, keys, n=4096, tenant=""):
     return store.put_many([PutItem(k, payload_for(k, n), NS.id, tenant=tenant) for k in keys])
 

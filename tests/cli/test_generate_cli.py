@@ -1,5 +1,6 @@
-"""`kvcache generate` at its edges, through the real command line: what reaches stdout while a
-request streams, a reader that leaves, and broken or missing inputs as one clear error line."""
+"""`kvcache generate` at its edges, through the command line's main(): what reaches stdout while a
+request streams, broken or missing inputs as one clear error line. A real process where the
+process is the point: a reader that leaves (SIGPIPE), and what a run prints on its way out."""
 
 import subprocess
 import sys
@@ -9,14 +10,12 @@ import torch
 
 from kvcache.cli.fmt import escape_controls
 from kvcache.cli.generate import printable
-from tests.cli.test_model_cli import kv
+from tests.cli.command import kv, kv_process
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gen") / "m"
-    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
-    return d
+@pytest.fixture
+def model_dir(v4_tiny_checkpoint):
+    return v4_tiny_checkpoint
 
 
 def test_printable_holds_back_a_partial_character_and_a_possible_stop_string():
@@ -95,8 +94,9 @@ def test_bad_lists_and_paths_are_refused_up_front(tmp_path, capsys):
 
 def test_a_daemon_that_is_not_running_is_one_warning_and_an_uncached_run(model_dir):
     from tests.server.test_serve_process import free_port
-    r = kv("generate", "--model", str(model_dir), "--prompt", "A prefix cache", "--max-tokens", "4",
-           "--cache", f"http://127.0.0.1:{free_port()}", "--cache-mode", "exact")
+    # a process: an unclosed session would be reported as the interpreter exits
+    r = kv_process("generate", "--model", str(model_dir), "--prompt", "A prefix cache", "--max-tokens", "4",
+                   "--cache", f"http://127.0.0.1:{free_port()}", "--cache-mode", "exact")
     warnings = [line for line in r.stderr.splitlines() if "is unreachable" in line]
     assert r.returncode == 0 and len(warnings) == 1 and "generating without the cache" in warnings[0], r.stderr
     assert "Unclosed" not in r.stderr and "Traceback" not in r.stderr

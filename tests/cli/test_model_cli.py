@@ -1,11 +1,11 @@
-"""`kvcache model init | logits | info` through the real command line."""
+"""`kvcache model init | logits | info` and `kvcache generate` through the command line's main():
+the same parsing, output and exit status as from a shell. Real processes where the process is the
+point: tensor-parallel ranks, a second process seeded alike or reading the first's cache."""
 
 import hashlib
 import json
 import os
 import stat
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,11 +13,7 @@ import torch
 
 from kvcache.engine.checkpoint.loader import load_model
 from kvcache.engine.tokenizer import load_tokenizer
-
-
-def kv(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "kvcache.cli.main", *args], capture_output=True, text=True,
-                          check=check)
+from tests.cli.command import kv, kv_process
 
 
 def _digest(d):
@@ -46,8 +42,11 @@ def test_init_is_deterministic_and_logits_match_the_loaded_model(tmp_path):
 
 def test_init_gives_every_file_the_mode_of_the_users_umask(tmp_path):
     # safetensors alone writes the shards 0600: the other files follow the umask
-    subprocess.run([sys.executable, "-m", "kvcache.cli.main", "model", "init", "--config", "v4-tiny", "--out",
-                    str(tmp_path / "m")], check=True, capture_output=True, preexec_fn=lambda: os.umask(0o027))
+    old = os.umask(0o027)
+    try:
+        kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"))
+    finally:
+        os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "m").iterdir()}
     assert any(n.endswith(".safetensors") for n in modes) and set(modes.values()) == {0o640}, modes
 
@@ -70,15 +69,15 @@ def test_logits_of_a_checkpoint_saved_by_transformers(tmp_path):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-def test_bad_inputs_are_clear_errors(tmp_path):
+def test_bad_inputs_are_clear_errors(tmp_path, v4_tiny_checkpoint):
     r = kv("model", "logits", "--model", str(tmp_path), "--prompt-ids", "1,2", "--out", "x.npy", check=False)
     assert r.returncode == 2 and "config.json" in r.stderr
     r = kv("model", "init", "--config", "no-such-model", "--out", str(tmp_path / "x"), check=False)
     assert r.returncode == 2 and "v4-tiny" in r.stderr
-    kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"))
-    r = kv("model", "logits", "--model", str(tmp_path / "m"), "--prompt-ids", "1,a", "--out", "x.npy", check=False)
+    m, out = str(v4_tiny_checkpoint), str(tmp_path / "x.npy")
+    r = kv("model", "logits", "--model", m, "--prompt-ids", "1,a", "--out", out, check=False)
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
-    r = kv("model", "logits", "--model", str(tmp_path / "m"), "--prompt-ids", "1,999", "--out", "x.npy", check=False)
+    r = kv("model", "logits", "--model", m, "--prompt-ids", "1,999", "--out", out, check=False)
     assert r.returncode == 2 and "outside the model's vocabulary" in r.stderr
 
 
@@ -94,12 +93,11 @@ def test_info_of_the_real_flash_config():
     assert "6880.0 B/token" in text and "290,942,289,362" in text
 
 
-def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
-    d = tmp_path / "m"
-    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
+def test_generate_streams_and_is_reproducible_with_a_seed(v4_tiny_checkpoint):
+    d = v4_tiny_checkpoint
     args = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "8", "--temperature", "0.8",
             "--seed", "11", "--ignore-eos")
-    a, b = kv(*args), kv(*args)
+    a, b = kv(*args), kv_process(*args)                          # the seed alone decides: not the process
     assert a.stdout == b.stdout and a.stdout.strip()
     assert "8 generated" in a.stderr and "time to first token" in a.stderr
     r = kv("generate", "--model", str(d), "--prompt-ids", "1,2,x", check=False)
@@ -110,30 +108,28 @@ def test_generate_streams_and_is_reproducible_with_a_seed(tmp_path):
     assert r.returncode == 2 and "--compile does not support tensor" in r.stderr
 
 
-def test_generate_with_two_tensor_parallel_ranks_matches_one(tmp_path):
-    d = tmp_path / "m"
-    kv("model", "init", "--config", "v4-tiny", "--out", str(d))
+def test_generate_with_two_tensor_parallel_ranks_matches_one(v4_tiny_checkpoint):
+    d = v4_tiny_checkpoint
     # greedy: sampled tokens could flip on a draw that lands within float rounding of a CDF step, and
     # the ranks' partial sums are not bit-identical to one process (the logits agree to 1e-5:
     # tests/engine/test_parallel.py)
     base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "6", "--ignore-eos")
     one = kv(*base)
-    two = kv(*base, "--tp", "2", "--ep")
+    two = kv_process(*base, "--tp", "2", "--ep")                # ranks are processes: a real parent spawns them
     assert one.stdout == two.stdout and "6 generated" in two.stderr
     # a rank's bad input: one clear line and exit status 2, as without --tp (no rank's traceback). The
     # parent says it after the ranks are gone: a rank that said it could be SIGTERMed first (CI, once)
-    bad = kv("generate", "--model", str(d), "--prompt-ids", "1,2,999999", "--tp", "2", check=False)
+    bad = kv_process("generate", "--model", str(d), "--prompt-ids", "1,2,999999", "--tp", "2", check=False)
     assert bad.returncode == 2 and bad.stderr.count("error:") == 1 and "999999" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr and "SIGTERM" not in bad.stderr, bad.stderr
 
 
-def test_generate_with_a_cache_directory_reuses_the_prefix_exactly(tmp_path):
-    kv("model", "init", "--config", "v4-tiny", "--out", str(tmp_path / "m"))
+def test_generate_with_a_cache_directory_reuses_the_prefix_exactly(tmp_path, v4_tiny_checkpoint):
     ids = ",".join(str(3 + i % 300) for i in range(600))
-    base = ["generate", "--model", str(tmp_path / "m"), "--prompt-ids", ids, "--max-tokens", "6"]
+    base = ["generate", "--model", str(v4_tiny_checkpoint), "--prompt-ids", ids, "--max-tokens", "6"]
     plain = kv(*base)
     cache = ["--cache", str(tmp_path / "store"), "--cache-mode", "exact"]
-    first, second = kv(*base, *cache), kv(*base, *cache)         # two processes: the second hits NVMe
+    first, second = kv(*base, *cache), kv_process(*base, *cache)  # another process derives the same keys: NVMe hits
     tokens = lambda r: r.stdout.strip()  # noqa: E731
     assert tokens(first) == tokens(second) == tokens(plain)
     assert "cached (none)" in first.stderr and "512 of 600 prompt tokens cached (nvme 512)" in second.stderr
