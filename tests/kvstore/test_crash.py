@@ -40,7 +40,12 @@ cw = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cw)
 
 LIVE, GONE, MAYBE = "live", "gone", "maybe"
-KILLS = 24
+# Each kill costs a writer's start-up and a full verify of a store that keeps growing. Four kills
+# land in start-up / open and twelve in a running writer: on 2 busy cores, seeds 0-7 left 1,100-2,500
+# acknowledged blocks, about as many deletes and 77-150 GC steps that removed segments, far above
+# what the loop asserts; every CI run draws a new schedule.
+KILLS = 16
+OPEN_EVERY = 4              # kill number 3, 7, 11, 15: during start-up / open
 
 
 def replay(journal: str) -> dict[int, str]:
@@ -133,7 +138,7 @@ def _kill_loop(tmp, out) -> None:
             proc = subprocess.Popen([sys.executable, WRITER, data, journal, str(it * 1_000_000),
                                      str(rng.randrange(1 << 30))], stdout=subprocess.PIPE, stderr=err)
         try:
-            if it % 6 == 5:  # now and then: kill during start-up / open
+            if it % OPEN_EVERY == OPEN_EVERY - 1:  # now and then: kill during start-up / open
                 time.sleep(rng.uniform(0.05, 0.4))
                 kills_in_open += 1
             else:
