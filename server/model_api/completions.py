@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 from kvcache.engine.request import FinishReason
 from kvcache.engine.sampling import SamplingParams
 from kvcache.server.model_api.conversation import parse_body
-from kvcache.server.model_api.errors import ApiError, bad_field
+from kvcache.server.model_api.errors import ApiError, bad_field, log
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.sampling_fields import completions_fields, resolve_max_tokens
 from kvcache.server.model_api.stream import EngineFailed, Outcome, engine_outputs, sse_frame
@@ -169,7 +169,11 @@ async def completion_events(run: CompletionRun) -> AsyncIterator[bytes]:
         async with aclosing(run.texts()) as texts:
             async for delta in texts:
                 yield sse_frame(None, json.dumps(_object(c, delta, None, None), ensure_ascii=False))
-    except EngineFailed as e:
+    except ApiError:                               # before the first frame: still a 4xx
+        raise
+    except Exception as e:
+        if not isinstance(e, EngineFailed):        # a bug past the status line: logged, the stream ends in shape
+            log.exception("completion stream %s failed", c.request_id)
         err = {"message": f"the request failed: {e}", "type": "server_error", "param": None, "code": "server_error"}
         yield sse_frame(None, json.dumps({"error": err}))
         return

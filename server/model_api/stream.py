@@ -29,7 +29,7 @@ import deepseek_recipe as dr
 from kvcache.engine.request import FinishReason
 from kvcache.kvstore.types import TierName
 from kvcache.server.model_api.conversation import CHAT, RESPONSES, Prepared
-from kvcache.server.model_api.errors import ApiError, Dialect, error_body
+from kvcache.server.model_api.errors import ApiError, Dialect, error_body, log
 from kvcache.server.model_api.host import ModelHost
 
 _FINISH = {FinishReason.STOP: dr.InferenceFinishReason.Stop, FinishReason.LENGTH: dr.InferenceFinishReason.Length}
@@ -186,8 +186,14 @@ async def sse_events(run: Run, dialect: Dialect) -> AsyncIterator[bytes]:
                     n += 1
                     yield sse_frame(response.sse_event_name(chunk), with_usage(chunk.to_json(), run.outcome,
                                                                                prep.include_usage))
+    except ApiError:                     # before the first frame: still a 4xx (routes._stream)
+        raise
     except EngineFailed as e:
         yield error_event(prep, dialect, str(e), n)
+        return
+    except Exception as e:               # a bug past the status line: the stream still ends in the API's shape
+        log.exception("model stream %s failed", prep.request_id)
+        yield error_event(prep, dialect, f"internal error ({type(e).__name__}); see the server log", n)
         return
     done = response.sse_done_data()
     if done is not None:
