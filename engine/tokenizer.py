@@ -2,8 +2,11 @@
 demo checkpoints, both through Hugging Face `tokenizers`, with DeepSeek's special tokens.
 
 Special tokens take the first ids, in the order of SPECIAL_TOKENS, so BOS = 0, EOS = 1 and
-PAD = 2 as in the real configs. The model's vocabulary (logit width) may be larger than the
-tokenizer's: ids past the tokenizer are never produced by encode().
+PAD = 2 as in the real configs. They are spelled as deepseek-recipe renders prompts (its
+SpecialToken defaults: the tool-call marker is `｜DSML｜`, markup such as `<｜DSML｜invoke` being
+plain text around it), so the model server's prompt encoding works on demo checkpoints. The
+model's vocabulary (logit width) may be larger than the tokenizer's: ids past the tokenizer are
+never produced by encode().
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, "<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<think>", "</think>",
-                  "<｜latest_reminder｜>", "<｜DSML｜", "</｜DSML｜", "<｜deepseek_image｜>", "<tool_result>",
+                  "<｜latest_reminder｜>", "｜DSML｜", "</｜DSML｜", "<｜deepseek_image｜>", "<tool_result>",
                   "</tool_result>", "<｜action｜>", "<｜query｜>")
 
 # a fixed, varied training text for the demo tokenizer (prose, code, numbers, CJK, chat markup):

@@ -45,11 +45,16 @@ def server(tmp_path_factory):
     s.kill()
 
 
-def running_requests(url: str, headers: dict | None = None) -> int:
-    """kvcache:num_requests_running from /metrics."""
+def metric(url: str, series: str, labels: str = "", headers: dict | None = None) -> float:
+    """One series' value from /metrics (`labels`: a regex the series' labels must contain)."""
     req = urllib.request.Request(url + "/metrics", headers=headers or {})
     with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read().decode()
-    m = re.search(r'^kvcache:num_requests_running\{[^}]*\} (\S+)$', text, re.M)
-    assert m, "no kvcache:num_requests_running in /metrics"
-    return int(float(m.group(1)))
+    m = re.search(rf'^{re.escape(series)}\{{[^}}]*{labels}[^}}]*\}} (\S+)$', text, re.M)
+    assert m, f"no {series}{{{labels}}} in /metrics"
+    return float(m.group(1))
+
+
+def running_requests(url: str, headers: dict | None = None) -> int:
+    """kvcache:num_requests_running from /metrics."""
+    return int(metric(url, "kvcache:num_requests_running", headers=headers))

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, running_requests
+from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metric, running_requests
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -86,7 +86,8 @@ def test_responses_streamed_and_not(client):
     assert last.response.output_text == r.output_text
 
 
-def test_a_shared_prefix_is_cached_in_every_usage_format(client):
+def test_a_shared_prefix_is_cached_in_every_usage_format(server, client):
+    hits_before = metric(server.url, "kvcache:prefix_cache_hits_total", 'tier="hbm"')
     prefix = long_text(140, seed=1)              # > 600 tokens, past the first snapshot point
     first = chat(client, prefix + " first question")
     assert first.usage.prompt_tokens > 600 and first.usage.prompt_tokens_details.cached_tokens == 0
@@ -97,6 +98,7 @@ def test_a_shared_prefix_is_cached_in_every_usage_format(client):
     assert extra["prompt_cache_hit_tokens"] == cached
     assert extra["prompt_cache_miss_tokens"] == second.usage.prompt_tokens - cached
     assert sum(extra["cached_tokens_by_tier"].values()) == cached
+    assert metric(server.url, "kvcache:prefix_cache_hits_total", 'tier="hbm"') >= hits_before + cached
     resp = client.responses.create(model=MODEL, input=prefix + " third question", max_output_tokens=4,
                                    reasoning={"effort": "none"})
     assert resp.usage.input_tokens_details.cached_tokens > 0
@@ -160,3 +162,16 @@ def test_a_stop_string_ends_the_answer_and_the_request(server, client):
     cut = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True})
     assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_tools_are_rendered_into_the_prompt(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object", "required": ["city"],
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    plain = chat(client, "Weather in Paris?")
+    with_tools = chat(client, "Weather in Paris?", tools=tools)       # the recipe's DSML tool section
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError):                        # the recipe: not in thinking mode
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=tools, tool_choice="required", max_tokens=4)
