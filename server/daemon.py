@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import stat
-import tomllib
 from dataclasses import dataclass
 
 from kvcache.gc.collector import Collector
@@ -25,10 +24,9 @@ from kvcache.server.app import build_app
 from kvcache.server.config import ServerConfig, default_data_dir
 from kvcache.server.front import site
 from kvcache.server.front.bulk_put import UPLOAD
-from kvcache.server.reconfigure import CONFIG_FILE, reload_on_sighup
+from kvcache.server.reconfigure import (CONFIG_FILE, ENGINE_SECTIONS, daemon_sections, read_config_file,
+                                        reload_on_sighup)
 from kvcache.server.request_state import METRICS
-
-ENGINE_SECTIONS = ("engine", "cache")     # engine/config.py's; kept in step with server/model_api/host.py
 
 
 @dataclass(frozen=True)
@@ -51,23 +49,10 @@ class Overrides:
     tenant_max_tokens: int | None = None
 
 
-def read_config_file(path: str | None) -> dict:
-    """The parsed TOML (empty without a file)."""
-    if not path:
-        return {}
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-
-
 def load_configs(over: Overrides) -> tuple[StoreConfig, ServerConfig]:
     """The store's and the [server] settings: the config file (if any) under the command line's.
     The engine's sections ([engine], [cache]) may share the file: they are the engine's to read."""
-    raw = {k: v for k, v in read_config_file(over.config_file).items() if k not in ENGINE_SECTIONS}
+    raw = daemon_sections(read_config_file(over.config_file)) if over.config_file else {}
     server = ServerConfig.from_dict(raw.get("server", {}), host=over.host, port=over.port,
                                     unix_socket=over.unix_socket)
     data_dir = over.data_dir or raw.get("store", {}).get("data_dir") or default_data_dir()
@@ -178,7 +163,8 @@ def attach_model(app, over: Overrides, data_dir: str, store, registry):
     from kvcache.server.model_api.admission import Admission
     from kvcache.server.model_api.metrics import ServingMetrics
     from kvcache.server.model_api.routes import add_routes
-    sections = {k: v for k, v in read_config_file(over.config_file).items() if k in ENGINE_SECTIONS}
+    raw = read_config_file(over.config_file) if over.config_file else {}
+    sections = {k: v for k, v in raw.items() if k in ENGINE_SECTIONS}
     config = model_host.engine_config(sections, over.cache_url, over.cache_mode)
     host = model_host.open_model_host(over.model, data_dir, config, store, over.served_model_name, over.device)
     try:

@@ -54,6 +54,12 @@ class LiveConfig:
 
 
 CONFIG_FILE = web.AppKey("config_file", str)
+ENGINE_SECTIONS = ("engine", "cache")    # `kvcache serve --model`'s engine reads these from the same file
+
+
+def daemon_sections(raw: Mapping[str, Any]) -> dict:
+    """A config file's sections but the engine's: what the store and [server] settings read."""
+    return {k: v for k, v in raw.items() if k not in ENGINE_SECTIONS}
 
 
 def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = False) -> dict:
@@ -72,7 +78,7 @@ def reconfigure(app: web.Application, raw: Mapping[str, Any], partial: bool = Fa
     if old_server.auth_required and not new_server.auth_required:
         raise ValueError("these settings leave no tokens, which would turn auth off on a running daemon: "
                          "keep at least one token (restart without tokens to serve without auth)")
-    new_store = StoreConfig.from_dict(raw, data_dir=old_store.data_dir)
+    new_store = StoreConfig.from_dict(daemon_sections(raw), data_dir=old_store.data_dir)
     if partial:
         new_store = _keep_unsent(new_store, old_store, raw)
     if old_store.dram is not None and new_store.dram is not None and new_store.dram.shared_memory is None:

@@ -50,6 +50,13 @@ async def test_reconfigure_needs_admin_and_a_valid_config(client):  # noqa: F811
     assert r.status == 400 and "--config" in (await r.json())["message"]
 
 
+async def test_the_engine_sections_of_a_shared_config_are_not_the_daemons(client):  # noqa: F811
+    good = [{"token": ALICE, "tenant": "alice"}, {"token": ADMIN, "tenant": "ops", "admin": True}]
+    shared = {**config(good), "engine": {"num_blocks": 64}, "cache": {"mode": "exact"}}   # kvcache serve --model's
+    r = await client.post("/v1/admin/reconfigure", json=shared, headers=auth(ADMIN))
+    assert r.status == 200, await r.text()
+
+
 def _toml(tokens) -> str:
     lines = ["[retention]", "ttl_hours = 72", ""]
     for t, tenant in tokens:

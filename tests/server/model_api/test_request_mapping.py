@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from kvcache.engine.config import CacheConfig, EngineConfig
-from kvcache.server.daemon import ENGINE_SECTIONS, Overrides, load_configs, read_config_file
+from kvcache.server.daemon import Overrides, load_configs
 from kvcache.server.model_api.errors import ApiError, error_body, from_conversion
 from kvcache.server.model_api.host import engine_config
+from kvcache.server.reconfigure import ENGINE_SECTIONS, read_config_file
 from kvcache.server.model_api.sampling_fields import (chat_fields, completions_fields, messages_fields,
                                                       resolve_max_tokens, responses_fields)
 
