@@ -41,6 +41,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after_s: float | None = None     # 429: when to try again
+    reason: str | None = None              # the metrics' label for a refusal (None: from the status)
 
     def __str__(self) -> str:
         return self.message

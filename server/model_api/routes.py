@@ -100,7 +100,7 @@ def _api(api: str, serve):
             response = await serve(request, x)
         except ApiError as e:
             if s.metrics is not None and x.outcome is None:
-                s.metrics.rejected(api, _REJECTIONS.get(e.status, f"http_{e.status}"))
+                s.metrics.rejected(api, e.reason or _REJECTIONS.get(e.status, f"http_{e.status}"))
             response = error_response(e, dialect_for(request.path))
             _log(s, request, x, response.status, e.message)
             return response
@@ -123,7 +123,7 @@ async def _chat(request: web.Request, x: Exchange, protocol) -> web.StreamRespon
     s = _serving(request)
     prep = conversation.prepare(protocol, await read_body(request, s.max_body_bytes), s.host)
     x.request_id = prep.request_id
-    with _admitted(s, request, protocol.name, len(prep.prompt_ids) + prep.params.max_tokens):
+    with _admitted(s, request, len(prep.prompt_ids) + prep.params.max_tokens):
         run = Run(s.host, prep, principal(request).tenant, gone=lambda: _gone(request))
         x.outcome = run.outcome
         if prep.stream:
@@ -135,7 +135,7 @@ async def _completions(request: web.Request, x: Exchange) -> web.StreamResponse:
     s = _serving(request)
     creq = prepare_completion(await read_body(request, s.max_body_bytes), s.host)
     x.request_id = creq.request_id
-    with _admitted(s, request, "completions", len(creq.prompt_ids) + creq.params.max_tokens):
+    with _admitted(s, request, len(creq.prompt_ids) + creq.params.max_tokens):
         run = CompletionRun(s.host, creq, principal(request).tenant, gone=lambda: _gone(request))
         x.outcome = run.outcome
         if creq.stream:
@@ -190,7 +190,7 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 
 @contextlib.contextmanager
-def _admitted(s: Serving, request: web.Request, api: str, tokens: int):
+def _admitted(s: Serving, request: web.Request, tokens: int):
     """The request's place under the admission limits, held until its answer is done."""
     if s.admission is None:
         yield
@@ -198,9 +198,7 @@ def _admitted(s: Serving, request: web.Request, api: str, tokens: int):
     try:
         ticket = s.admission.enter(principal(request).tenant, tokens)
     except Overloaded as e:
-        if s.metrics is not None:
-            s.metrics.rejected(api, e.reason)
-        raise ApiError(e.status, e.message, retry_after_s=e.retry_after_s or None,
+        raise ApiError(e.status, e.message, retry_after_s=e.retry_after_s or None, reason=e.reason,
                        code="rate_limit_exceeded" if e.status == 429 else None) from None
     with ticket:
         yield

@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, start_server
+from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metric, start_server
 
 pytestmark = pytest.mark.timeout(600)
 TOKEN, METRICS_TOKEN = "model-test-token-0123456789", "model-metrics-token-0123456789"
@@ -173,6 +173,9 @@ def test_tenant_limits_answer_429_with_retry_after_and_400_for_what_never_fits(s
         assert int(e.value.response.headers["retry-after"]) >= 1
     finally:
         conn.close()
+    scrape = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    for reason in ("tenant_requests", "too_large"):           # each refusal counted once
+        assert metric(server.url, "kvcache:requests_rejected_total", f'reason="{reason}"', scrape) == 1
 
 
 def test_the_access_log_has_a_line_per_model_request(server, oai):
