@@ -33,7 +33,7 @@ from kvcache.server.model_api.completions import (CompletionRun, completion_answ
                                                   prepare_completion)
 from kvcache.server.model_api.errors import ApiError, dialect_for, error_response, internal_error, refusal
 from kvcache.server.model_api.host import ModelHost
-from kvcache.server.model_api.stream import Outcome, Run, answer, sse_events
+from kvcache.server.model_api.stream import EngineFailed, Outcome, Run, answer, sse_events
 from kvcache.server.request_state import PRINCIPAL, REFUSAL, principal
 
 log = logging.getLogger("kvcache.server.model_api")
@@ -103,6 +103,12 @@ def _api(api: str, serve):
                 s.metrics.rejected(api, e.reason or _REJECTIONS.get(e.status, f"http_{e.status}"))
             response = error_response(e, dialect_for(request.path))
             _log(s, request, x, response.status, e.message)
+            return response
+        except EngineFailed as e:        # the engine failed the request (it logged why): a 500, observed
+            _observe(s, x)
+            response = error_response(ApiError(500, f"the request failed: {e}", code="server_error"),
+                                      dialect_for(request.path))
+            _log(s, request, x, 500, str(e))
             return response
         except ConnectionError:          # the client went away mid-answer: nobody to answer
             log.debug("client closed the connection during %s", request.path)
