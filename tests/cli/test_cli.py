@@ -1,4 +1,5 @@
-"""The `kvcache` command, run as users run it: a real subprocess."""
+"""The `kvcache` store commands through the command line's main() (the same parsing, output and
+exit status as from a shell); a real process for the entry point, and beside a running daemon."""
 
 import json
 import os
@@ -15,11 +16,15 @@ from kvcache.kvstore.config import StoreConfig
 from kvcache.kvstore.store import BlockStore
 from kvcache.kvstore.types import PutItem
 from kvcache.tiering.config import NvmeConfig
+from tests.cli.command import kv, kv_process
 
 
 def kvcache(*args, check=False):
-    return subprocess.run([sys.executable, "-m", "kvcache.cli.main", *args],
-                          capture_output=True, text=True, check=check, timeout=120)
+    return kv(*args, check=check)
+
+
+def kvcache_process(*args, check=False):
+    return kv_process(*args, check=check, timeout=120)
 
 
 def _populate(path, n=40):
@@ -34,7 +39,7 @@ def _populate(path, n=40):
 
 
 def test_help_explains_every_command():
-    out = kvcache("--help", check=True).stdout
+    out = kvcache_process("--help", check=True).stdout
     for cmd in ("stats", "check", "gc"):
         assert cmd in out
     assert "--fix" in kvcache("check", "--help", check=True).stdout
@@ -109,12 +114,12 @@ def test_check_and_gc_on_a_daemons_directory_say_what_to_do_and_gc_runs_in_the_d
             except OSError:
                 assert daemon.poll() is None
                 time.sleep(0.1)
-        r = kvcache("gc", str(tmp_path / "d"))
+        r = kvcache_process("gc", str(tmp_path / "d"))
         assert r.returncode == 2 and f"pid {daemon.pid}" in r.stderr and "kvcache gc --url" in r.stderr, r.stderr
-        r = kvcache("check", str(tmp_path / "d"), "--rebuild")
+        r = kvcache_process("check", str(tmp_path / "d"), "--rebuild")
         assert r.returncode == 2 and "stop the daemon" in r.stderr and "kvcache stats" in r.stderr, r.stderr
         assert (tmp_path / "d" / "index" / "data.mdb").exists()      # --rebuild left the live index alone
-        rep = json.loads(kvcache("gc", "--url", url, "--json", check=True).stdout)
+        rep = json.loads(kvcache_process("gc", "--url", url, "--json", check=True).stdout)
         assert rep["wrapped"] and rep["expired"] == 0
     finally:
         daemon.terminate()
