@@ -46,13 +46,15 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    async def generate(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = ""):
+    async def generate(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "",
+                       cache_salt: str = "", cache_points=()):
         """Yield a StepOutput each time the request gets tokens, until it is done. With n > 1 the
         outputs of all its samples come here (`out.request.stream` says which); it is done when
-        every sample has finished. Validation errors raise here, before anything runs."""
+        every sample has finished. Validation errors raise here, before anything runs.
+        `cache_salt` and `cache_points` are LLMEngine.add_request's."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
-            req = self.engine.add_request(prompt, params, priority, request_id)
+            req = self.engine.add_request(prompt, params, priority, request_id, cache_salt, cache_points)
             self._queues[req.request_id] = (loop, queue)
         self._wake.set()
         ended: set[str] = set()

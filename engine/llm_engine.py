@@ -29,8 +29,8 @@ from kvcache.engine.decode_graphs import DecodeGraphs
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
-from kvcache.kvstore.hashing import Namespace, hash_blocks
-from kvcache.engine.request import FinishReason, Request
+from kvcache.kvstore.hashing import Namespace, hash_blocks, salted_root
+from kvcache.engine.request import FinishReason, Request, checked_cache_points
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from kvcache.engine.cache.weights_id import weights_id
@@ -122,15 +122,27 @@ class LLMEngine:
                 conn.store.close()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "") -> Request:
+    def add_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "",
+                    cache_salt: str = "", cache_points=()) -> Request:
         """Validate and queue a prompt (text needs a tokenizer, or token ids); returns the request
         (for n > 1 the parent: its children appear in `self.requests` after its prefill, as
-        `<id>/1` ... `<id>/<n-1>`). A params object without a seed gets a fresh one per request."""
+        `<id>/1` ... `<id>/<n-1>`). A params object without a seed gets a fresh one per request.
+
+        `cache_salt` keys the request's blocks apart: requests with different salts never share a
+        prefix (a tenant's, or a sharing group's, own); "" is today's keys. `cache_points` are
+        prompt positions (0 < p < len(prompt)) where, in exact mode, a prefill chunk ends and a
+        snapshot is saved, so a later prompt that continues the first p tokens resumes at p (a
+        chat's: just after its last assistant tag, where the next turn's rendering diverges)."""
         ids = self.validate(prompt, params)
         if "/" in request_id:
             raise ValueError(f"request id {request_id!r} has a '/': it names an n > 1 request's samples (id/1 ...)")
-        req = Request(ids, params.with_seed(), priority, request_id)
-        req.prompt_keys = hash_blocks(self.namespace, ids)     # once: the pool's keys and the store lookup
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        req = Request(ids, params.with_seed(), priority, request_id, cache_salt=cache_salt,
+                      chain_root=salted_root(self.namespace, cache_salt),
+                      cache_points=checked_cache_points(cache_points, len(ids)))
+        # once: the pool's keys and the store lookup
+        req.prompt_keys = hash_blocks(self.namespace, ids, parent=req.chain_root)
         if self.cache is not None:
             req.usage = CacheUsage(prompt_tokens=len(ids))
         if req.request_id in self.requests:
@@ -293,7 +305,7 @@ class LLMEngine:
         new = req.prompt_keys[have:full]                 # the prompt's keys were hashed when it was added
         start = have + len(new)
         if full > start:                                 # blocks of generated tokens
-            parent = (req.block_keys + new)[-1] if start else None
+            parent = (req.block_keys + new)[-1] if start else req.chain_root
             new = new + hash_blocks(self.namespace, req.tokens[start * bs: full * bs], parent=parent)
         for i, key in enumerate(new, start=have):
             self.pool.set_key(req.block_ids[i], key)
@@ -307,7 +319,9 @@ class LLMEngine:
         children = []
         for i in range(1, parent.params.n):
             child = Request(list(parent.prompt), parent.params, parent.priority, f"{parent.request_id}/{i}",
-                            stream=i, parent=parent, arrival_seq=parent.arrival_seq, prompt_keys=parent.prompt_keys)
+                            stream=i, parent=parent, arrival_seq=parent.arrival_seq, prompt_keys=parent.prompt_keys,
+                            cache_salt=parent.cache_salt, chain_root=parent.chain_root,
+                            cache_points=parent.cache_points)
             children.append(child)
             child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
             child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,9 @@ class Request:
     # content keys of every full block of the prompt, hashed once when the request is added: the
     # pool's keys and the store lookup both read them (a re-plan after a preemption hashes nothing)
     prompt_keys: list[bytes] = field(default_factory=list)
+    cache_salt: str = ""             # keys its blocks apart from other salts' (a tenant's prefixes are its own)
+    chain_root: bytes | None = None  # where its key chain starts (hashing.salted_root); None: the namespace root
+    cache_points: tuple[int, ...] = ()   # exact mode: prompt positions where a prefill chunk ends with a snapshot
     slot: int | None = None          # its KV pool slot (windows, compressor carry) while it has a state
     metrics: Metrics = field(default_factory=Metrics)
     arrival_seq: int = field(default_factory=lambda: next(_ids))
@@ -98,3 +102,17 @@ class Request:
 
     def sort_key(self) -> tuple[int, int, int]:
         return (self.priority, self.arrival_seq, self.stream)   # n > 1 samples share their parent's arrival
+
+
+def checked_cache_points(points, prompt_len: int) -> tuple[int, ...]:
+    """A request's cache points, sorted and once each, or a ValueError naming the first bad one."""
+    try:
+        points = list(points)
+    except TypeError:
+        raise ValueError(f"cache_points must be a sequence of prompt positions, got {type(points).__name__}") from None
+    for p in points:
+        if not isinstance(p, numbers.Integral) or isinstance(p, bool):
+            raise ValueError(f"cache point {p!r} is not an integer position")
+        if not 0 < p < prompt_len:
+            raise ValueError(f"cache point {p} is outside the prompt (0 < point < {prompt_len})")
+    return tuple(sorted({int(p) for p in points}))

@@ -7,7 +7,8 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
         hbm   = the longest run of those keys still held by the BlockPool
         store = tiers of the rest (connector.lookup), cut where loading costs more than recomputing
         exact : end at the longest block boundary with a tail snapshot (engine memory, then store;
-                `TailSnapshots`, tail_snapshots.py), or at an earlier request's end inside a block
+                `TailSnapshots`, tail_snapshots.py), or inside a block where an earlier request
+                ended or had a cache point
         replay: load the whole hit, then recompute its last `replay_blocks` blocks from an empty
                 window and carry, keeping their stored history rows (a write floor): bounded
                 replay; only windows and carry are approximate
@@ -16,7 +17,9 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
         block ends the hit there and its tokens are recomputed), note how to build the state
         (snapshot or boundary), set num_computed; the scheduler then admits it like any other
     after each step ─ after_step(): new full blocks (encoded now, stored in the background) and,
-        in exact mode, a tail snapshot whenever a prefill chunk ended on a snapshot point
+        in exact mode, a tail snapshot whenever a prefill chunk ended on a snapshot point (every
+        `snapshot_interval` tokens, and the request's own cache points: mid-block, the partial
+        block's rows with it)
     a request finishing ─ on_finish(): its last full blocks and, in exact mode, an end snapshot
         (mid-block: the partial block's rows with it), where the next chat turn resumes
 
@@ -31,6 +34,7 @@ queue: the scheduler admits a request whose load is done like any other.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -100,7 +104,7 @@ class _Plan:
     hit: int                      # blocks found (hbm + store) before the cost model and the boundary
     use: int                      # blocks the request will hold when loaded
     snap_mem: bytes | None = None
-    end: int = 0                  # exact mode, an earlier request's end inside block `use`: resume there
+    end: int = 0                  # exact mode, an earlier request's end or cache point inside block `use`
     future: object = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -178,7 +182,8 @@ class PrefixCache:
 
     def _boundary(self, req, keys, tiers, k: int) -> Boundary:
         """(blocks to use, snapshot bytes from memory, snapshot key in the store, end) for a hit of
-        k blocks; end > 0 when an earlier request ended inside block k (exact mode resumes there)."""
+        k blocks; end > 0 when an earlier request ended, or had a cache point, inside block k
+        (exact mode resumes there)."""
         if self.config.mode == "replay":
             return self._replay_boundary(k)
         return self.snapshots.boundary(req, keys, k)
@@ -231,7 +236,7 @@ class PrefixCache:
             return _Hit()                                # not a snapshot of this model here: a miss
         if not plan.end:
             return _Hit(held, Resume(held * self.bs, held * self.bs, state))
-        tail = self._partial_block(state)                # an earlier request's end inside the next block
+        tail = self._partial_block(state)                # a snapshot inside the next block: its rows
         if tail is None:
             return _Hit()
         return _Hit(held, Resume(plan.end, plan.end, state), tail)
@@ -302,9 +307,9 @@ class PrefixCache:
                 continue
             self._save_blocks(req)
             end = ch.start + len(ch.tokens)
-            if self.config.mode == "exact" and end % self.config.snapshot_interval == 0 and end <= len(req.prompt) \
-                    and end // self.bs <= len(req.block_keys) and req.state.length == end:
-                self.snapshots.save_at_block(req.block_keys[end // self.bs - 1], req.state)
+            if self.config.mode == "exact" and end <= len(req.prompt) and req.state.length == end \
+                    and (end % self.config.snapshot_interval == 0 or end in req.cache_points):
+                self._save_tail(req)
 
     def on_finish(self, req: Request, reason) -> None:
         """A request is finishing (its blocks and state still held): save its last full blocks
@@ -313,9 +318,16 @@ class PrefixCache:
         if not self.config.save or req.state is None or reason not in (FinishReason.STOP, FinishReason.LENGTH):
             return
         self._save_blocks(req)
+        if self.config.mode == "exact" and req.state.length < len(req.tokens):
+            self._save_tail(req)
+
+    def _save_tail(self, req: Request) -> None:
+        """A tail snapshot of where `req` is now (exact mode): at a block boundary, keyed by the
+        block there; inside a block (a request's end, a cache point), keyed by the blocks and the
+        tokens before it, with the partial block's rows, as the pool holds them now."""
         L = req.state.length
         k = L // self.bs
-        if self.config.mode != "exact" or len(req.block_keys) < k or L >= len(req.tokens):
+        if len(req.block_keys) < k:
             return
         if L % self.bs == 0:
             if k:
@@ -323,7 +335,7 @@ class PrefixCache:
             return
         snap = snapshot.capture(req.state)
         snap["partial"] = torch.frombuffer(bytearray(encode_block(self.kv, req.block_ids[k])), dtype=torch.uint8)
-        self.snapshots.remember(self.snapshots.end_key(req.block_keys, req.tokens, L), snapshot.encode(snap))
+        self.snapshots.remember(self.snapshots.end_key(req, req.block_keys, req.tokens, L), snapshot.encode(snap))
 
     def _save_blocks(self, req: Request) -> None:
         new = range(req.saved_blocks, len(req.block_keys))
@@ -346,13 +358,18 @@ class PrefixCache:
 
 def snapshot_cut(config: CacheConfig):
     """The scheduler's `cut` for exact mode with saving: a prefill chunk ends at the next
-    snapshot point (then it gets a snapshot); None for every other cache (chunks stay whole)."""
+    snapshot point, a multiple of `snapshot_interval` or one of the request's cache points (then
+    it gets a snapshot); None for every other cache (chunks stay whole, cache points ignored:
+    replay mode resumes at whole blocks only)."""
     if config.mode != "exact" or not config.save:
         return None
     step = config.snapshot_interval
 
     def cut(req: Request, start: int, n: int) -> int:
-        nxt = (start // step + 1) * step
-        return nxt - start if start < nxt < start + n and nxt < len(req.prompt) else n
+        points = req.cache_points
+        i = bisect.bisect_right(points, start)
+        ends = [p for p in ((start // step + 1) * step, points[i] if i < len(points) else None)
+                if p is not None and start < p < start + n and p < len(req.prompt)]
+        return min(ends) - start if ends else n
     return cut
 

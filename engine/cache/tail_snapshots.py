@@ -2,8 +2,9 @@
 own bounded memory of the snapshots it wrote (each also saved to the store).
 
 A snapshot sits at a block boundary (keyed by the block key there, stored under its snapshot
-key) or at an earlier request's end inside a block (keyed by the last full block's key and the
-tokens after it, carrying the partial block's rows). Memory is looked at first, then the store.
+key) or inside a block, where an earlier request ended or had a cache point (keyed by the last
+full block's key and the tokens after it, carrying the partial block's rows). Memory is looked at
+first, then the store.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class TailSnapshots:
         """The longest earlier request end in (k*bs, (k+1)*bs) that this prompt continues:
         (snapshot bytes in memory, its key in the store, end) or None. One batched exists call."""
         ends = range(min((k + 1) * self.bs - 1, len(req.prompt) - 1), k * self.bs, -1)
-        cands = [(L, self.end_key(keys[:k], req.prompt, L)) for L in ends]
+        cands = [(L, self.end_key(req, keys[:k], req.prompt, L)) for L in ends]
         for L, key in cands:
             if key in self.memory:
                 return self.memory[key], None, L
@@ -70,10 +71,12 @@ class TailSnapshots:
         there = self.connector.present([key for _, key in cands])
         return next(((None, key, L) for (L, key), ok in zip(cands, there) if ok), None)
 
-    def end_key(self, block_keys: list[bytes], tokens: list[int], length: int) -> bytes:
-        """The key of an end snapshot at `length` tokens (inside the block after `block_keys`)."""
+    def end_key(self, req: Request, block_keys: list[bytes], tokens: list[int], length: int) -> bytes:
+        """The key of an end snapshot of `req`'s chain at `length` tokens (inside the block after
+        `block_keys`). Inside the first block there is no block key to chain from: the chain's
+        root stands in, salted like the request's blocks (the namespace id for the salt "")."""
         k = length // self.bs
-        prev = block_keys[k - 1] if k else self.namespace.id
+        prev = block_keys[k - 1] if k else (req.chain_root if req.cache_salt else self.namespace.id)
         return end_snapshot_key(prev, tokens[k * self.bs: length], self.namespace.algo.digest_size)
 
     def fitting(self, snap, length: int) -> dict | None:

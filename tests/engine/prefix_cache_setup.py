@@ -55,3 +55,13 @@ def filled_store(model, tmp_path, seed: int, n_questions: int = 3):
 def tap_logits(llm, into: dict, key) -> None:
     """Keep the first logits the engine computes for each (key, position) in `into`."""
     llm.engine.logits_hook = lambda req, pos, logits: into.setdefault((key, pos), logits.clone())
+
+
+def serve(llm, prompt, params=GREEDY, **kw):
+    """One request alone on `llm`'s engine, run to its end (`kw`: add_request's cache_salt,
+    cache_points): the finished Request, its usage and block keys still on it."""
+    engine = llm.engine
+    req = engine.add_request(prompt, params, **kw)
+    while engine.has_work():
+        engine.step()
+    return req
