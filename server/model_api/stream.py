@@ -61,9 +61,9 @@ class Outcome:
 
 
 def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: str, tenant: str):
-    """The engine's outputs for one request. `tenant` salts its cache keys once the engine takes
-    a salt; until then every tenant shares the engine's prefixes."""
-    return host.engine.generate(prompt_ids, params, request_id=request_id)
+    """The engine's outputs for one request. The tenant salts its cache keys: a tenant's cached
+    prefixes are its own (no cross-tenant hit, so no timing channel between tenants)."""
+    return host.engine.generate(prompt_ids, params, request_id=request_id, cache_salt=tenant)
 
 
 class Run:

@@ -20,6 +20,7 @@ from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metri
 
 pytestmark = pytest.mark.timeout(600)
 TOKEN, METRICS_TOKEN = "model-test-token-0123456789", "model-metrics-token-0123456789"
+OTHER_TOKEN = "model-other-token-0123456789"          # tenant "bravo"
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -30,7 +31,7 @@ def server(tmp_path_factory):
     cfg.write_text("[server]\nshutdown_timeout_s = 20\n\n[engine]\nnum_blocks = 16\nmax_running = 8\n")
     s = start_server(tmp_path_factory, "--config", str(cfg), "--tenant-max-requests", "1", "--tenant-max-tokens",
                      "1500", "--access-log", str(cfg.parent / "access.log"),
-                     env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{METRICS_TOKEN}::metrics"})
+                     env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{OTHER_TOKEN}:bravo,{METRICS_TOKEN}::metrics"})
     s.access_log = cfg.parent / "access.log"
     yield s
     s.kill()
@@ -194,3 +195,16 @@ def test_the_access_log_has_a_line_per_model_request(server, oai):
     ok = [r for r in lines if r["status"] == 200 and r["api"] == "completions"][-1]
     assert ok["prompt_tokens"] > 0 and ok["generated_tokens"] <= 2 and ok["request_id"].startswith("cmpl-")
     assert any(r["status"] == 401 and r["tenant"] is None for r in lines)     # the token check's refusals too
+
+
+def test_a_tenant_gets_no_cached_tokens_from_another_tenants_prompt(server, oai):
+    prefix = long_text(130, seed=12)         # under the 2048-token context, past a 512-token snapshot point
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_TOKEN, max_retries=0, timeout=60)
+
+    def cached(client, text):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                           max_tokens=2, extra_body=NO_THINKING)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached(oai, prefix + " one") == 0
+    assert cached(other, prefix + " two") == 0                 # tenant bravo: acme's prefix is not its own
+    assert cached(oai, prefix + " three") > 0                  # acme's own prefix hits
