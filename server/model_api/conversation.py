@@ -6,6 +6,7 @@
          ─ encoding.encode(conversation) ─> prompt ids (the chat template and tool syntax are the
                                                          recipe's; nothing of them is written here)
          ─ sampling fields ─> SamplingParams, max_tokens resolved against the context
+         ─ cache point: just after the prompt's last <｜Assistant｜> (cache_points)
          ─> Prepared (+ the chunk generator and parsing options its StreamProcessor takes)
 
 Everything a client can get wrong is an ApiError (4xx) raised here, before any compute.
@@ -55,6 +56,7 @@ class Prepared:
     include_usage: bool                         # usage in a streamed answer (chat: stream_options)
     generator: Any                              # the recipe's chunk generator (a StreamProcessor consumes it)
     parsing: Any                                # its ParsingOptions (stop strings, thinking stage, tools)
+    cache_points: tuple[int, ...] = ()          # where exact mode saves a snapshot the next turn resumes at
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -86,7 +88,22 @@ def prepare(protocol: Protocol, raw: bytes, host: ModelHost) -> Prepared:
         tool_map, echo = extras
         generator = generator.with_namespace_tool_map(tool_map).with_echo(echo)
     return Prepared(protocol, request_id, model, ids, fields.sampling_params(max_tokens), conv.stream,
-                    _include_usage(protocol, body, conv.stream), generator, conv.parsing_options)
+                    _include_usage(protocol, body, conv.stream), generator, conv.parsing_options,
+                    cache_points(ids, host.assistant_token))
+
+
+def cache_points(ids: list[int], assistant_token: int | None) -> tuple[int, ...]:
+    """The prompt position the next turn of this conversation shares up to: just after the last
+    <｜Assistant｜>. The template ends a prompt with `<｜Assistant｜><think>` (thinking) or
+    `<｜Assistant｜></think>` (not), and the next turn renders this answer there as
+    `</think>answer<｜end▁of▁sentence｜>`: with thinking the prompts part right after the tag; without,
+    one token later, at the prompt's end, which is no cache point (a point leaves a prompt token to
+    compute), so the tag it is. User text never encodes as the tag (the recipe encodes it without
+    the added vocabulary), so the last one is the template's."""
+    if assistant_token is None:
+        return ()
+    at = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == assistant_token), None)
+    return (at + 1,) if at is not None and 0 < at + 1 < len(ids) else ()
 
 
 def count_tokens(raw: bytes, host: ModelHost) -> int:

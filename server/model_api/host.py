@@ -55,6 +55,7 @@ class ModelHost:
     model_names: frozenset[str]   # what a request's `model` may say
     context_limit: int            # prompt + completion tokens one request may have
     vocab_size: int
+    assistant_token: int | None = None   # the id of <｜Assistant｜>: where a chat prompt's cache point goes
     ready: bool = False
 
     def check_model(self, name: str) -> None:
@@ -130,9 +131,16 @@ def open_model_host(spec: str, data_dir: str, config: EngineConfig, store=None, 
                                                                   family.official_name: family.version})
     encoding = family.encoding().with_tokenizer(recipe_tokenizer)
     host = ModelHost(AsyncEngine(engine), tokenizer, recipe_tokenizer, encoding, options, name,
-                     frozenset((name, family.official_name)), context_limit(engine), model.config.vocab_size)
+                     frozenset((name, family.official_name)), context_limit(engine), model.config.vocab_size,
+                     special_token_id(recipe_tokenizer, options, dr.SpecialToken.Assistant))
     host.ready = True
     return host
+
+
+def special_token_id(recipe_tokenizer, options, token) -> int | None:
+    """The one id a special token encodes to (None where the tokenizer lacks it)."""
+    ids = recipe_tokenizer.encode(options.special_tokens.token(token))
+    return ids[0] if len(ids) == 1 else None
 
 
 def context_limit(engine: LLMEngine) -> int:

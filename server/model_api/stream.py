@@ -60,10 +60,12 @@ class Outcome:
         return {str(t): self.cached_by_tier.get(str(t), 0) for t in TierName}
 
 
-def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: str, tenant: str):
+def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: str, tenant: str,
+                   cache_points: tuple[int, ...] = ()):
     """The engine's outputs for one request. The tenant salts its cache keys: a tenant's cached
     prefixes are its own (no cross-tenant hit, so no timing channel between tenants)."""
-    return host.engine.generate(prompt_ids, params, request_id=request_id, cache_salt=tenant)
+    return host.engine.generate(prompt_ids, params, request_id=request_id, cache_salt=tenant,
+                                cache_points=cache_points)
 
 
 class Run:
@@ -77,7 +79,8 @@ class Run:
     async def chunks(self) -> AsyncIterator[list]:
         processor = dr.StreamProcessor(self.prep.generator, self.prep.parsing, self.host.recipe_tokenizer)
         prep = self.prep
-        outputs = engine_outputs(self.host, prep.prompt_ids, prep.params, prep.request_id, self.tenant)
+        outputs = engine_outputs(self.host, prep.prompt_ids, prep.params, prep.request_id, self.tenant,
+                                 prep.cache_points)
         req = None
         try:
             async for out in outputs:

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metric, running_requests
+from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metric, running_requests, start_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -175,3 +175,61 @@ def test_tools_are_rendered_into_the_prompt(client):
     with pytest.raises(openai.BadRequestError):                        # the recipe: not in thinking mode
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
                                        tools=tools, tool_choice="required", max_tokens=4)
+
+
+REPLAY_BLOCK, REPLAY_BLOCKS = 32, 1      # the replay server's block size and recomputed blocks per hit
+
+
+@pytest.fixture(scope="module")
+def replay_server(tmp_path_factory):
+    """Replay mode, with small blocks so that short prompts span several."""
+    cfg = tmp_path_factory.mktemp("replay") / "serve.toml"
+    cfg.write_text(f"[engine]\nblock_size = {REPLAY_BLOCK}\n\n[cache]\nmode = \"replay\"\n"
+                   f"replay_blocks = {REPLAY_BLOCKS}\n")
+    s = start_server(tmp_path_factory, "--config", str(cfg))
+    yield s
+    s.kill()
+
+
+def converse(client, thinking: bool, seed: int, turns: int = 4) -> list[tuple[int, int]]:
+    """(prompt tokens, cached tokens) of each turn of a chat: each turn sends every earlier
+    message, the answers as the server gave them, and a new question."""
+    messages, usage = [{"role": "user", "content": long_text(40, seed)}], []
+    for turn in range(turns):
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           extra_body={} if thinking else {**NO_THINKING, "temperature": 0})
+        usage.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": f"Question {turn + 2}: " + long_text(6, seed + turn)}]
+    return usage
+
+
+def report(mode: str, thinking: bool, usage: list[tuple[int, int]]) -> str:
+    return f"{mode}, thinking {'on' if thinking else 'off'}: " + ", ".join(
+        f"turn {i + 1} {c}/{p} ({c / p:.0%})" for i, (p, c) in enumerate(usage))
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_each_turn_of_a_chat_resumes_after_the_previous_one_in_exact_mode(client, thinking):
+    """The previous prompt is shared up to its cache point, just after its last <｜Assistant｜>:
+    its last token (<think> or </think>) is the only one not resumed, and exact mode resumes
+    exactly at the point (a snapshot there), so no slack beyond that one token."""
+    usage = converse(client, thinking, seed=30 + thinking)
+    print(report("exact", thinking, usage))
+    assert usage[0][1] == 0
+    for (prev, _), (prompt, cached) in zip(usage, usage[1:]):
+        assert prompt > prev and cached >= prev - 1, report("exact", thinking, usage)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_each_turn_of_a_chat_resumes_after_the_previous_one_in_replay_mode(replay_server, thinking):
+    """Replay mode hits whole blocks only: every block wholly inside the shared part (the previous
+    prompt but its last token), and none when those are no more than the blocks a hit recomputes
+    (prefix_cache.py _replay_hit: the usage counts every loaded block, replayed ones included)."""
+    oai = openai.OpenAI(base_url=replay_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    usage = converse(oai, thinking, seed=40 + thinking)
+    print(report("replay", thinking, usage))
+    assert usage[0][1] == 0
+    for (prev, _), (prompt, cached) in zip(usage, usage[1:]):
+        blocks = (prev - 1) // REPLAY_BLOCK
+        assert blocks > REPLAY_BLOCKS and cached >= blocks * REPLAY_BLOCK, report("replay", thinking, usage)
