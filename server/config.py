@@ -4,6 +4,8 @@ Every token names a tenant (its own key and namespace space), except a metrics t
 may read /metrics and nothing else. A tenant-less token would live in the raw key space, where
 it could compute and reach every tenant's stored keys, so one is refused at start and at
 reconfigure. Without tokens (loopback only) the daemon is one trust domain: tenant "".
+A model server's tenants each keep their cached prefixes to themselves unless `cache_sharing`
+puts them in a group (cache_salt).
 default_data_dir is where the daemon keeps its blocks when neither the command line nor the
 config file names a directory.
 """
@@ -77,8 +79,10 @@ class ServerConfig:
     max_uploads_per_tenant: int = 16  # upload threads one tenant holds; its further uploads go to aiohttp
     max_batch_get_bytes: int = 256 << 20   # batch_get group buffers held at once, daemon-wide; past it: 503
     max_namespaces_per_tenant: int = 256  # namespaces one tenant may register (each rewrites namespaces.json)
+    cache_sharing: tuple[tuple[str, ...], ...] = ()   # model routes: groups of tenants sharing cached prefixes
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_sharing", sharing_groups(self.cache_sharing))
         for name in ("port", "max_block_bytes", "max_batch_blocks", "max_keys", "max_shm_leases", "workers",
                      "max_connections", "max_pending_upload_bytes", "max_uploads_per_tenant", "max_batch_get_bytes",
                      "max_namespaces_per_tenant"):
@@ -106,6 +110,13 @@ class ServerConfig:
     @property
     def auth_required(self) -> bool:
         return bool(self.tokens)
+
+    def cache_salt(self, tenant: str) -> str:
+        """What keys a tenant's cached prefixes on the model routes: its sharing group's name (the
+        group's first tenant), else its own. A tenant outside every group never has a group's
+        salt, since that is the name of a tenant in the group."""
+        group = next((g for g in self.cache_sharing if tenant in g), None)
+        return group[0] if group else tenant
 
     def match_token(self, presented: str) -> TokenInfo | None:
         """The token `presented` is, compared with every configured token in constant time (no
@@ -138,6 +149,26 @@ class ServerConfig:
             d["tokens"] = parse_tokens(d["tokens"], {})
         _check_known(self, {k: v for k, v in d.items() if k != "tokens"})
         return replace(self, **d)
+
+
+def sharing_groups(value) -> tuple[tuple[str, ...], ...]:
+    """[server] cache_sharing checked: groups of two or more tenant names, each tenant in one group."""
+    example = 'e.g. cache_sharing = [["acme", "acme-batch"]]'
+    if not isinstance(value, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in value):
+        raise ValueError(f"server.cache_sharing must be a list of groups, each a list of tenant names ({example})")
+    seen: set[str] = set()
+    for group in value:
+        if len(group) < 2:
+            raise ValueError(f"server.cache_sharing: the group {list(group)} has fewer than two tenants; a tenant "
+                             "shares its cached prefixes with itself already")
+        for tenant in group:
+            if not isinstance(tenant, str) or not tenant.strip():
+                raise ValueError(f"server.cache_sharing: {tenant!r} is not a tenant name ({example})")
+            if tenant in seen:
+                raise ValueError(f"server.cache_sharing: tenant {tenant!r} is listed twice; a tenant is in one "
+                                 "group at most")
+            seen.add(tenant)
+    return tuple(tuple(g) for g in value)
 
 
 def _check_known(cls, d: Mapping[str, Any]) -> None:

@@ -79,14 +79,14 @@ def _prompt_ids(prompt, host: ModelHost) -> list[int]:
 class CompletionRun:
     """Drives one completion: `texts()` yields the answer's text as it becomes final."""
 
-    def __init__(self, host: ModelHost, creq: CompletionRequest, tenant: str, gone: Callable[[], bool] = lambda: False):
-        self.host, self.creq, self.tenant, self.gone = host, creq, tenant, gone
+    def __init__(self, host: ModelHost, creq: CompletionRequest, salt: str, gone: Callable[[], bool] = lambda: False):
+        self.host, self.creq, self.salt, self.gone = host, creq, salt, gone
         self.outcome = Outcome(prompt_tokens=len(creq.prompt_ids))
         self.shown = 0
 
     async def texts(self) -> AsyncIterator[str]:
         c, req, first = self.creq, None, True
-        async with aclosing(engine_outputs(self.host, c.prompt_ids, c.params, c.request_id, self.tenant)) as outputs:
+        async with aclosing(engine_outputs(self.host, c.prompt_ids, c.params, c.request_id, self.salt)) as outputs:
             try:
                 async for out in outputs:
                     req = out.request

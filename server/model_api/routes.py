@@ -34,7 +34,7 @@ from kvcache.server.model_api.completions import (CompletionRun, completion_answ
 from kvcache.server.model_api.errors import ApiError, dialect_for, error_response, internal_error, refusal
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.stream import EngineFailed, Outcome, Run, answer, sse_events
-from kvcache.server.request_state import PRINCIPAL, REFUSAL, principal
+from kvcache.server.request_state import CONFIG, PRINCIPAL, REFUSAL, principal
 
 log = logging.getLogger("kvcache.server.model_api")
 
@@ -130,7 +130,7 @@ async def _chat(request: web.Request, x: Exchange, protocol) -> web.StreamRespon
     prep = conversation.prepare(protocol, await read_body(request, s.max_body_bytes), s.host)
     x.request_id = prep.request_id
     with _admitted(s, request, len(prep.prompt_ids) + prep.params.max_tokens):
-        run = Run(s.host, prep, principal(request).tenant, gone=lambda: _gone(request))
+        run = Run(s.host, prep, _cache_salt(request), gone=lambda: _gone(request))
         x.outcome = run.outcome
         if prep.stream:
             return await _stream(request, sse_events(run, dialect_for(request.path)))
@@ -142,7 +142,7 @@ async def _completions(request: web.Request, x: Exchange) -> web.StreamResponse:
     creq = prepare_completion(await read_body(request, s.max_body_bytes), s.host)
     x.request_id = creq.request_id
     with _admitted(s, request, len(creq.prompt_ids) + creq.params.max_tokens):
-        run = CompletionRun(s.host, creq, principal(request).tenant, gone=lambda: _gone(request))
+        run = CompletionRun(s.host, creq, _cache_salt(request), gone=lambda: _gone(request))
         x.outcome = run.outcome
         if creq.stream:
             return await _stream(request, completion_events(run))
@@ -223,6 +223,11 @@ async def _stream(request: web.Request, frames: AsyncIterator[bytes]) -> web.Str
                 await response.write(frame)
         await response.write_eof()
     return response
+
+
+def _cache_salt(request: web.Request) -> str:
+    """The tenant's sharing group's name, or the tenant's own ([server] cache_sharing)."""
+    return request.app[CONFIG].cache_salt(principal(request).tenant)
 
 
 def _gone(request: web.Request) -> bool:

@@ -60,26 +60,27 @@ class Outcome:
         return {str(t): self.cached_by_tier.get(str(t), 0) for t in TierName}
 
 
-def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: str, tenant: str,
+def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: str, salt: str,
                    cache_points: tuple[int, ...] = ()):
-    """The engine's outputs for one request. The tenant salts its cache keys: a tenant's cached
-    prefixes are its own (no cross-tenant hit, so no timing channel between tenants)."""
-    return host.engine.generate(prompt_ids, params, request_id=request_id, cache_salt=tenant,
+    """The engine's outputs for one request. `salt` (the tenant's, or its sharing group's:
+    ServerConfig.cache_salt) keys its cached prefixes apart from every other salt's: no hit
+    across them, so no timing channel between tenants that share no group."""
+    return host.engine.generate(prompt_ids, params, request_id=request_id, cache_salt=salt,
                                 cache_points=cache_points)
 
 
 class Run:
     """Drives one request; `chunks()` yields the processor's chunks, a list per engine output."""
 
-    def __init__(self, host: ModelHost, prep: Prepared, tenant: str, gone: Callable[[], bool] = lambda: False):
-        self.host, self.prep, self.tenant, self.gone = host, prep, tenant, gone
+    def __init__(self, host: ModelHost, prep: Prepared, salt: str, gone: Callable[[], bool] = lambda: False):
+        self.host, self.prep, self.salt, self.gone = host, prep, salt, gone
         self.outcome = Outcome(prompt_tokens=len(prep.prompt_ids))
         self.started = False
 
     async def chunks(self) -> AsyncIterator[list]:
         processor = dr.StreamProcessor(self.prep.generator, self.prep.parsing, self.host.recipe_tokenizer)
         prep = self.prep
-        outputs = engine_outputs(self.host, prep.prompt_ids, prep.params, prep.request_id, self.tenant,
+        outputs = engine_outputs(self.host, prep.prompt_ids, prep.params, prep.request_id, self.salt,
                                  prep.cache_points)
         req = None
         try:

@@ -4,7 +4,8 @@ models, invalid parameters, prompts past the context, oversized bodies, missing 
 
 One server with tokens and a config file that holds both the daemon's [server] and the engine's
 [engine] sections (a pool of 16 blocks: a context of 2048 tokens, so an oversized prompt is cheap),
-tenant limits of one request and 1500 tokens in flight, and an access log."""
+tenant limits of one request and 1500 tokens in flight, a sharing group of acme and acme-batch,
+and an access log."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.server.model_api.conftest import MODEL, NO_THINKING, long_text, metri
 pytestmark = pytest.mark.timeout(600)
 TOKEN, METRICS_TOKEN = "model-test-token-0123456789", "model-metrics-token-0123456789"
 OTHER_TOKEN = "model-other-token-0123456789"          # tenant "bravo"
+BATCH_TOKEN = "model-batch-token-0123456789"          # tenant "acme-batch", in acme's sharing group
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 
@@ -28,10 +30,12 @@ ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("cfg") / "serve.toml"
-    cfg.write_text("[server]\nshutdown_timeout_s = 20\n\n[engine]\nnum_blocks = 16\nmax_running = 8\n")
+    cfg.write_text("[server]\nshutdown_timeout_s = 20\ncache_sharing = [[\"acme\", \"acme-batch\"]]\n\n"
+                   "[engine]\nnum_blocks = 16\nmax_running = 8\n")
     s = start_server(tmp_path_factory, "--config", str(cfg), "--tenant-max-requests", "1", "--tenant-max-tokens",
                      "1500", "--access-log", str(cfg.parent / "access.log"),
-                     env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{OTHER_TOKEN}:bravo,{METRICS_TOKEN}::metrics"})
+                     env={"KVCACHE_TOKENS": f"{TOKEN}:acme,{OTHER_TOKEN}:bravo,{BATCH_TOKEN}:acme-batch,"
+                                         f"{METRICS_TOKEN}::metrics"})
     s.access_log = cfg.parent / "access.log"
     yield s
     s.kill()
@@ -197,9 +201,10 @@ def test_the_access_log_has_a_line_per_model_request(server, oai):
     assert any(r["status"] == 401 and r["tenant"] is None for r in lines)     # the token check's refusals too
 
 
-def test_a_tenant_gets_no_cached_tokens_from_another_tenants_prompt(server, oai):
+def test_a_tenant_gets_cached_tokens_only_from_its_own_and_its_groups_prompts(server, oai):
     prefix = long_text(130, seed=12)         # under the 2048-token context, past a 512-token snapshot point
-    other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_TOKEN, max_retries=0, timeout=60)
+    other, batch = (openai.OpenAI(base_url=server.url + "/v1", api_key=token, max_retries=0, timeout=60)
+                    for token in (OTHER_TOKEN, BATCH_TOKEN))
 
     def cached(client, text):
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
@@ -207,4 +212,7 @@ def test_a_tenant_gets_no_cached_tokens_from_another_tenants_prompt(server, oai)
         return r.usage.prompt_tokens_details.cached_tokens
     assert cached(oai, prefix + " one") == 0
     assert cached(other, prefix + " two") == 0                 # tenant bravo: acme's prefix is not its own
-    assert cached(oai, prefix + " three") > 0                  # acme's own prefix hits
+    assert cached(batch, prefix + " three") > 0                # acme-batch shares acme's group
+    assert cached(oai, prefix + " four") > 0                   # acme's own prefix hits
+    assert cached(other, long_text(130, seed=13) + " five") == 0
+    assert cached(batch, long_text(130, seed=13) + " six") == 0   # bravo's prefix is not the group's

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcache.engine.config import CacheConfig, EngineConfig
+from kvcache.server.config import ServerConfig
 from kvcache.server.daemon import Overrides, load_configs
 from kvcache.server.model_api.errors import ApiError, error_body, from_conversion
 from kvcache.server.model_api.host import engine_config
@@ -106,3 +107,17 @@ def test_one_config_file_for_the_daemon_and_the_engine(tmp_path):
     assert engine_config(sections).cache.mode == "replay"                   # the file's [cache]
     assert engine_config({}).cache == CacheConfig(mode="exact")             # a model server's default
     assert engine_config({}, "http://h:1", "replay").cache == CacheConfig(mode="replay", store="http://h:1")
+
+
+def test_sharing_groups_salt_a_groups_tenants_with_its_first_and_are_checked(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text('[server]\ncache_sharing = [["acme", "acme-batch", "acme-eval"], ["bravo", "bravo-2"]]\n')
+    _, server = load_configs(Overrides(config_file=str(path), data_dir=str(tmp_path / "data")))
+    assert [server.cache_salt(t) for t in ("acme", "acme-batch", "acme-eval", "bravo-2", "carol", "")] == \
+        ["acme", "acme", "acme", "bravo", "carol", ""]
+    assert ServerConfig().cache_salt("acme-batch") == "acme-batch"         # no groups: every tenant its own
+    for bad, says in (([["acme"]], "fewer than two"), ([["a", "b"], ["b", "c"]], "'b' is listed twice"),
+                      ([["a", "a"]], "listed twice"), (["acme"], "list of groups"), ("acme", "list of groups"),
+                      ([["a", ""]], "not a tenant name"), ([["a", 7]], "not a tenant name")):
+        with pytest.raises(ValueError, match=says):
+            ServerConfig.from_dict({"cache_sharing": bad}, env={})
