@@ -4,33 +4,51 @@
         async for out in engine.generate(prompt, SamplingParams(max_tokens=64)):
             print(out.new_tokens, out.finished)
 
-One background thread runs `LLMEngine.step()` while any request is in flight; each step's outputs
-go to their requests' asyncio queues through the event loop (call_soon_threadsafe). Engine calls
-(add, abort, step) are serialised by one lock, so submitting never races a step. Cancelling the
-consumer of `generate` aborts the request and frees its blocks. A step that raises (not one
-request's failure: those fail alone inside the step) fails every request in flight with its
-error; the thread goes on serving new ones.
+One background thread owns the LLMEngine: it runs `step()` while any request is in flight, and
+each step's outputs go to their requests' asyncio queues through the event loop
+(call_soon_threadsafe). The event loop never waits for a step: a submission or an abort is a
+message to that thread (a thread-safe inbox it empties at the top of each iteration, before the
+step), so while a long step runs the other streams' writes and health checks carry on, and an
+abort sent during a step takes effect after it. A request is validated on the event loop before
+it is sent (`LLMEngine.new_request` reads only the engine's configuration), so its errors raise
+in `generate`; a request id the engine already holds is refused by the thread, and that error
+comes back through the request's queue. Cancelling the consumer of `generate` aborts the request
+and frees its blocks (once the thread reads that message). A step that raises (not one request's
+failure: those fail alone inside the step) fails every request in flight with its error, not
+those still in the inbox; the thread goes on serving new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 from kvcache.engine.llm_engine import LLMEngine, StepOutput
-from kvcache.engine.request import FinishReason
+from kvcache.engine.request import FinishReason, Request
 from kvcache.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5      # how long an idle thread sleeps on its inbox before looking at the engine again
+
+
+@dataclass
+class _Consumer:
+    """Where one request's outputs go: its `generate`'s queue, on that generator's loop."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: Request
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._consumers: dict[str, _Consumer] = {}     # read by the thread, changed on the loop only
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvcache-engine", daemon=True)
         self._thread.start()
@@ -42,8 +60,9 @@ class AsyncEngine:
         self.close()
 
     def close(self) -> None:
+        """Stop the thread once it has read every message sent before (the last aborts and forgets)."""
         self._stop = True
-        self._wake.set()
+        self._inbox.put(lambda: None)                  # wake an idle thread
         self._thread.join(timeout=30)
 
     async def generate(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "",
@@ -52,15 +71,18 @@ class AsyncEngine:
         outputs of all its samples come here (`out.request.stream` says which); it is done when
         every sample has finished. Validation errors raise here, before anything runs.
         `cache_salt` and `cache_points` are LLMEngine.add_request's."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        with self._lock:
-            req = self.engine.add_request(prompt, params, priority, request_id, cache_salt, cache_points)
-            self._queues[req.request_id] = (loop, queue)
-        self._wake.set()
+        req = self.engine.new_request(prompt, params, priority, request_id, cache_salt, cache_points)
+        if req.request_id in self._consumers:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        outs: asyncio.Queue = asyncio.Queue()
+        self._consumers[req.request_id] = _Consumer(asyncio.get_running_loop(), outs, req)
+        self._send(lambda: self._admit(req))
         ended: set[str] = set()
         try:
             while True:
-                out: StepOutput = await queue.get()
+                out = await outs.get()
+                if isinstance(out, Exception):         # the thread refused it (its id is in use)
+                    raise out
                 yield out
                 if out.finished:
                     ended.add(out.request.request_id)
@@ -68,39 +90,75 @@ class AsyncEngine:
                     if req.finished and len(ended) == (req.params.n if req.metrics.first_token is not None else 1):
                         return
         finally:
-            self._queues.pop(req.request_id, None)
-            with self._lock:
-                self.engine.abort(req.request_id)    # the consumer went away: free what is left now
-                self.engine.forget(req.request_id)
+            self._consumers.pop(req.request_id, None)
+            self._send(lambda: self._drop(req))    # the consumer went away: free what is left
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (a parent: with its samples); its consumer gets a final output for each."""
-        with self._lock:
-            live = [r for r in self.engine.family(request_id) if not r.finished]
-            self.engine.abort(request_id)
+        """Abort a request (a parent: with its samples) after the step running now; its consumer
+        gets a final output for each."""
+        self._send(lambda: self._abort(request_id))
+
+    # ------------------------------------------------------------ the engine thread
+    def _send(self, message: Callable[[], None]) -> None:
+        self._inbox.put(message)
+
+    def _admit(self, req: Request) -> None:
+        try:
+            self.engine.add(req)
+        except Exception as e:                     # its consumer raises it, instead of waiting forever
+            self._deliver_to(req, e)
+
+    def _drop(self, req: Request) -> None:
+        """Abort and forget `req`, if the engine still holds this very request (not a later one
+        that reuses its id, nor one the engine refused)."""
+        if self.engine.requests.get(req.request_id) is req:
+            self.engine.abort(req.request_id)
+            self.engine.forget(req.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        live = [r for r in self.engine.family(request_id) if not r.finished]
+        self.engine.abort(request_id)
         self._deliver([StepOutput(r, [], True) for r in live])
 
     def _deliver(self, outs: list[StepOutput]) -> None:
         """Each output to the queue of the request it belongs to (a sample's: its parent's)."""
         for out in outs:
-            root = out.request.parent or out.request
-            target = self._queues.get(root.request_id)
-            if target is not None:
-                target[0].call_soon_threadsafe(target[1].put_nowait, out)
+            self._deliver_to(out.request.parent or out.request, out)
+
+    def _deliver_to(self, root: Request, item) -> None:
+        target = self._consumers.get(root.request_id)
+        if target is not None and target.request is root:     # not a later request with the same id
+            target.loop.call_soon_threadsafe(target.queue.put_nowait, item)
+
+    def _read_inbox(self, wait_s: float = 0.0) -> None:
+        """Run every message sent so far; with `wait_s`, wait that long for the first one."""
+        try:
+            message = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                message()
+            except Exception:                      # a bug in one message must not stop the engine
+                log.exception("engine message failed")
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
 
     def _loop(self) -> None:
         while not self._stop:
-            with self._lock:
-                busy = self.engine.has_work()
-                try:
-                    outs = self.engine.step() if busy else []
-                except Exception as e:             # not one request's fault (those fail alone inside
-                    log.exception("engine step failed; failing every request in flight")   # step)
-                    outs = self._fail_all(f"{type(e).__name__}: {e}")
+            self._read_inbox()
+            if not self.engine.has_work():
+                self._read_inbox(wait_s=_IDLE_WAIT_S)
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:                 # not one request's fault (those fail alone inside step)
+                log.exception("engine step failed; failing every request in flight")
+                outs = self._fail_all(f"{type(e).__name__}: {e}")
             self._deliver(outs)
-            if not busy:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+        self._read_inbox()                         # what was sent before close: the last aborts and forgets
 
     def _fail_all(self, error: str) -> list[StepOutput]:
         """Finish every unfinished request with this error (their blocks freed), one final output

@@ -133,6 +133,13 @@ class LLMEngine:
         prompt positions (0 < p < len(prompt)) where, in exact mode, a prefill chunk ends and a
         snapshot is saved, so a later prompt that continues the first p tokens resumes at p (a
         chat's: just after its last assistant tag, where the next turn's rendering diverges)."""
+        return self.add(self.new_request(prompt, params, priority, request_id, cache_salt, cache_points))
+
+    def new_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "",
+                    cache_salt: str = "", cache_points=()) -> Request:
+        """add_request's request, validated and keyed but not queued (`add` queues it). It reads
+        only the engine's configuration, never its queues or pool, so another thread may build
+        one while a step runs."""
         ids = self.validate(prompt, params)
         if "/" in request_id:
             raise ValueError(f"request id {request_id!r} has a '/': it names an n > 1 request's samples (id/1 ...)")
@@ -145,6 +152,10 @@ class LLMEngine:
         req.prompt_keys = hash_blocks(self.namespace, ids, parent=req.chain_root)
         if self.cache is not None:
             req.usage = CacheUsage(prompt_tokens=len(ids))
+        return req
+
+    def add(self, req: Request) -> Request:
+        """Queue a request from new_request (a ValueError if its id is in use)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add(req)
