@@ -4,8 +4,9 @@ The store never loads torch (tests/test_layering.py), so the CUDA runtime is fou
 this order: the dynamic linker's cache (ctypes.util.find_library), the runtime's sonames (found
 through LD_LIBRARY_PATH, or already loaded by torch in this process), then the pip wheels'
 `nvidia/*/lib` directories (nvidia-cuda-runtime: `nvidia/cuda_runtime/lib`), located with
-importlib.util.find_spec, which imports nothing. No library, or no device behind it, means
-memory stays pageable: the caller decides whether that is an error.
+importlib.util.find_spec, which imports nothing; the first of them that sees a device is used.
+No library, or no device behind any, means memory stays pageable: the caller decides whether
+that is an error.
 """
 
 from __future__ import annotations
@@ -37,17 +38,30 @@ class CudaRuntime:
 
 
 def load_cuda_runtime() -> CudaRuntime | None:
-    """The first CUDA runtime that loads and has both calls, or None."""
-    for name in _candidates():
-        try:
-            lib = ctypes.CDLL(name)
-            lib.cudaGetDeviceCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
-            lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        except (OSError, AttributeError):    # not there, or a library without the runtime's calls
+    """The first CUDA runtime that loads, has both calls and sees a device; else the first that
+    loads (it sees no device), or None. A runtime newer than the driver sees no device
+    (cudaErrorInsufficientDriver) where an older one on the same host does: a system toolkit's
+    libcudart.so.13 found first, beside a driver for CUDA 12 and torch's wheel runtime."""
+    first = None
+    for name in dict.fromkeys(_candidates()):       # in order, each name once
+        runtime = _open(name)
+        if runtime is None:
             continue
-        lib.cudaGetDeviceCount.restype = lib.cudaHostRegister.restype = ctypes.c_int
-        return CudaRuntime(lib)
-    return None
+        if runtime.device_count() > 0:
+            return runtime
+        first = first or runtime
+    return first
+
+
+def _open(name: str) -> CudaRuntime | None:
+    try:
+        lib = ctypes.CDLL(name)
+        lib.cudaGetDeviceCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    except (OSError, AttributeError):    # not there, or a library without the runtime's calls
+        return None
+    lib.cudaGetDeviceCount.restype = lib.cudaHostRegister.restype = ctypes.c_int
+    return CudaRuntime(lib)
 
 
 def _candidates() -> Iterator[str]:

@@ -70,6 +70,44 @@ def test_libraries_that_are_not_the_runtime_are_skipped(monkeypatch, tmp_path):
     assert page_lock.load_cuda_runtime() is None
 
 
+class FakeLibrary:
+    """libcudart as ctypes.CDLL loads it: plain functions, so argtypes and restype can be set."""
+
+    def __init__(self, devices: int):
+        self.registered = []
+
+        def get_device_count(count):
+            count._obj.value = devices
+            return 0 if devices else 35            # cudaErrorInsufficientDriver: newer than the driver
+
+        def host_register(addr, size, flags):
+            self.registered.append((addr.value, size.value, flags.value))
+            return 0
+        self.cudaGetDeviceCount, self.cudaHostRegister = get_device_count, host_register
+
+
+def test_a_runtime_that_sees_no_device_gives_way_to_one_that_does(monkeypatch):
+    """A system toolkit's libcudart newer than the driver sees no device where torch's wheel
+    runtime on the same host does: the arena is page-locked through the one that sees it."""
+    libs = {"libcudart.so.13": FakeLibrary(devices=0), "libcudart.so.12": FakeLibrary(devices=1)}
+    monkeypatch.setattr(page_lock, "_candidates", lambda: iter(libs))
+    monkeypatch.setattr(page_lock.ctypes, "CDLL", lambda name: libs[name])
+    runtime = page_lock.load_cuda_runtime()
+    assert runtime is not None and runtime.lib is libs["libcudart.so.12"]
+    assert Arena(1 << 20, prefault=False, pin_memory="on").pinned
+    assert len(libs["libcudart.so.12"].registered) == 1 and not libs["libcudart.so.13"].registered
+
+
+def test_with_no_runtime_seeing_a_device_the_first_that_loads_answers(monkeypatch):
+    libs = {"libcudart.so.13": FakeLibrary(devices=0), "libcudart.so.12": FakeLibrary(devices=0)}
+    monkeypatch.setattr(page_lock, "_candidates", lambda: iter(libs))
+    monkeypatch.setattr(page_lock.ctypes, "CDLL", lambda name: libs[name])
+    runtime = page_lock.load_cuda_runtime()
+    assert runtime is not None and runtime.lib is libs["libcudart.so.13"] and runtime.device_count() == 0
+    with pytest.raises(StoreError, match="pin_memory = 'on' needs a CUDA device"):
+        Arena(1 << 20, prefault=False, pin_memory="on")
+
+
 def test_the_pip_wheels_runtime_is_found_without_importing_it(monkeypatch, tmp_path):
     for sub, name in (("cuda_runtime", "libcudart.so.12"), ("cu13", "libcudart.so.13"), ("cublas", "libcublas.so")):
         (tmp_path / "nvidia" / sub / "lib").mkdir(parents=True)
