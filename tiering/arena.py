@@ -30,11 +30,14 @@ import ctypes
 import errno
 import fcntl
 import mmap
+import logging
 import os
 from dataclasses import dataclass
 
 from kvcache.kvstore.errors import StoreError
-from kvcache.tiering.page_lock import load_cuda_runtime
+from kvcache.tiering.page_lock import CudaRuntime, load_cuda_runtime
+
+log = logging.getLogger(__name__)
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)   # Python's fcntl lacks it before 3.13
 SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -66,7 +69,8 @@ class Arena:
             self.buf = mmap.mmap(-1, size)
         if prefault:
             self._prefault()
-        self.pinned = _pin(self.buf, pin_memory)
+        self._pin_runtime, self._pin_addr = _pin(self.buf, pin_memory)
+        self.pinned = self._pin_runtime is not None
         self.view = memoryview(self.buf)
 
     @property
@@ -91,6 +95,7 @@ class Arena:
     def close(self) -> bool:
         """Release the mapping; False if a caller still holds a view (the GC frees it later)."""
         self.view.release()
+        self._unpin()
         try:
             self.buf.close()
         except BufferError:
@@ -101,6 +106,16 @@ class Arena:
                     os.close(fd)
             self.fd = self.read_fd = None
         return True
+
+
+    def _unpin(self) -> None:
+        """Unregister a page-locked arena before it is unmapped (once; a failure is only logged:
+        the mapping goes either way)."""
+        runtime, self._pin_runtime = self._pin_runtime, None
+        if runtime is not None:
+            rc = runtime.host_unregister(self._pin_addr)
+            if rc != 0:
+                log.warning("cudaHostUnregister failed with code %d while closing the DRAM arena", rc)
 
 
 def _sealed_memfd(size: int) -> tuple[int, mmap.mmap]:
@@ -135,17 +150,18 @@ def _read_only(fd: int) -> int:
         return os.dup(fd)
 
 
-def _pin(buf: mmap.mmap, mode: str) -> bool:
-    """Page-lock the arena for fast host->device copies; only CUDA can do that here."""
+def _pin(buf: mmap.mmap, mode: str) -> tuple[CudaRuntime | None, int]:
+    """Page-lock the arena for fast host->device copies; only CUDA can do that here. The runtime
+    that registered it and the address (to unregister at close), or (None, 0): not pinned."""
     if mode == "off":
-        return False
+        return None, 0
     cudart = load_cuda_runtime()
     if cudart is None or cudart.device_count() == 0:
         if mode == "on":
             raise StoreError("dram.pin_memory = 'on' needs a CUDA device; use 'auto' or 'off' on CPU-only hosts")
-        return False
+        return None, 0
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     rc = cudart.host_register(addr, len(buf))
     if rc != 0:
         raise StoreError(f"cudaHostRegister failed with code {rc}; set dram.pin_memory = 'off'")
-    return True
+    return cudart, addr

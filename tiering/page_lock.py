@@ -24,7 +24,7 @@ SONAMES = ("libcudart.so.12", "libcudart.so.13", "libcudart.so")
 
 @dataclass(frozen=True)
 class CudaRuntime:
-    """The two calls of libcudart that page-locking needs."""
+    """The calls of libcudart that page-locking needs."""
     lib: ctypes.CDLL
 
     def device_count(self) -> int:
@@ -35,6 +35,11 @@ class CudaRuntime:
     def host_register(self, addr: int, size: int) -> int:
         """cudaHostRegister(addr, size, cudaHostRegisterDefault); its cudaError_t (0: success)."""
         return self.lib.cudaHostRegister(ctypes.c_void_p(addr), ctypes.c_size_t(size), ctypes.c_uint(0))
+
+    def host_unregister(self, addr: int) -> int:
+        """cudaHostUnregister(addr): before the memory is unmapped, or a later mapping at the same
+        address cannot be registered (cudaErrorHostMemoryAlreadyRegistered); its cudaError_t."""
+        return self.lib.cudaHostUnregister(ctypes.c_void_p(addr))
 
 
 def load_cuda_runtime() -> CudaRuntime | None:
@@ -58,9 +63,10 @@ def _open(name: str) -> CudaRuntime | None:
         lib = ctypes.CDLL(name)
         lib.cudaGetDeviceCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
     except (OSError, AttributeError):    # not there, or a library without the runtime's calls
         return None
-    lib.cudaGetDeviceCount.restype = lib.cudaHostRegister.restype = ctypes.c_int
+    lib.cudaGetDeviceCount.restype = lib.cudaHostRegister.restype = lib.cudaHostUnregister.restype = ctypes.c_int
     return CudaRuntime(lib)
 
 

@@ -17,8 +17,9 @@ from kvcache.tiering.page_lock import CudaRuntime
 class FakeCudart:
     """libcudart's two calls as page_lock makes them (ctypes arguments), recorded."""
 
-    def __init__(self, devices: int = 1, register_rc: int = 0):
+    def __init__(self, devices: int = 1, register_rc: int = 0, unregister_rc: int = 0):
         self.devices, self.register_rc, self.registered = devices, register_rc, []
+        self.unregister_rc, self.unregistered = unregister_rc, []
 
     def cudaGetDeviceCount(self, count):
         count._obj.value = self.devices
@@ -27,6 +28,10 @@ class FakeCudart:
     def cudaHostRegister(self, addr, size, flags):
         self.registered.append((addr.value, size.value, flags.value))
         return self.register_rc
+
+    def cudaHostUnregister(self, addr):
+        self.unregistered.append(addr.value)
+        return self.unregister_rc
 
 
 def _with_runtime(monkeypatch, runtime):
@@ -56,6 +61,32 @@ def test_a_device_registers_the_whole_arena(monkeypatch):
     assert lib.registered == [(ctypes.addressof(ctypes.c_char.from_buffer(a.buf)), 1 << 20, 0)]
 
 
+def test_close_unregisters_the_arena_once_before_unmapping(monkeypatch):
+    """A registration outliving its mapping would make the next arena mapped at that address
+    fail to register (cudaErrorHostMemoryAlreadyRegistered): close() unregisters first."""
+    lib = FakeCudart()
+    _with_runtime(monkeypatch, CudaRuntime(lib))
+    a = Arena(1 << 20, prefault=False, pin_memory="auto")
+    addr = lib.registered[0][0]
+    assert a.close() and lib.unregistered == [addr]
+    a.close()
+    assert lib.unregistered == [addr]
+
+
+def test_a_failed_unregister_still_unmaps(monkeypatch, caplog):
+    lib = FakeCudart(unregister_rc=1)
+    _with_runtime(monkeypatch, CudaRuntime(lib))
+    a = Arena(1 << 20, prefault=False, pin_memory="auto")
+    assert a.close()
+    assert "cudaHostUnregister failed with code 1" in caplog.text
+
+
+def test_an_unpinned_arena_unregisters_nothing(monkeypatch):
+    lib = FakeCudart(devices=0)
+    _with_runtime(monkeypatch, CudaRuntime(lib))
+    assert Arena(1 << 20, prefault=False, pin_memory="auto").close() and lib.unregistered == []
+
+
 def test_a_failed_register_is_a_clear_error(monkeypatch):
     _with_runtime(monkeypatch, CudaRuntime(FakeCudart(register_rc=2)))
     with pytest.raises(StoreError, match="cudaHostRegister failed with code 2"):
@@ -83,7 +114,10 @@ class FakeLibrary:
         def host_register(addr, size, flags):
             self.registered.append((addr.value, size.value, flags.value))
             return 0
+        def host_unregister(addr):
+            return 0
         self.cudaGetDeviceCount, self.cudaHostRegister = get_device_count, host_register
+        self.cudaHostUnregister = host_unregister
 
 
 def test_a_runtime_that_sees_no_device_gives_way_to_one_that_does(monkeypatch):
@@ -135,5 +169,9 @@ def test_a_real_device_pins_the_arena():
     assert a.pinned
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():                  # torch agrees the pages are page-locked
-        assert torch.frombuffer(a.buf, dtype=torch.uint8).is_pinned()
-    a.close()
+        t = torch.frombuffer(a.buf, dtype=torch.uint8)
+        assert t.is_pinned()
+        del t
+    assert a.close()
+    for _ in range(3):       # unregistered at close: a new arena (often at the same address) registers again
+        assert Arena(8 << 20, prefault=False, pin_memory="on").close()
