@@ -34,10 +34,25 @@ def layout_id(pool: KVPool) -> str:
     return f"kvpool-v1-{pool.block_size}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def encode_block(pool: KVPool, block_id: int) -> bytes:
-    """The payload of one pool block (every history lane's rows for it)."""
-    parts = [t[block_id].contiguous().view(torch.uint8).reshape(-1) for _, t in sorted(pool.lanes.items())]
+def encode_block(pool: KVPool, block_id: int, tokens: int | None = None) -> bytes:
+    """The payload of one pool block (every history lane's rows for it). With `tokens`, of a
+    partial block whose first `tokens` tokens are computed: in each lane, the rows past those
+    they produced (tokens // ratio of its block_size // ratio) are zeros. A pool block is reused
+    without being cleared, so those rows hold whatever its previous user (another tenant's
+    request) wrote; they are overwritten before anything reads them, but must never be saved."""
+    parts = [_rows(pool, t, block_id, tokens).contiguous().view(torch.uint8).reshape(-1)
+             for _, t in sorted(pool.lanes.items())]
     return torch.cat(parts).cpu().numpy().tobytes() if parts else b""
+
+
+def _rows(pool: KVPool, lane: torch.Tensor, block_id: int, tokens: int | None) -> torch.Tensor:
+    """A lane's rows of one block, those past `tokens`' rows zeroed (None: all of them)."""
+    rows = lane[block_id]
+    if tokens is None:
+        return rows
+    rows = rows.clone()
+    rows[tokens * lane.shape[1] // pool.block_size:] = 0
+    return rows
 
 
 def decode_block(pool: KVPool, block_id: int, payload) -> None:

@@ -21,7 +21,8 @@ through the connector. A request waits (WAITING_FOR_KV) while its blocks load; o
         `snapshot_interval` tokens, and the request's own cache points: mid-block, the partial
         block's rows with it)
     a request finishing ─ on_finish(): its last full blocks and, in exact mode, an end snapshot
-        (mid-block: the partial block's rows with it), where the next chat turn resumes
+        (mid-block: the partial block's rows with it, those past its end zeroed), where the next
+        chat turn resumes
 
 Requests whose prefix another request is loading wait for that load and then hit the pool, so a
 prefix shared by concurrent requests is fetched once.
@@ -324,7 +325,8 @@ class PrefixCache:
     def _save_tail(self, req: Request) -> None:
         """A tail snapshot of where `req` is now (exact mode): at a block boundary, keyed by the
         block there; inside a block (a request's end, a cache point), keyed by the blocks and the
-        tokens before it, with the partial block's rows, as the pool holds them now."""
+        tokens before it, with the rows its tokens wrote in the partial block (the rest zeros:
+        the pool block may hold an earlier request's rows there, perhaps another tenant's)."""
         L = req.state.length
         k = L // self.bs
         if len(req.block_keys) < k:
@@ -334,7 +336,8 @@ class PrefixCache:
                 self.snapshots.save_at_block(req.block_keys[k - 1], req.state)
             return
         snap = snapshot.capture(req.state)
-        snap["partial"] = torch.frombuffer(bytearray(encode_block(self.kv, req.block_ids[k])), dtype=torch.uint8)
+        partial = encode_block(self.kv, req.block_ids[k], L - k * self.bs)    # only the rows its tokens wrote
+        snap["partial"] = torch.frombuffer(bytearray(partial), dtype=torch.uint8)
         self.snapshots.remember(self.snapshots.end_key(req, req.block_keys, req.tokens, L), snapshot.encode(snap))
 
     def _save_blocks(self, req: Request) -> None:

@@ -1,10 +1,14 @@
 """A request's cache salt keys its blocks apart: requests with different salts share no prefix, in
 the engine's pool or through the store (no hit, so no timing channel between tenants); the same
 salt hits; the salt "" keeps today's keys; n > 1 samples and end snapshots inside the first
-block chain from the salted root too."""
+block chain from the salted root too; a snapshot inside a block carries only its own rows of
+that pool block, never those an earlier request (another tenant's) left there."""
+
+import dataclasses
 
 import torch
 
+from kvcache.engine.cache import snapshot
 from kvcache.engine.llm import LLM
 from kvcache.engine.sampling import SamplingParams
 from kvcache.kvstore.hashing import hash_blocks, salted_root
@@ -87,3 +91,47 @@ def test_an_end_inside_the_first_block_is_found_only_under_its_salt(model, tmp_p
     assert other.usage.total_cached == 0, other.usage
     assert same.usage.cached_tokens == {"dram": end} and same.output == want, same.usage
     store.close()
+
+
+def _run_keeping_blocks(llm, prompt, **kw):
+    """serve(), remembering the block table the request held last (it is emptied when it finishes)."""
+    engine, held = llm.engine, []
+    req = engine.add_request(prompt, SHORT, **kw)
+    while engine.has_work():
+        engine.step()
+        held = list(req.block_ids) or held
+    return req, held
+
+
+@torch.no_grad()
+def test_a_partial_block_snapshot_carries_none_of_an_earlier_tenants_rows(model):
+    """Tenant a fills all 4 blocks of the pool; tenant b's request then ends inside its second
+    block, a pool block a filled. b's end snapshot holds the rows b's tokens wrote there and zeros
+    past them, though the pool block still holds a's rows there; a prompt continuing b's resumes
+    from that snapshot exactly."""
+    cfg = dataclasses.replace(cached("exact"), num_blocks=4)
+    g = torch.Generator().manual_seed(54)
+    a_prompt, b_prompt = (torch.randint(3, 380, (n,), generator=g).tolist() for n in (61, 20))
+    with LLM(model=model, config=cfg) as llm:
+        kv, bs, snaps = llm.engine.kv, cfg.block_size, llm.engine.cache.snapshots
+        _, a_blocks = _run_keeping_blocks(llm, a_prompt, cache_salt="a")        # 61 + 3 tokens: 4 blocks
+        b, b_blocks = _run_keeping_blocks(llm, b_prompt, cache_salt="b")
+        end = len(b.tokens) - 1                            # the last token was sampled, not computed
+        k, tail = divmod(end, bs)
+        block = b_blocks[k]
+        assert k == 1 and tail and block in a_blocks[:3]   # a full block of a's
+        data = snaps.memory[snaps.end_key(b, b.block_keys, b.tokens, end)]
+        partial, pos, stale = snapshot.decode(data)["partial"], 0, 0
+        for name, lane in sorted(kv.lanes.items()):
+            n = lane[0].numel() * lane.element_size()
+            rows = partial[pos: pos + n].view(lane.dtype).view(lane.shape[1:])
+            pos += n
+            keep = tail // (bs // lane.shape[1])           # rows of b's tail tokens (one per `ratio` tokens)
+            assert torch.equal(rows[:keep], lane[block, :keep]), name
+            assert not rows[keep:].any(), name              # zeros, not a's rows
+            stale += int(lane[block, keep:].any())
+        assert pos == partial.numel() and stale             # a's rows are in the pool block, not the snapshot
+        c_prompt = b.tokens + [20, 21, 22]
+        c = serve(llm, c_prompt, SHORT, cache_salt="b")
+    assert c.usage.cached_tokens == {"hbm": end}, c.usage
+    assert c.output == serve(LLM(model=model, config=CFG), c_prompt, SHORT).output
