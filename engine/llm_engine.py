@@ -30,6 +30,7 @@ from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
 from kvcache.kvstore.hashing import Namespace, hash_blocks, salted_root
+from kvcache.engine.detokenizer import Detokenizer
 from kvcache.engine.request import FinishReason, Request, checked_cache_points
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
@@ -74,6 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state, on_finish=self._on_finish,
                                    cut=snapshot_cut(config.cache) if config.cache is not None else None)
+        self.detokenizer = Detokenizer(tokenizer, self.scheduler.is_stop_token)
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
@@ -293,16 +295,16 @@ class LLMEngine:
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
             self._key_blocks(ch.request, ch.start + len(ch.tokens))
-        finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stop_string))
+        finished = set(id(r) for r in self.scheduler.update(out, sampled, self.detokenizer.stop_string))
         results = []
         for ch in out.chunks:
             req = ch.request
             new = req.output[before[req.request_id]:]
             if new or id(req) in finished:
-                self._detokenize(req)
+                self.detokenizer.update(req)
                 results.append(StepOutput(req, new, req.finished))
         for child in forked:                         # their first token, sampled at the fork
-            self._detokenize(child)
+            self.detokenizer.update(child)
             results.append(StepOutput(child, list(child.output), child.finished))
         return results + failed
 
@@ -343,7 +345,7 @@ class LLMEngine:
             if own is not None:                                         # it runs now (else: recomputes later)
                 self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
                 child.state = parent.state.clone(self._view(child))
-            reason = self.scheduler.stop_reason(child, child.output[-1], self._stop_string)
+            reason = self.scheduler.stop_reason(child, child.output[-1], self.detokenizer.stop_string)
             if reason is not None:                                      # a stop, or max_tokens 1
                 self.scheduler.abort(child, reason)
         return children
@@ -370,27 +372,6 @@ class LLMEngine:
                 self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
                 results.append(StepOutput(req, [], True))
         return results
-
-    def _stop_string(self, req: Request) -> bool:
-        if not req.params.stop or self.tokenizer is None:
-            return False
-        self._detokenize(req)
-        for s in req.params.stop:
-            at = req.text.find(s)
-            if at >= 0:
-                req.text, req.text_cut = req.text[:at], True
-                return True
-        return False
-
-    def _detokenize(self, req: Request) -> None:
-        """req.text from its output. A stop string's cut is final; a stop token that ended the
-        request is in its output ids but not in its text (with or without stop strings)."""
-        if self.tokenizer is None or req.text_cut:
-            return
-        out = req.output
-        if req.finish_reason is FinishReason.STOP and out and self.scheduler.is_stop_token(req, out[-1]):
-            out = out[:-1]
-        req.text = self.tokenizer.decode(out, skip_special=True)
 
     def check_idle(self) -> None:
         """The pool's invariant, and nothing held when nothing runs."""
