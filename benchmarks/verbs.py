@@ -16,6 +16,7 @@ from kvcache.benchmarks.args import RESULTS, checked, counts, names, parse_sizes
 DEFAULT_OUT = "benchmarks/results"        # `kvcache bench`: under the current directory
 TIERS_SIZES = "64K,256K,1M,4M"
 DAEMON_SIZES = "256K,1M,4M"
+SERVE_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"   # the shared Mooncake trace
 EXPERTS = {"auto": None, "on": True, "off": False}      # --device-experts -> EngineConfig.device_experts
 
 TIERS_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
@@ -210,6 +211,53 @@ def add_profile_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEF
                    help=f"where the JSON report goes (default: {default_out_dir})")
 
 
+SERVE_EPILOG = """scenarios, one after another on the same weights (a demo checkpoint of --config):
+  cache_on       kvcache serve --model CKPT, exact-mode prefix cache (a snapshot every >= 64 tokens)
+  cache_off      the same server with [cache] enabled = false
+  transformers   transformers serve on a transformers-format copy of CKPT, --continuous-batching;
+                 where that refuses the model, sequential generate (the reason is recorded)
+workload: sessions of the Mooncake conversation trace (arrival times x --time-scale, prefix
+structure kept, --block-tokens per 512-token trace block), each session's turns in order, at most
+--clients requests in flight, streamed through /v1/completions.
+
+targets (reported, never enforced): serve_ttft_p50_cache_vs_off <= 0.3,
+serve_throughput_vs_transformers >= 3, serve_errors = 0.
+The JSON report goes to OUT_DIR/serve-<UTC time>.json and ...-latest.json.
+(c) needs transformers' serving extra: pip install 'transformers[serving]'.
+
+examples:
+  kvcache bench serve                                    # v4-small, 48 requests, all three scenarios
+  kvcache bench serve --config v4-tiny --block-tokens 16 --max-requests 8 --transformers off
+"""
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    count = checked(int, what="a positive integer")
+    p.add_argument("--config", default="v4-small", help="demo model config (configs/models/NAME.json), random "
+                   "weights; a V4 one for the transformers scenario (default v4-small)")
+    p.add_argument("--trace", default=SERVE_TRACE,
+                   help="a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
+    p.add_argument("--block-tokens", type=count, default=32, metavar="N",
+                   help="tokens per 512-token trace block; output lengths scale alike (default 32)")
+    p.add_argument("--max-requests", type=count, default=48, metavar="N", help="requests replayed (default 48)")
+    p.add_argument("--max-turns", type=count, default=4, metavar="N", help="turns kept per session (default 4)")
+    p.add_argument("--max-prompt-tokens", type=count, default=2048, metavar="N",
+                   help="a session ends before its first turn longer than this (default 2048)")
+    p.add_argument("--max-output-tokens", type=count, default=32, metavar="N",
+                   help="cap on each request's scaled output length (default 32)")
+    p.add_argument("--time-scale", type=checked(float, lambda v: v >= 0, "a number >= 0"), default=0.01,
+                   metavar="X", help="seconds of replay per second of trace (default 0.01; 0: all at once)")
+    p.add_argument("--clients", type=count, default=8, metavar="N", help="requests in flight at most (default 8)")
+    p.add_argument("--deadline", type=checked(float), default=600.0, metavar="S",
+                   help="seconds per scenario; what has not finished by then is an error (default 600)")
+    p.add_argument("--transformers", choices=("auto", "cb", "sequential", "off"), default="auto",
+                   help="scenario (c): auto tries continuous batching, then sequential generate (default auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token ids per hash id")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 @dataclass(frozen=True)
 class Verb:
     """One benchmark as a command: the module that runs it (its `run_args(args) -> int`), its help."""
@@ -253,6 +301,11 @@ VERBS = {
                       "multi-turn chat and many users sharing a system prompt; TTFT, prefill tokens computed, bytes "
                       "loaded, decode speed and footprint per scenario, against each tier's floor measured in the same "
                       "run. JSON + Markdown report with a plot.", add_cold_warm_arguments, COLD_WARM_EPILOG),
+    "serve": Verb("serve", "the model server under a multi-turn trace: cache on, off, and transformers serve",
+                  "TTFT, TPOT, request throughput, errors and the cached-token fraction of `kvcache serve --model` "
+                  "replaying sessions of the Mooncake conversation trace over HTTP, with the prefix cache on and "
+                  "off, against transformers serve on the same weights; prints a table, writes a JSON report.",
+                  add_serve_arguments, SERVE_EPILOG),
     "decode-profile": Verb("decode_profile", "where a decode step's time goes (torch.profiler)",
                            "Host time, kernel launches and device syncs per decode step, how long the device is busy, "
                            "and the ops that cost the most host time (torch.profiler).", add_profile_arguments,
