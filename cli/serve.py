@@ -37,6 +37,8 @@ def add_parser(sub) -> None:
                     "/v1/chat/completions, /v1/completions, /v1/responses, /v1/models and Anthropic-compatible\n"
                     "/v1/messages, /v1/messages/count_tokens, with /health and /ready. The engine keeps its\n"
                     "prefix KV in this daemon's store (in-process), so usage blocks report cached tokens.\n"
+                    "The port opens at once and the model loads behind it: /ready answers 200 once the engine\n"
+                    "is warm (the model routes 503 until then); a model that fails to load stops the process.\n"
                     "--model demo builds a demo V4.1 checkpoint (random weights) under DATA_DIR/models once.\n"
                     "With --cache URL the engine uses that cache daemon instead: this process then serves\n"
                     "only the model routes and opens no store of its own. The model routes need a token\n"
@@ -66,6 +68,9 @@ def add_parser(sub) -> None:
     m.add_argument("--tenant-max-requests", type=_positive_int, metavar="N", help="a tenant's requests in flight")
     m.add_argument("--tenant-max-tokens", type=_positive_int, metavar="N",
                    help="a tenant's tokens in flight (prompt + max_tokens of its requests)")
+    m.add_argument("--request-timeout", type=_seconds, default=600.0, metavar="S",
+                   help="a model request still running S seconds after it arrived is aborted and its blocks "
+                        "freed (the client gets a 504, or mid-stream an error event; default 600; 0: never)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -79,7 +84,7 @@ def overrides(args):
                      served_model_name=args.served_model_name, cache_url=args.cache_url,
                      cache_mode=args.cache_mode, device=args.device, access_log=args.access_log,
                      max_waiting=args.max_waiting, tenant_max_requests=args.tenant_max_requests,
-                     tenant_max_tokens=args.tenant_max_tokens)
+                     tenant_max_tokens=args.tenant_max_tokens, request_timeout_s=args.request_timeout or None)
 
 
 def cmd_serve(args) -> int:
@@ -87,6 +92,18 @@ def cmd_serve(args) -> int:
     daemon.run(overrides(args))
     print("kvcache: stopped cleanly", flush=True)
     return 0
+
+
+def _seconds(text: str) -> float:
+    """Seconds >= 0, finite and bounded (asyncio's timers overflow past a float's range)."""
+    from kvcache.server.config import MAX_SECONDS
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in [0, {MAX_SECONDS:g}]")
+    return v
 
 
 def _positive_int(text: str) -> int:

@@ -5,8 +5,9 @@ loop until a signal drains it. `kvcache serve` (cli/serve.py) parses arguments a
 With a model (`--model`) the engine joins the daemon: the model routes (server/model_api) beside
 the cache API on the same port, the engine using the daemon's BlockStore in-process. With
 `--cache URL` as well, the engine uses that cache daemon and this process opens no store: it
-serves only the model routes. At shutdown the engine closes (its pending saves done) before the
-store."""
+serves only the model routes. The model loads after the port opened (/ready says when it is
+up; a load that fails stops the process, non-zero). At shutdown the engine closes (its pending
+saves done) before the store."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Overrides:
     max_waiting: int = 256               # model requests in flight (beyond: 429)
     tenant_max_requests: int | None = None
     tenant_max_tokens: int | None = None
+    request_timeout_s: float | None = 600.0   # a model request running longer is aborted (None: never)
 
 
 def load_configs(over: Overrides) -> tuple[StoreConfig, ServerConfig]:
@@ -138,43 +140,57 @@ def run(over: Overrides) -> None:
     app[CONFIG_FILE] = os.path.abspath(over.config_file) if over.config_file else ""
     reload_on_sighup(app)   # the main thread's loop: signal handlers can only be installed there
     try:
-        host = attach_model(app, over, store_cfg.data_dir, store, app[METRICS].registry) if over.model else None
+        loader, lines = attach_model(app, over, store_cfg.data_dir, store, app[METRICS].registry) if over.model \
+            else (None, "")
     except BaseException:
         store.close()
         if events is not None:
             events.close()
         raise
 
-    async def close_store(_app) -> None:  # after in-flight requests drained: flush and release
-        if host is not None:              # the engine first: its last saves go to the open store
-            host.close()
-        store.close()
+    async def close_store(_app) -> None:  # after in-flight requests drained and the engine closed
+        store.close()                     # (its last saves went to the open store): flush and release
         if events is not None:  # after the store, so that its last events are kept too
             events.close()
     app.on_cleanup.append(close_store)
-    print(describe(store_cfg, server_cfg) + (describe_model(host) if host else ""), flush=True)
+    print(describe(store_cfg, server_cfg) + lines, flush=True)
     site.run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s,
              upload=UPLOAD)
+    if loader is not None:
+        exit_if_not_loaded(loader)
 
 
 def attach_model(app, over: Overrides, data_dir: str, store, registry):
-    """Load the model and add its routes to `app` (with admission, metrics and the access log)."""
+    """Add the model routes to `app` (with admission, metrics and the access log) and load the
+    model in the background once the app has started (server/model_api/loading.py): the port
+    opens at once, /ready and the routes wait for the engine. (loader, lines describing it)."""
     from kvcache.server.model_api import host as model_host
     from kvcache.server.model_api.admission import Admission
+    from kvcache.server.model_api.loading import ModelLoader
     from kvcache.server.model_api.metrics import ServingMetrics
-    from kvcache.server.model_api.routes import add_routes
+    from kvcache.server.model_api.routes import Serving, add_routes
     raw = read_config_file(over.config_file) if over.config_file else {}
     sections = {k: v for k, v in raw.items() if k in ENGINE_SECTIONS}
     config = model_host.engine_config(sections, over.cache_url, over.cache_mode)
-    host = model_host.open_model_host(over.model, data_dir, config, store, over.served_model_name, over.device)
-    try:
-        metrics = ServingMetrics(registry, host.running_waiting, host.served_model_name)
-        admission = Admission(over.max_waiting, over.tenant_max_requests, over.tenant_max_tokens)
-        add_routes(app, host, admission, metrics, open_access_log(over.access_log))
-    except BaseException:
-        host.close()
-        raise
-    return host
+    name = model_host.check_model_spec(over.model, over.served_model_name)
+    serving = Serving(admission=Admission(over.max_waiting, over.tenant_max_requests, over.tenant_max_tokens),
+                      access_log=open_access_log(over.access_log), request_timeout_s=over.request_timeout_s)
+    serving.metrics = ServingMetrics(registry, serving.running_waiting, name)
+    add_routes(app, serving)
+
+    def loaded(host) -> None:
+        serving.host = host
+        print(f"kvcache: model {name} ready (context {host.context_limit} tokens)", flush=True)
+    loader = ModelLoader(lambda: model_host.open_model_host(over.model, data_dir, config, store,
+                                                            over.served_model_name, over.device), loaded)
+    loader.attach(app)
+    return loader, describe_model(name, config)
+
+
+def exit_if_not_loaded(loader) -> None:
+    """After the serve loop: a model that failed to load stopped the server; exit non-zero with why."""
+    if loader.error is not None:
+        raise SystemExit(f"kvcache serve: the model did not load: {type(loader.error).__name__}: {loader.error}")
 
 
 def open_access_log(path: str | None):
@@ -186,10 +202,10 @@ def open_access_log(path: str | None):
     return AccessLog(sys.stdout if path == "-" else open(path, "a", buffering=1))
 
 
-def describe_model(host) -> str:
-    cache = host.engine.engine.config.cache
+def describe_model(name: str, config) -> str:
+    cache = config.cache
     mode = f"cache {cache.mode}" + (f" via {cache.store}" if cache.store else "") if cache else "no cache"
-    return (f"\n  model           {host.served_model_name} ({mode}; context {host.context_limit} tokens)"
+    return (f"\n  model           {name} ({mode}; loading: /ready answers 200 once it is warm)"
             "\n  model routes    /v1/chat/completions /v1/completions /v1/responses /v1/messages /v1/models")
 
 
@@ -198,14 +214,10 @@ def run_model_only(over: Overrides, store_cfg, server_cfg) -> None:
     and no data directory store is opened here (the demo checkpoint is still built under it)."""
     from kvcache.server.model_api.model_app import build_model_app
     app, registry = build_model_app(server_cfg)
-    host = attach_model(app, over, store_cfg.data_dir, None, registry)
-
-    async def close_engine(_app) -> None:
-        host.close()
-    app.on_cleanup.append(close_engine)
-    print(f"kvcache serving http://{server_cfg.host}:{server_cfg.port} (model routes only)" + describe_model(host),
-          flush=True)
+    loader, lines = attach_model(app, over, store_cfg.data_dir, None, registry)
+    print(f"kvcache serving http://{server_cfg.host}:{server_cfg.port} (model routes only)" + lines, flush=True)
     site.run(app, server_cfg.host, server_cfg.port, server_cfg.unix_socket, server_cfg.shutdown_timeout_s)
+    exit_if_not_loaded(loader)
 
 
 def open_event_log(store_cfg):

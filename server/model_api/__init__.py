@@ -8,7 +8,8 @@ One request:
     recipe request (deepseek-recipe: ChatCompletionRequest | ResponsesRequest | MessagesRequest)
       │  .model served?  convert(options)                                     conversation.py
       ▼
-    ConversationRequest ─ encoding.encode(conversation) ─> prompt ids
+    ConversationRequest ─ encoding.encode(conversation) ─> prompt ids, the cache point after
+      │                                                    the last <｜Assistant｜>
       │  sampling fields ─> SamplingParams, max_tokens within the context     sampling_fields.py
       ▼  admission (queue bound, tenant limits)                               admission.py
     AsyncEngine.generate(ids, params) ─ token ids as they are sampled         stream.py
@@ -21,6 +22,6 @@ One request:
                   usage: prompt, cached (prefix cache), per-tier split         metrics.py, access_log.py
 
 /v1/completions (completions.py) skips the recipe: text or token ids straight to the engine.
-host.py loads the checkpoint (or builds the demo one) and owns the engine; errors.py is every
-route's error shape.
+host.py loads the checkpoint (or builds the demo one) and owns the engine, loading.py runs that
+after the port opened; errors.py is every route's error shape.
 """

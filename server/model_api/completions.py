@@ -24,10 +24,11 @@ from typing import AsyncIterator, Callable
 from kvcache.engine.request import FinishReason
 from kvcache.engine.sampling import SamplingParams
 from kvcache.server.model_api.conversation import parse_body
-from kvcache.server.model_api.errors import ApiError, bad_field, log
+from kvcache.server.model_api.errors import ApiError, bad_field, error_body, log
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.sampling_fields import completions_fields, resolve_max_tokens
-from kvcache.server.model_api.stream import EngineFailed, Outcome, engine_outputs, sse_frame
+from kvcache.server.model_api.stream import (Deadline, EngineFailed, Outcome, RequestTimedOut, engine_outputs,
+                                            next_output, sse_frame)
 
 
 @dataclass
@@ -79,8 +80,9 @@ def _prompt_ids(prompt, host: ModelHost) -> list[int]:
 class CompletionRun:
     """Drives one completion: `texts()` yields the answer's text as it becomes final."""
 
-    def __init__(self, host: ModelHost, creq: CompletionRequest, salt: str, gone: Callable[[], bool] = lambda: False):
-        self.host, self.creq, self.salt, self.gone = host, creq, salt, gone
+    def __init__(self, host: ModelHost, creq: CompletionRequest, salt: str, gone: Callable[[], bool] = lambda: False,
+                 deadline: Deadline | None = None):
+        self.host, self.creq, self.salt, self.gone, self.deadline = host, creq, salt, gone, deadline
         self.outcome = Outcome(prompt_tokens=len(creq.prompt_ids))
         self.shown = 0
 
@@ -88,7 +90,7 @@ class CompletionRun:
         c, req, first = self.creq, None, True
         async with aclosing(engine_outputs(self.host, c.prompt_ids, c.params, c.request_id, self.salt)) as outputs:
             try:
-                async for out in outputs:
+                while (out := await next_output(outputs, self.deadline)) is not None:
                     req = out.request
                     if first:
                         first = False
@@ -104,6 +106,10 @@ class CompletionRun:
             except ValueError as e:       # the engine's own check of the request, before it ran
                 if req is None:
                     raise ApiError(400, str(e)) from None
+                raise
+            except RequestTimedOut as e:
+                self._record(req)
+                self.outcome.finish_reason, self.outcome.error = "abort", str(e)
                 raise
         self._record(req)
         if req is None or req.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
@@ -164,13 +170,19 @@ async def completion_answer(run: CompletionRun) -> dict:
 async def completion_events(run: CompletionRun) -> AsyncIterator[bytes]:
     """SSE: a chunk per text delta, a last one with the finish reason, one with the usage when
     stream_options.include_usage asks, then [DONE]; an engine failure: an error frame."""
-    c = run.creq
+    c, sent = run.creq, 0
     try:
         async with aclosing(run.texts()) as texts:
             async for delta in texts:
+                sent += 1
                 yield sse_frame(None, json.dumps(_object(c, delta, None, None), ensure_ascii=False))
     except ApiError:                               # before the first frame: still a 4xx
         raise
+    except RequestTimedOut as e:
+        if not sent:                               # no status line yet: a 504
+            raise e.api_error() from None
+        yield sse_frame(None, json.dumps(error_body(e.api_error(), "openai")))
+        return
     except Exception as e:
         if not isinstance(e, EngineFailed):        # a bug past the status line: logged, the stream ends in shape
             log.exception("completion stream %s failed", c.request_id)

@@ -27,10 +27,11 @@ log = logging.getLogger("kvcache.server.model_api")
 Dialect = Literal["openai", "anthropic"]
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+                 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                 504: "timeout_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The model a server hosts: its engine, tokenizers, prompt encoding and the names it answers to.
 
-    open_model_host(spec, ...):
+    open_model_host(spec, ...):       (server/model_api/loading.py runs it after the port opened)
         spec "demo" | "demo:NAME"  ─ the demo checkpoint under <data_dir>/models/NAME, built once
         spec DIR                   ─ that checkpoint
       ─ load_checkpoint ─ LLMEngine(model, tokenizer, config, store) ─ one tiny warm-up request
@@ -14,6 +14,7 @@ config.json's model_type: V4.1 checkpoints take DeepseekV41Encoding, V4 ones Dee
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 from dataclasses import dataclass
@@ -91,19 +92,42 @@ def engine_config(sections: Mapping[str, Any], cache_url: str | None = None,
     return config
 
 
-def checkpoint_dir(spec: str, data_dir: str) -> str:
-    """DIR, or for "demo" / "demo:NAME" the demo checkpoint under data_dir/models (built on first use)."""
+def _demo_name(spec: str) -> str | None:
+    """NAME for "demo:NAME" (the default demo for "demo"), None for a checkpoint directory."""
     if spec != "demo" and not spec.startswith("demo:"):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise FileNotFoundError(f"--model {spec}: no config.json there (give a checkpoint directory, or "
-                                    "demo / demo:NAME for a demo checkpoint)")
+        return None
+    return spec.partition(":")[2] or DEFAULT_DEMO
+
+
+def check_model_spec(spec: str, served_model_name: str | None = None) -> str:
+    """The name the model will be served as, once --model is checked as far as it can be before
+    loading (a checkpoint directory with a config.json, a demo config that exists), so that a
+    mistyped --model fails at start rather than after the port opened."""
+    name = _demo_name(spec)
+    if name is not None:
+        from kvcache.engine.checkpoint.demo import config_path
+        config_path(name)                                   # FileNotFoundError naming the demo configs
+    elif not os.path.isfile(os.path.join(spec, "config.json")):
+        raise FileNotFoundError(f"--model {spec}: no config.json there (give a checkpoint directory, or "
+                                "demo / demo:NAME for a demo checkpoint)")
+    return served_model_name or name or os.path.basename(os.path.normpath(spec))
+
+
+def checkpoint_dir(spec: str, data_dir: str) -> str:
+    """DIR, or for "demo" / "demo:NAME" the demo checkpoint under data_dir/models (built on first
+    use, under a lock: servers starting together on one data directory build it once)."""
+    name = _demo_name(spec)
+    if name is None:
+        check_model_spec(spec)
         return spec
     from kvcache.engine.checkpoint.demo import demo_checkpoint
-    name = spec.partition(":")[2] or DEFAULT_DEMO
     models = os.path.join(data_dir, "models")
-    if not os.path.isfile(os.path.join(models, name, "config.json")):
-        log.warning("building the demo checkpoint %s under %s (once)", name, models)
-    return demo_checkpoint(models, name)
+    os.makedirs(models, exist_ok=True)
+    with open(os.path.join(models, f".{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                   # released when the file closes
+        if not os.path.isfile(os.path.join(models, name, "config.json")):
+            log.warning("building the demo checkpoint %s under %s (once)", name, models)
+        return demo_checkpoint(models, name)
 
 
 def open_model_host(spec: str, data_dir: str, config: EngineConfig, store=None, served_model_name: str | None = None,
@@ -125,7 +149,7 @@ def open_model_host(spec: str, data_dir: str, config: EngineConfig, store=None, 
     except BaseException:
         engine.close()
         raise
-    name = served_model_name or os.path.basename(os.path.normpath(path))
+    name = check_model_spec(spec, served_model_name)
     recipe_tokenizer = dr.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     options = dr.ConversionOptions().with_model_versions_by_name({name: family.version,
                                                                   family.official_name: family.version})

@@ -5,10 +5,11 @@
     POST /v1/messages/count_tokens                               {"input_tokens": n}
     GET  /v1/models                                              the served name (both SDKs' list shapes)
     GET  /health   200 while the process lives
-    GET  /ready    200 once the engine is warm, else 503
+    GET  /ready    200 once the engine is warm, else 503 (loading, or shutting down)
 
     handler ─ ready? ─ body (at most max_body_bytes: 413) ─ prepare (4xx: the API's error shape)
             ─ admission (429 + Retry-After) ─ Run ─ SSE frames or one JSON answer
+              (past --request-timeout: aborted, a 504 or, mid-stream, an error event)
             ─ metrics and the access log, whatever the outcome
 
 Every answer a client gets on these routes is in its API's shape: a client's mistake is a 4xx,
@@ -33,23 +34,35 @@ from kvcache.server.model_api.completions import (CompletionRun, completion_answ
                                                   prepare_completion)
 from kvcache.server.model_api.errors import ApiError, dialect_for, error_response, internal_error, refusal
 from kvcache.server.model_api.host import ModelHost
-from kvcache.server.model_api.stream import EngineFailed, Outcome, Run, answer, sse_events
+from kvcache.server.model_api.stream import Deadline, EngineFailed, Outcome, Run, answer, sse_events
 from kvcache.server.request_state import CONFIG, PRINCIPAL, REFUSAL, principal
 
 log = logging.getLogger("kvcache.server.model_api")
 
 MAX_BODY_BYTES = 8 << 20
+NOT_READY_RETRY_S = 2.0      # Retry-After while the model loads (a demo build takes about a minute)
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 _REJECTIONS = {400: "invalid_request", 404: "unknown_model", 413: "body_too_large", 503: "not_ready"}
 
 
 @dataclass
 class Serving:
-    """What the model routes share: the host and the collaborators S3's modules provide (each optional)."""
-    host: ModelHost
+    """What the model routes share: the host once it has loaded (None until then: 503), and the
+    admission, metrics and access log (each optional)."""
+    host: ModelHost | None = None
     admission: Any = None          # admission.Admission
     metrics: Any = None            # metrics.ServingMetrics
     access_log: Any = None         # access_log.AccessLog
     max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S   # past it a request is aborted (None: never)
+
+    @property
+    def ready(self) -> bool:
+        return self.host is not None and self.host.ready
+
+    def running_waiting(self) -> tuple[int, int]:
+        """The engine's running and waiting requests; none while the model loads."""
+        return self.host.running_waiting() if self.host is not None else (0, 0)
 
 
 SERVING = web.AppKey("model_serving", Serving)
@@ -64,9 +77,8 @@ class Exchange:
     started: float = field(default_factory=time.perf_counter)
 
 
-def add_routes(app: web.Application, host: ModelHost, admission=None, metrics=None, access_log=None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> None:
-    app[SERVING] = Serving(host, admission, metrics, access_log, max_body_bytes)
+def add_routes(app: web.Application, serving: Serving) -> None:
+    app[SERVING] = serving
     app[REFUSAL] = _refused
     app.router.add_post("/v1/chat/completions", _api("chat", lambda r, x: _chat(r, x, conversation.CHAT)))
     app.router.add_post("/v1/responses", _api("responses", lambda r, x: _chat(r, x, conversation.RESPONSES)))
@@ -101,14 +113,14 @@ def _api(api: str, serve):
         except ApiError as e:
             if s.metrics is not None and x.outcome is None:
                 s.metrics.rejected(api, e.reason or _REJECTIONS.get(e.status, f"http_{e.status}"))
+            _observe(s, x)               # one the engine ran (a stream timed out before its first frame)
             response = error_response(e, dialect_for(request.path))
             _log(s, request, x, response.status, e.message)
             return response
-        except EngineFailed as e:        # the engine failed the request (it logged why): a 500, observed
+        except EngineFailed as e:        # the engine failed it (it logged why): a 500; past its deadline: 504
             _observe(s, x)
-            response = error_response(ApiError(500, f"the request failed: {e}", code="server_error"),
-                                      dialect_for(request.path))
-            _log(s, request, x, 500, str(e))
+            response = error_response(e.api_error(), dialect_for(request.path))
+            _log(s, request, x, e.status, str(e))
             return response
         except ConnectionError:          # the client went away mid-answer: nobody to answer
             log.debug("client closed the connection during %s", request.path)
@@ -130,7 +142,8 @@ async def _chat(request: web.Request, x: Exchange, protocol) -> web.StreamRespon
     prep = conversation.prepare(protocol, await read_body(request, s.max_body_bytes), s.host)
     x.request_id = prep.request_id
     with _admitted(s, request, len(prep.prompt_ids) + prep.params.max_tokens):
-        run = Run(s.host, prep, _cache_salt(request), gone=lambda: _gone(request))
+        run = Run(s.host, prep, _cache_salt(request), gone=lambda: _gone(request),
+                  deadline=Deadline.after(s.request_timeout_s))
         x.outcome = run.outcome
         if prep.stream:
             return await _stream(request, sse_events(run, dialect_for(request.path)))
@@ -142,7 +155,8 @@ async def _completions(request: web.Request, x: Exchange) -> web.StreamResponse:
     creq = prepare_completion(await read_body(request, s.max_body_bytes), s.host)
     x.request_id = creq.request_id
     with _admitted(s, request, len(creq.prompt_ids) + creq.params.max_tokens):
-        run = CompletionRun(s.host, creq, _cache_salt(request), gone=lambda: _gone(request))
+        run = CompletionRun(s.host, creq, _cache_salt(request), gone=lambda: _gone(request),
+                            deadline=Deadline.after(s.request_timeout_s))
         x.outcome = run.outcome
         if creq.stream:
             return await _stream(request, completion_events(run))
@@ -157,7 +171,7 @@ async def _count_tokens(request: web.Request, x: Exchange) -> web.Response:
 
 async def _models(request: web.Request, x: Exchange) -> web.Response:
     """OpenAI's model list, with the fields Anthropic's SDK reads too (both list GET /v1/models)."""
-    host = request.app[SERVING].host
+    host = _serving(request).host
     name = host.served_model_name
     model = {"id": name, "object": "model", "created": 0, "owned_by": "kvcache", "type": "model",
              "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
@@ -170,15 +184,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    is_ready = request.app[SERVING].host.ready
+    is_ready = request.app[SERVING].ready
     return web.json_response({"ready": is_ready}, status=200 if is_ready else 503)
 
 
 def _serving(request: web.Request) -> Serving:
     s = request.app[SERVING]
-    if not s.host.ready:
+    if not s.ready:
         raise ApiError(503, "the model is not ready yet (loading or shutting down): retry shortly",
-                       retry_after_s=1.0)
+                       retry_after_s=NOT_READY_RETRY_S)
     return s
 
 

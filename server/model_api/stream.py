@@ -5,7 +5,8 @@
                                                 ├─ new token ids ─ InferenceChunk.tokens (a stop
                                                 │   token never: it ends as finish(Stop))
                                                 ├─ finished: finish(Stop) | finish(Length);
-                                                │   aborted or failed: EngineFailed
+                                                │   aborted or failed: EngineFailed; past the
+                                                │   request's deadline: RequestTimedOut (aborted)
                                                 └─ processor.finished after a push (a stop string
                                                     cut the answer): abort the engine request
     processor chunks ─> SSE  `event: <name>\\ndata: <json>\\n\\n` ... (`data: [DONE]` for chat)
@@ -18,6 +19,7 @@ closes the engine's generator, whose `finally` aborts the request and frees its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import aclosing
@@ -37,6 +39,40 @@ _FINISH = {FinishReason.STOP: dr.InferenceFinishReason.Stop, FinishReason.LENGTH
 
 class EngineFailed(Exception):
     """The engine ended the request with an error (or aborted it) before its answer was complete."""
+    status, code = 500, "server_error"
+
+    def api_error(self) -> ApiError:
+        return ApiError(self.status, f"the request failed: {self}", code=self.code)
+
+
+class RequestTimedOut(EngineFailed):
+    """The request ran past the server's request timeout: aborted, its blocks freed."""
+    status, code = 504, "request_timeout"
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be done by (event-loop time) and the timeout that set it."""
+    at: float
+    timeout_s: float
+
+    @classmethod
+    def after(cls, timeout_s: float | None) -> Deadline | None:
+        return None if timeout_s is None else cls(asyncio.get_running_loop().time() + timeout_s, timeout_s)
+
+
+async def next_output(outputs, deadline: Deadline | None):
+    """The engine's next output (None once there are no more), or RequestTimedOut past the
+    deadline. Only this wait is timed (never a write to the client): its cancellation lands in
+    the engine's generator, which aborts the request and frees its blocks."""
+    if deadline is None:
+        return await anext(outputs, None)
+    try:
+        async with asyncio.timeout_at(deadline.at):
+            return await anext(outputs, None)
+    except TimeoutError:
+        raise RequestTimedOut(f"it ran past the server's request timeout ({deadline.timeout_s:g} s) "
+                              "and was aborted") from None
 
 
 @dataclass
@@ -72,8 +108,9 @@ def engine_outputs(host: ModelHost, prompt_ids: list[int], params, request_id: s
 class Run:
     """Drives one request; `chunks()` yields the processor's chunks, a list per engine output."""
 
-    def __init__(self, host: ModelHost, prep: Prepared, salt: str, gone: Callable[[], bool] = lambda: False):
-        self.host, self.prep, self.salt, self.gone = host, prep, salt, gone
+    def __init__(self, host: ModelHost, prep: Prepared, salt: str, gone: Callable[[], bool] = lambda: False,
+                 deadline: Deadline | None = None):
+        self.host, self.prep, self.salt, self.gone, self.deadline = host, prep, salt, gone, deadline
         self.outcome = Outcome(prompt_tokens=len(prep.prompt_ids))
         self.started = False
 
@@ -84,7 +121,7 @@ class Run:
                                  prep.cache_points)
         req = None
         try:
-            async for out in outputs:
+            while (out := await next_output(outputs, self.deadline)) is not None:
                 req = out.request
                 for chunk in self._inputs(out):
                     yield processor.push(chunk)
@@ -102,6 +139,10 @@ class Run:
         except ValueError as e:                 # the engine's own check of the request, before it ran
             if req is None:
                 raise ApiError(400, str(e)) from None
+            raise
+        except RequestTimedOut as e:
+            self._record(req, "abort")
+            self.outcome.error = str(e)
             raise
         finally:
             await outputs.aclose()              # aborts the engine request if it is still running
@@ -192,20 +233,26 @@ async def sse_events(run: Run, dialect: Dialect) -> AsyncIterator[bytes]:
                                                                                prep.include_usage))
     except ApiError:                     # before the first frame: still a 4xx (routes._stream)
         raise
+    except RequestTimedOut as e:
+        if not n:                        # no status line yet: the API's 504
+            raise e.api_error() from None
+        yield error_event(prep, dialect, e.api_error(), n)
+        return
     except EngineFailed as e:
-        yield error_event(prep, dialect, str(e), n)
+        yield error_event(prep, dialect, e.api_error(), n)
         return
     except Exception as e:               # a bug past the status line: the stream still ends in the API's shape
         log.exception("model stream %s failed", prep.request_id)
-        yield error_event(prep, dialect, f"internal error ({type(e).__name__}); see the server log", n)
+        yield error_event(prep, dialect, ApiError(500, f"the request failed: internal error ({type(e).__name__}); "
+                                                  "see the server log", code="server_error"), n)
         return
     done = response.sse_done_data()
     if done is not None:
         yield sse_frame(None, done)
 
 
-def error_event(prep: Prepared, dialect: Dialect, message: str, sequence: int) -> bytes:
-    body = error_body(ApiError(500, f"the request failed: {message}", code="server_error"), dialect)
+def error_event(prep: Prepared, dialect: Dialect, err: ApiError, sequence: int) -> bytes:
+    body = error_body(err, dialect)
     if prep.protocol is CHAT:
         return sse_frame(None, json.dumps(body))
     if prep.protocol is RESPONSES:

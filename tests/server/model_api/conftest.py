@@ -2,7 +2,8 @@
 test module (tests/daemon_proc.py), and prompts long enough to leave cached prefixes.
 
 The demo checkpoint is built under the module's data directory on first use (a few seconds),
-which is the path the README's first command takes. Cached-prefix tests need prompts past one
+which is the path the README's first command takes; the port opens before, so a test waits for
+/ready (wait_model_ready). Cached-prefix tests need prompts past one
 exact-mode snapshot point (cache.snapshot_interval = 512 tokens by default): `long_text` makes
 such text from a fixed vocabulary, so every run sends the same prompts.
 """
@@ -10,6 +11,7 @@ such text from a fixed vocabulary, so every run sends the same prompts.
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 import pytest
@@ -29,13 +31,30 @@ def long_text(words: int, seed: int) -> str:
 
 def start_server(tmp_path_factory, *args: str, env: dict | None = None) -> DaemonProcess:
     data = tmp_path_factory.mktemp("model-server")
-    server = DaemonProcess(data / "data", "--model", f"demo:{MODEL}", *args, env=env)
+    return model_server(data / "data", *args, env=env)
+
+
+def model_server(data_dir, *args: str, env: dict | None = None) -> DaemonProcess:
+    """`kvcache serve --model demo:v41-tiny *args` on `data_dir`, once its model is ready."""
+    server = DaemonProcess(data_dir, "--model", f"demo:{MODEL}", *args, env=env)
     try:
-        server.wait_ready(timeout=240)      # the demo checkpoint is built first
+        wait_model_ready(server)
     except BaseException:
         server.kill()
         raise
     return server
+
+
+def wait_model_ready(server: DaemonProcess, timeout: float = 240) -> None:
+    """Until GET /ready answers 200 (the port opens first; the demo checkpoint is built and the
+    engine warmed up after). AssertionError with the output if it exits or never gets there."""
+    server.wait_ready(timeout=timeout)
+    deadline = time.time() + timeout
+    while server.call("GET", "/ready")[0] != 200:
+        if server.proc.poll() is not None:
+            raise AssertionError(f"model server exited with {server.proc.returncode}: {server.output()[-4000:]}")
+        assert time.time() < deadline, f"model never became ready in {timeout:g} s: {server.output()[-4000:]}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
