@@ -128,8 +128,8 @@ def encode(conv, host: ModelHost) -> list[int]:
 def _recipe_request(protocol: Protocol, body: dict):
     try:
         return protocol.request(body)
-    except ValueError as e:               # a field of the wrong type, a missing required field
-        raise ApiError(400, str(e)[:1000]) from None
+    except (ValueError, OverflowError) as e:   # a field of the wrong type, a missing required field,
+        raise ApiError(400, str(e)[:1000]) from None      # a number past 64 bits anywhere in the body
 
 
 def _convert(request, host: ModelHost):
@@ -137,7 +137,7 @@ def _convert(request, host: ModelHost):
         return request.convert(host.options)
     except dr.ConversionError as e:
         raise from_conversion(e.status_code, e.body) from None
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:
         raise ApiError(400, str(e)[:1000]) from None
 
 

@@ -120,8 +120,8 @@ def _extensions(body: dict, vocab_size: int) -> dict[str, Any]:
     """top_k (Anthropic's, and vLLM's extension to OpenAI's), min_p, repetition_penalty, logit_bias, ignore_eos."""
     params: dict[str, Any] = {}
     top_k = _int_field(body, "top_k", -1)
-    if top_k is not None:
-        params["top_k"] = max(top_k, 0)            # -1 (vLLM) and 0: off
+    if top_k is not None:                      # -1 (vLLM) and 0: off; so is one past the vocabulary,
+        params["top_k"] = top_k if 0 < top_k < vocab_size else 0    # which keeps every token
     min_p = _number_field(body, "min_p", 0.0, 1.0, high_open=True)
     if min_p is not None:
         params["min_p"] = min_p

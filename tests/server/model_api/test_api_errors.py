@@ -84,6 +84,17 @@ def test_malformed_json_is_a_400_in_the_api_shape(server, path):
         (assert_anthropic_shape if path in ANTHROPIC_ROUTES else assert_openai_shape)(answer)
 
 
+def test_a_number_past_64_bits_is_a_400_not_a_500(server):
+    huge = 10 ** 30
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": huge}),
+                       ("/v1/responses", {"input": "hi", "seed": huge}),
+                       ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": huge}),
+                       ("/v1/completions", {"prompt": "hi", "seed": huge})):
+        status, answer = raw_post(server, path, json.dumps({"model": MODEL, **body}).encode())
+        assert status == 400, (path, answer)
+        (assert_anthropic_shape if path in ANTHROPIC_ROUTES else assert_openai_shape)(answer)
+
+
 def test_a_body_past_the_limit_is_a_413(server):
     big = json.dumps({"model": MODEL, "prompt": "x" * (9 << 20)}).encode()
     status, answer = raw_post(server, "/v1/completions", big)

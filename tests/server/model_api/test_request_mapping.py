@@ -38,6 +38,9 @@ def test_chat_fields_map_to_sampling_params():
     assert p.logit_bias == {17: 5.0, 3: -100.0} and p.max_tokens == 9
     assert chat_fields({}, recipe_options(max_tokens=4), VOCAB).max_tokens == 4      # the recipe's max_tokens
     assert chat_fields({"top_k": -1}, recipe_options(), VOCAB).params["top_k"] == 0  # vLLM's "off"
+    for past in (VOCAB, 10 ** 30):                   # keeps every token: off, never a huge slice in the sampler
+        assert completions_fields({"top_k": past}, VOCAB).params["top_k"] == 0
+    assert completions_fields({"top_k": VOCAB - 1}, VOCAB).params["top_k"] == VOCAB - 1
 
 
 @pytest.mark.parametrize("body, field", [
