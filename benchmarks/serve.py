@@ -4,7 +4,7 @@ weights in the same run.
 
     workload      sessions of the Mooncake conversation trace, arrival times and prefix
                   structure kept, token counts scaled (benchmarks/serve_workload.py)
-    cache_on      kvcache serve --model CKPT, exact-mode cache (a snapshot every >= 64 tokens)
+    cache_on      kvcache serve --model CKPT, exact-mode cache (a snapshot every 512 tokens)
     cache_off     the same with [cache] enabled = false
     transformers  transformers serve on a transformers-format copy of CKPT (same weights),
                   --continuous-batching; where it refuses the model (a probe request fails),
@@ -38,7 +38,6 @@ from kvcache.benchmarks.serve_client import Target, replay, request_once
 from kvcache.benchmarks.serve_report import format_table, notes, outcome_rows, ratios, summarize
 from kvcache.benchmarks.serve_workload import Turn, WorkloadShape, build_workload, prompt_text, read_trace, word_ids
 
-SNAPSHOT_MIN_TOKENS = 64
 
 
 def engine_settings(model_config, shape: WorkloadShape, clients: int) -> dict:
@@ -49,25 +48,39 @@ def engine_settings(model_config, shape: WorkloadShape, clients: int) -> dict:
     return {"block_size": block, "num_blocks": max(512, 2 * clients * per_request), "max_running": clients}
 
 
-def cache_settings(block: int) -> dict:
-    """[cache] of cache_on. Exact mode: a hit is only as long as the last snapshot in it, and each
-    snapshot cuts the prefill there; one per 16-token block (v4-tiny) made a 700-token cold
-    prefill 44 steps, about 20x the time of 2 on two loaded cores; 64 tokens keeps most of what a
-    turn shares with the last (v4-small: one per 128-token block)."""
-    return {"enabled": True, "mode": "exact", "snapshot_interval": block * -(-SNAPSHOT_MIN_TOKENS // block)}
+def cache_settings(block: int, snapshot_interval: int) -> dict:
+    """[cache] of cache_on: exact mode, a snapshot every snapshot_interval tokens (rounded up to
+    whole blocks). A hit is only as long as the last snapshot in it, and each snapshot ends a
+    prefill chunk: 512, the server's default and its step budget, costs no extra steps; one per
+    16-token block (v4-tiny) made a 700-token cold prefill 44 steps, ~20x the time of 2 on two
+    loaded cores."""
+    return {"enabled": True, "mode": "exact", "snapshot_interval": block * -(-snapshot_interval // block)}
 
 
-def ours_body(turn: Turn) -> dict:
-    return {"model": "bench", "prompt": turn.prompt_ids, "max_tokens": turn.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+# Random weights put most of the argmax on ids past the demo tokenizer (v4-small: 4,096 logits,
+# a few hundred tokens), which decode to no text: a stream would show its first text late or
+# never. Both servers add WORD_BIAS to the workload's words (complete text each), so greedy picks
+# among them and every token streams as text (TTFT is the first token's); at most OpenAI's 300
+WORD_BIAS, MAX_BIASED = 100, 300
 
 
-def transformers_body(copy: str, texts: dict):
+def ours_body(words: list[int]):
+    bias = {str(w): WORD_BIAS for w in words[:MAX_BIASED]}
+
+    def body(turn: Turn) -> dict:
+        return {"model": "bench", "prompt": turn.prompt_ids, "max_tokens": turn.max_tokens, "temperature": 0,
+                "ignore_eos": True, "logit_bias": bias, "stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def transformers_body(copy: str, texts: dict, words: list[int]):
+    bias = [[[w], float(WORD_BIAS)] for w in words[:MAX_BIASED]]
+
     def body(turn: Turn) -> dict:
         n = turn.max_tokens        # its own generation config: greedy, exactly n tokens (no EOS stop)
+        config = {"do_sample": False, "max_new_tokens": n, "min_new_tokens": n, "sequence_bias": bias}
         return {"model": copy, "prompt": texts[(turn.session, turn.index)], "max_tokens": n, "temperature": 0,
-                "stream": True, "generation_config": json.dumps({"do_sample": False, "max_new_tokens": n,
-                                                                 "min_new_tokens": n})}
+                "stream": True, "generation_config": json.dumps(config)}
     return body
 
 
@@ -78,8 +91,8 @@ class Run:
                  root: str, bar):
         self.checkpoint, self.tokenizer, self.workload, self.engine = checkpoint, tokenizer, workload, engine
         self.clients, self.deadline_s, self.root, self.bar = clients, deadline_s, root, bar
-        words = word_ids(tokenizer)
-        self.warm_up = Turn(-1, 0, 0.0, [tokenizer.bos_id] + words[:min(8, len(words))], 4, 0)
+        self.words = word_ids(tokenizer)
+        self.warm_up = Turn(-1, 0, 0.0, [tokenizer.bos_id] + self.words[:8], 4, 0)
 
     def measure(self, server: servers.Server, target: Target) -> dict:
         self.bar.set_postfix_str(server.name)
@@ -91,7 +104,7 @@ class Run:
     def kvcache(self, name: str, cache: dict) -> dict:
         with contextlib.ExitStack() as cleanup:
             server = servers.start_kvcache(cleanup, self.root, name, self.checkpoint, self.engine, cache)
-            return self.measure(server, Target(name, server.url, ours_body))
+            return self.measure(server, Target(name, server.url, ours_body(self.words)))
 
     def transformers(self, mode: str) -> dict:
         why = servers.serve_available()
@@ -104,7 +117,7 @@ class Run:
         texts = {(t.session, t.index): prompt_text(t, self.tokenizer, self.tokenizer.decode([self.tokenizer.bos_id]))
                  for t in self.workload.turns + [self.warm_up]}
         alike = sum(tok(texts[(t.session, t.index)])["input_ids"] == t.prompt_ids for t in self.workload.turns)
-        body, refused = transformers_body(copy, texts), None
+        body, refused = transformers_body(copy, texts, self.words), None
         for cb in ((True, False) if mode == "auto" else (mode == "cb",)):
             with contextlib.ExitStack() as cleanup:
                 server = servers.start_transformers(cleanup, self.root, copy, cb)
@@ -124,20 +137,20 @@ class Run:
 
 def run(config: str = "v4-small", shape: WorkloadShape = WorkloadShape(), clients: int = 8,
         deadline_s: float = 600.0, transformers: str = "auto", trace: str = verbs.SERVE_TRACE,
-        out_dir: str = "benchmarks/results", progress: bool = True) -> dict:
+        snapshot_interval: int = 512, out_dir: str = "benchmarks/results", progress: bool = True) -> dict:
     from tqdm import tqdm
-    from kvcache.benchmarks.record import machine_info, write_results
+    from kvcache.benchmarks.record import load_now, machine_info, write_results
     from kvcache.engine.checkpoint.demo import demo_checkpoint
     from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.tokenizer import load_tokenizer
     os.makedirs(out_dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix=".kvcache-serve-", dir=os.path.abspath(out_dir))
-    started = time.perf_counter()
+    started, load_at_start = time.perf_counter(), load_now()
     try:
         checkpoint = demo_checkpoint(os.path.join(root, "models"), config)
         tokenizer = load_tokenizer(checkpoint)
         engine = engine_settings(ModelConfig.load(os.path.join(checkpoint, "config.json")), shape, clients)
-        cache = cache_settings(engine["block_size"])
+        cache = cache_settings(engine["block_size"], snapshot_interval)
         workload = build_workload(read_trace(trace), tokenizer, shape, cache["snapshot_interval"])
         steps = len(workload.turns) * (2 + (transformers != "off"))
         with tqdm(total=steps, desc="serve benchmark", unit="req", disable=not progress) as bar:
@@ -150,7 +163,7 @@ def run(config: str = "v4-small", shape: WorkloadShape = WorkloadShape(), client
         shutil.rmtree(root, ignore_errors=True)
     doc = _document(config, shape, clients, deadline_s, trace, engine, workload, scenarios, out_dir)
     doc["elapsed_s"] = time.perf_counter() - started
-    doc["machine"] = {**machine_info(out_dir), **_versions()}
+    doc["machine"] = {**machine_info(out_dir), "load_at_start": load_at_start, **_versions()}
     write_results(doc, out_dir, "serve")
     return doc
 
@@ -182,8 +195,8 @@ def run_args(args: argparse.Namespace) -> int:
     shape = WorkloadShape(block_tokens=args.block_tokens, max_requests=args.max_requests, max_turns=args.max_turns,
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                           time_scale=args.time_scale, seed=args.seed)
-    doc = run(args.config, shape, args.clients, args.deadline, args.transformers, args.trace, args.out_dir,
-              progress=not args.no_progress)
+    doc = run(args.config, shape, args.clients, args.deadline, args.transformers, args.trace,
+              args.snapshot_interval, args.out_dir, progress=not args.no_progress)
     print(format_table(doc))
     for k, v in doc["notes"].items():
         print(f"  {k}: {v}")

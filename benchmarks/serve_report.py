@@ -75,11 +75,11 @@ def notes(doc: dict) -> dict:
                     "transformers serve without continuous batching decodes one request at a time, so its "
                     "TPOT is a lone request's and its queue shows in TTFT instead"),
            "weights": ("random weights (demo checkpoint): outputs are fixed lengths (ignore_eos on ours, "
-                       "min_new_tokens = max_new_tokens on transformers), so every scenario generates the "
-                       "same number of tokens; speed, not quality"),
+                       "min_new_tokens = max_new_tokens on transformers) of greedy picks among the workload's "
+                       "words (a +100 logit bias on both servers, so that every token streams as text), the "
+                       "same number of tokens in every scenario; speed, not quality"),
            "ttft_definition": ("TTFT = the first streamed chunk with text, from the moment the request is sent "
-                               "(queueing included); servers hold back an incomplete UTF-8 character, so it can "
-                               "come a token after the first token")}
+                               "(queueing included): with every output token a whole word, the first token's")}
     return out
 
 

@@ -34,10 +34,10 @@ SESSION_MIN_BLOCKS = 2          # block 0 is everyone's system prompt: a session
 @dataclass(frozen=True)
 class WorkloadShape:
     """How the trace is cut down to what the machine can serve."""
-    block_tokens: int = 32              # tokens per trace block (the trace's are 512)
-    max_requests: int = 48
-    max_turns: int = 4                  # turns kept per session (its first ones)
-    max_prompt_tokens: int = 2048       # a session is cut before its first turn past this
+    block_tokens: int = 48              # tokens per trace block (the trace's are 512)
+    max_requests: int = 32
+    max_turns: int = 8                  # turns kept per session (its first ones)
+    max_prompt_tokens: int = 3072       # a session is cut before its first turn past this
     max_output_tokens: int = 32
     time_scale: float = 0.01            # seconds of replay per second of trace
     seed: int = 0

@@ -212,7 +212,7 @@ def add_profile_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEF
 
 
 SERVE_EPILOG = """scenarios, one after another on the same weights (a demo checkpoint of --config):
-  cache_on       kvcache serve --model CKPT, exact-mode prefix cache (a snapshot every >= 64 tokens)
+  cache_on       kvcache serve --model CKPT, exact-mode prefix cache (a snapshot every --snapshot-interval)
   cache_off      the same server with [cache] enabled = false
   transformers   transformers serve on a transformers-format copy of CKPT, --continuous-batching;
                  where that refuses the model, sequential generate (the reason is recorded)
@@ -226,8 +226,9 @@ The JSON report goes to OUT_DIR/serve-<UTC time>.json and ...-latest.json.
 (c) needs transformers' serving extra: pip install 'transformers[serving]'.
 
 examples:
-  kvcache bench serve                                    # v4-small, 48 requests, all three scenarios
-  kvcache bench serve --config v4-tiny --block-tokens 16 --max-requests 8 --transformers off
+  kvcache bench serve                                    # v4-small, 32 requests, all three scenarios
+  kvcache bench serve --config v4-tiny --block-tokens 16 --max-requests 8 --snapshot-interval 64 \\
+      --transformers off
 """
 
 
@@ -237,16 +238,19 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAU
                    "weights; a V4 one for the transformers scenario (default v4-small)")
     p.add_argument("--trace", default=SERVE_TRACE,
                    help="a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids)")
-    p.add_argument("--block-tokens", type=count, default=32, metavar="N",
-                   help="tokens per 512-token trace block; output lengths scale alike (default 32)")
-    p.add_argument("--max-requests", type=count, default=48, metavar="N", help="requests replayed (default 48)")
-    p.add_argument("--max-turns", type=count, default=4, metavar="N", help="turns kept per session (default 4)")
-    p.add_argument("--max-prompt-tokens", type=count, default=2048, metavar="N",
-                   help="a session ends before its first turn longer than this (default 2048)")
+    p.add_argument("--block-tokens", type=count, default=48, metavar="N",
+                   help="tokens per 512-token trace block; output lengths scale alike (default 48)")
+    p.add_argument("--max-requests", type=count, default=32, metavar="N", help="requests replayed (default 32)")
+    p.add_argument("--max-turns", type=count, default=8, metavar="N", help="turns kept per session (default 8)")
+    p.add_argument("--max-prompt-tokens", type=count, default=3072, metavar="N",
+                   help="a session ends before its first turn longer than this (default 3072)")
     p.add_argument("--max-output-tokens", type=count, default=32, metavar="N",
                    help="cap on each request's scaled output length (default 32)")
     p.add_argument("--time-scale", type=checked(float, lambda v: v >= 0, "a number >= 0"), default=0.01,
                    metavar="X", help="seconds of replay per second of trace (default 0.01; 0: all at once)")
+    p.add_argument("--snapshot-interval", type=count, default=512, metavar="N",
+                   help="cache_on: exact mode's snapshot interval in tokens, rounded up to whole engine blocks; a "
+                        "hit is whole intervals (default 512, the server's)")
     p.add_argument("--clients", type=count, default=8, metavar="N", help="requests in flight at most (default 8)")
     p.add_argument("--deadline", type=checked(float), default=600.0, metavar="S",
                    help="seconds per scenario; what has not finished by then is an error (default 600)")

@@ -74,7 +74,7 @@ def tiny_run(tmp_path_factory):
     shape = WorkloadShape(block_tokens=16, max_requests=6, max_output_tokens=4, time_scale=0.2)
     transformers = "auto" if serve_servers.serve_available() is None else "off"
     doc = serve.run("v4-tiny", shape, clients=4, deadline_s=240, transformers=transformers, trace=str(trace),
-                    out_dir=str(out), progress=False)
+                    snapshot_interval=64, out_dir=str(out), progress=False)
     return doc, json.load(open(out / "serve-latest.json"))
 
 
