@@ -88,9 +88,9 @@ class Run:
     """One benchmark run: the workload, the scenarios' servers one after another, their outcomes."""
 
     def __init__(self, checkpoint: str, tokenizer, workload, engine: dict, clients: int, deadline_s: float,
-                 root: str, bar):
+                 root: str, bar, env: dict[str, str]):
         self.checkpoint, self.tokenizer, self.workload, self.engine = checkpoint, tokenizer, workload, engine
-        self.clients, self.deadline_s, self.root, self.bar = clients, deadline_s, root, bar
+        self.clients, self.deadline_s, self.root, self.bar, self.env = clients, deadline_s, root, bar, env
         self.words = word_ids(tokenizer)
         self.warm_up = Turn(-1, 0, 0.0, [tokenizer.bos_id] + self.words[:8], 4, 0)
 
@@ -103,7 +103,7 @@ class Run:
 
     def kvcache(self, name: str, cache: dict) -> dict:
         with contextlib.ExitStack() as cleanup:
-            server = servers.start_kvcache(cleanup, self.root, name, self.checkpoint, self.engine, cache)
+            server = servers.start_kvcache(cleanup, self.root, name, self.checkpoint, self.engine, cache, self.env)
             return self.measure(server, Target(name, server.url, ours_body(self.words)))
 
     def transformers(self, mode: str) -> dict:
@@ -120,7 +120,7 @@ class Run:
         body, refused = transformers_body(copy, texts, self.words), None
         for cb in ((True, False) if mode == "auto" else (mode == "cb",)):
             with contextlib.ExitStack() as cleanup:
-                server = servers.start_transformers(cleanup, self.root, copy, cb)
+                server = servers.start_transformers(cleanup, self.root, copy, cb, self.env)
                 target = Target(server.name, server.url, body)
                 probe = request_once(target, self.warm_up)
                 if probe.error is not None and cb and mode == "auto":
@@ -137,7 +137,8 @@ class Run:
 
 def run(config: str = "v4-small", shape: WorkloadShape = WorkloadShape(), clients: int = 8,
         deadline_s: float = 600.0, transformers: str = "auto", trace: str = verbs.SERVE_TRACE,
-        snapshot_interval: int = 512, out_dir: str = "benchmarks/results", progress: bool = True) -> dict:
+        snapshot_interval: int = 512, server_env: dict[str, str] | None = None, out_dir: str = "benchmarks/results",
+        progress: bool = True) -> dict:
     from tqdm import tqdm
     from kvcache.benchmarks.record import load_now, machine_info, write_results
     from kvcache.engine.checkpoint.demo import demo_checkpoint
@@ -154,27 +155,27 @@ def run(config: str = "v4-small", shape: WorkloadShape = WorkloadShape(), client
         workload = build_workload(read_trace(trace), tokenizer, shape, cache["snapshot_interval"])
         steps = len(workload.turns) * (2 + (transformers != "off"))
         with tqdm(total=steps, desc="serve benchmark", unit="req", disable=not progress) as bar:
-            r = Run(checkpoint, tokenizer, workload, engine, clients, deadline_s, root, bar)
+            r = Run(checkpoint, tokenizer, workload, engine, clients, deadline_s, root, bar, server_env or {})
             scenarios = {"cache_on": r.kvcache("cache_on", cache),
                          "cache_off": r.kvcache("cache_off", {"enabled": False})}
             scenarios["transformers"] = r.transformers(transformers) if transformers != "off" else \
                 {"skipped": "--transformers off"}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    doc = _document(config, shape, clients, deadline_s, trace, engine, workload, scenarios, out_dir)
+    doc = _document(config, shape, clients, deadline_s, trace, engine, workload, scenarios, server_env or {})
     doc["elapsed_s"] = time.perf_counter() - started
     doc["machine"] = {**machine_info(out_dir), "load_at_start": load_at_start, **_versions()}
     write_results(doc, out_dir, "serve")
     return doc
 
 
-def _document(config, shape, clients, deadline_s, trace, engine, workload, scenarios, out_dir) -> dict:
+def _document(config, shape, clients, deadline_s, trace, engine, workload, scenarios, server_env) -> dict:
     summaries = {k: v["summary"] for k, v in scenarios.items() if "summary" in v}
     found = ratios(summaries)
     doc = {"benchmark": "serve", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "config": {"model": config, "weights": "random (demo checkpoint)", "trace": os.path.basename(trace),
                       "workload": dataclasses.asdict(shape), "clients": clients, "deadline_s": deadline_s,
-                      "engine": engine, "api": "/v1/completions, streamed"},
+                      "engine": engine, "server_env": server_env, "api": "/v1/completions, streamed"},
            "workload": workload.stats(), "scenarios": scenarios,
            **{k: v for k, v in found.items() if k != "targets"}, "targets": found["targets"]}
     doc["notes"] = notes(doc)
@@ -196,7 +197,7 @@ def run_args(args: argparse.Namespace) -> int:
                           max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                           time_scale=args.time_scale, seed=args.seed)
     doc = run(args.config, shape, args.clients, args.deadline, args.transformers, args.trace,
-              args.snapshot_interval, args.out_dir, progress=not args.no_progress)
+              args.snapshot_interval, dict(args.server_env), args.out_dir, progress=not args.no_progress)
     print(format_table(doc))
     for k, v in doc["notes"].items():
         print(f"  {k}: {v}")

@@ -44,12 +44,17 @@ def _toml(sections: dict) -> str:
                    for sec, kv in sections.items())
 
 
+def _with_env(argv: list[str], env: dict[str, str]) -> list[str]:
+    """argv run through env(1) with these variables set (the same for every server of a run)."""
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else argv
+
+
 def _ready(url: str):
     return lambda: urllib.request.urlopen(url, timeout=2).status == 200
 
 
 def start_kvcache(cleanup: contextlib.ExitStack, root: str, name: str, checkpoint: str, engine: dict,
-                  cache: dict) -> Server:
+                  cache: dict, env: dict[str, str]) -> Server:
     """`kvcache serve --model` on a fresh data directory, with [engine] and [cache] from a file."""
     path, port = os.path.join(root, f"{name}.toml"), _free_port()
     sections = {"engine": engine, "cache": cache}
@@ -58,10 +63,11 @@ def start_kvcache(cleanup: contextlib.ExitStack, root: str, name: str, checkpoin
     argv = [sys.executable, "-m", "kvcache.cli.main", "serve", "--model", checkpoint, "--config", path,
             "--data-dir", os.path.join(root, f"{name}-data"), "--port", str(port),
             "--served-model-name", "bench", "--gc-interval", "3600"]
+    argv = _with_env(argv, env)
     log, url = os.path.join(root, f"{name}.log"), f"http://127.0.0.1:{port}"
     proc = _spawn(cleanup, argv, log)
     _wait_ready(proc, _ready(url + "/ready"), log, f"kvcache serve ({name})", START_TIMEOUT_S)
-    return Server(name, url, "bench", argv[1:], log, sections)
+    return Server(name, url, "bench", argv, log, sections)
 
 
 def transformers_copy(checkpoint: str, out: str) -> str:
@@ -95,19 +101,21 @@ def serve_available() -> str | None:
     return None
 
 
-def start_transformers(cleanup: contextlib.ExitStack, root: str, copy: str, continuous_batching: bool) -> Server:
+def start_transformers(cleanup: contextlib.ExitStack, root: str, copy: str, continuous_batching: bool,
+                       env: dict[str, str]) -> Server:
     name = "transformers" + ("_cb" if continuous_batching else "")
     port = _free_port()
-    # offline: the copy is local, and its CLI would look for a newer release on PyPI first
-    argv = ["env", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1", "HF_HUB_DISABLE_UPDATE_CHECK=1", sys.executable,
-            "-m", "transformers.cli.transformers", "serve", copy, "--device", "cpu", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", copy, "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if continuous_batching:
         argv.append("--continuous-batching")
+    # offline: the copy is local, and its CLI would look for a newer release on PyPI first
+    argv = _with_env(argv, {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+                            **env})
     log, url = os.path.join(root, f"{name}.log"), f"http://127.0.0.1:{port}"
     proc = _spawn(cleanup, argv, log)
     _wait_ready(proc, _ready(url + "/health"), log, f"transformers serve ({name})", START_TIMEOUT_S)
-    return Server(name, url, copy, argv[1:], log, {"continuous_batching": continuous_batching})
+    return Server(name, url, copy, argv, log, {"continuous_batching": continuous_batching})
 
 
 def last_error(log: str, wait_s: float = 5.0) -> str:

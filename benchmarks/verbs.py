@@ -232,6 +232,13 @@ examples:
 """
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
     count = checked(int, what="a positive integer")
     p.add_argument("--config", default="v4-small", help="demo model config (configs/models/NAME.json), random "
@@ -251,6 +258,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAU
     p.add_argument("--snapshot-interval", type=count, default=512, metavar="N",
                    help="cache_on: exact mode's snapshot interval in tokens, rounded up to whole engine blocks; a "
                         "hit is whole intervals (default 512, the server's)")
+    p.add_argument("--server-env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for every server of the run, alike (repeatable), e.g. "
+                        "OMP_WAIT_POLICY=PASSIVE on a CPU that other work shares")
     p.add_argument("--clients", type=count, default=8, metavar="N", help="requests in flight at most (default 8)")
     p.add_argument("--deadline", type=checked(float), default=600.0, metavar="S",
                    help="seconds per scenario; what has not finished by then is an error (default 600)")

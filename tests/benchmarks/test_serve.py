@@ -74,8 +74,20 @@ def tiny_run(tmp_path_factory):
     shape = WorkloadShape(block_tokens=16, max_requests=6, max_output_tokens=4, time_scale=0.2)
     transformers = "auto" if serve_servers.serve_available() is None else "off"
     doc = serve.run("v4-tiny", shape, clients=4, deadline_s=240, transformers=transformers, trace=str(trace),
-                    snapshot_interval=64, out_dir=str(out), progress=False)
+                    snapshot_interval=64, server_env={"OMP_WAIT_POLICY": "PASSIVE"}, out_dir=str(out),
+                    progress=False)
     return doc, json.load(open(out / "serve-latest.json"))
+
+
+def test_server_env_is_key_value(capsys):
+    from kvcache.benchmarks.verbs import VERBS
+    import argparse
+    p = VERBS["serve"].configure(argparse.ArgumentParser())
+    assert p.parse_args(["--server-env", "OMP_WAIT_POLICY=PASSIVE", "--server-env", "A=b=c"]).server_env == \
+        [("OMP_WAIT_POLICY", "PASSIVE"), ("A", "b=c")]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--server-env", "no-equals"])
+    assert "'no-equals' is not KEY=VALUE" in capsys.readouterr().err
 
 
 def test_a_tiny_run_end_to_end(tiny_run):
@@ -87,6 +99,9 @@ def test_a_tiny_run_end_to_end(tiny_run):
         assert s["ttft_p50_s"] > 0 and s["ttft_p99_s"] >= s["ttft_p50_s"] and s["tpot_p50_s"] > 0
         assert s["request_throughput_per_s"] > 0 and s["prompt_tokens"] == saved["workload"]["prompt_tokens"]["total"]
     assert on["cached_fraction"] > 0 and off["cached_fraction"] == 0
+    for name in ("cache_on", "cache_off"):                        # every server gets the run's environment
+        argv = saved["scenarios"][name]["server"]["argv"]
+        assert argv[:2] == ["env", "OMP_WAIT_POLICY=PASSIVE"] and "--model" in argv
     assert saved["serve_errors"] == 0 and saved["serve_ttft_p50_cache_vs_off"] > 0
     assert set(saved["targets"]) == {"serve_ttft_p50_cache_vs_off", "serve_throughput_vs_transformers",
                                      "serve_errors"}
