@@ -42,10 +42,11 @@ from kvcache.benchmarks.serve_workload import Turn, WorkloadShape, build_workloa
 
 def engine_settings(model_config, shape: WorkloadShape, clients: int) -> dict:
     """[engine] for both kvcache scenarios: blocks of the largest compress ratio, a pool that holds
-    every request in flight twice over, as many running as there are clients."""
+    every request in flight twice over, the default step budget, as many running as clients."""
     block = max(r for r in model_config.compress_ratios if r > 0)
     per_request = -(-(shape.max_prompt_tokens + shape.max_output_tokens) // block) + 1
-    return {"block_size": block, "num_blocks": max(512, 2 * clients * per_request), "max_running": clients}
+    return {"block_size": block, "num_blocks": max(512, 2 * clients * per_request), "max_tokens_per_step": 512,
+            "max_running": clients}
 
 
 def cache_settings(block: int, snapshot_interval: int) -> dict:
@@ -145,7 +146,7 @@ def run(config: str = "v4-small", shape: WorkloadShape = WorkloadShape(), client
     from kvcache.engine.model_config import ModelConfig
     from kvcache.engine.tokenizer import load_tokenizer
     os.makedirs(out_dir, exist_ok=True)
-    root = tempfile.mkdtemp(prefix=".kvcache-serve-", dir=os.path.abspath(out_dir))
+    root = tempfile.mkdtemp(prefix=".kvcache-bench-serve-", dir=os.path.abspath(out_dir))
     started, load_at_start = time.perf_counter(), load_now()
     try:
         checkpoint = demo_checkpoint(os.path.join(root, "models"), config)

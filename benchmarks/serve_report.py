@@ -68,40 +68,50 @@ def notes(doc: dict) -> dict:
     """For each figure, what limits it in this run, from the run's own numbers."""
     w, sc = doc["workload"], doc["scenarios"]
     s = {k: v["summary"] for k, v in sc.items() if "summary" in v}
-    out = {"ttft": _ttft_note(w, s), "throughput": _throughput_note(w, s, sc.get("transformers", {})),
-           "errors": "; ".join(f"{k}: {v['errors']} ({', '.join(v['error_reasons']) or 'none'})"
-                               for k, v in s.items()),
-           "tpot": ("ours decodes every running request in one forward per step (continuous batching); "
-                    "transformers serve without continuous batching decodes one request at a time, so its "
-                    "TPOT is a lone request's and its queue shows in TTFT instead"),
-           "weights": ("random weights (demo checkpoint): outputs are fixed lengths (ignore_eos on ours, "
-                       "min_new_tokens = max_new_tokens on transformers) of greedy picks among the workload's "
-                       "words (a +100 logit bias on both servers, so that every token streams as text), the "
-                       "same number of tokens in every scenario; speed, not quality"),
-           "ttft_definition": ("TTFT = the first streamed chunk with text, from the moment the request is sent "
-                               "(queueing included): with every output token a whole word, the first token's")}
-    return out
+    return {"ttft": _ttft_note(w, s), "throughput": _throughput_note(w, s, sc.get("transformers", {})),
+            "tpot": _tpot_note(doc["config"]["engine"], s),
+            "errors": "; ".join(f"{k}: {v['errors']} ({', '.join(v['error_reasons']) or 'none'})"
+                                for k, v in s.items()),
+            "weights": ("random weights (demo checkpoint): outputs are fixed lengths (ignore_eos on ours, "
+                        "min_new_tokens = max_new_tokens on transformers) of greedy picks among the workload's "
+                        "words (a +100 logit bias on both servers, so that every token streams as text), the "
+                        "same number of tokens in every scenario; speed, not quality"),
+            "ttft_definition": ("TTFT = the first streamed chunk with text, from the moment the request is sent "
+                                "(queueing included): with every output token a whole word, the first token's")}
 
 
 def _ttft_note(w: dict, s: dict) -> str:
     on, off = s.get("cache_on"), s.get("cache_off")
     if not on or not off:
         return "a cache scenario did not run"
-    first = f"{w['first_turns']} of {w['requests']} requests are a session's first turn (nothing to reuse)"
-    text = (f"{first}; cached fraction {_f(on['cached_fraction'])} of an ideal {_f(w['ideal_cached_fraction'])} "
-            f"(the longest prefix each prompt shares with an earlier one, in whole snapshot intervals); TTFT p50 with "
-            f"the cache: first turns {_ms(on['ttft_p50_first_turns_s'])}, later turns "
-            f"{_ms(on['ttft_p50_later_turns_s'])}; without: {_ms(off['ttft_p50_first_turns_s'])} / "
-            f"{_ms(off['ttft_p50_later_turns_s'])}. TTFT includes queueing behind other requests' prefill "
-            f"on the same 2 cores, which the cache shortens too")
+    later = _ratio(on["ttft_p50_later_turns_s"], off["ttft_p50_later_turns_s"])
+    return (f"{w['first_turns']} of {w['requests']} requests are a session's first turn, with nothing to reuse "
+            f"and all of them queued at the start; cached fraction {_f(on['cached_fraction'])} of an ideal "
+            f"{_f(w['ideal_cached_fraction'])} (the longest prefix each prompt shares with an earlier one, in "
+            f"whole snapshot intervals). TTFT p50 with the cache / without: first turns "
+            f"{_ms(on['ttft_p50_first_turns_s'])} / {_ms(off['ttft_p50_first_turns_s'])}, later turns "
+            f"{_ms(on['ttft_p50_later_turns_s'])} / {_ms(off['ttft_p50_later_turns_s'])} (ratio {_f(later)}). "
+            f"TTFT includes queueing behind other requests' prefill on the same cores")
+
+
+def _tpot_note(engine: dict, s: dict) -> str:
+    ours = ", ".join(f"{k} {_ms(v['tpot_p50_s'])}" for k, v in s.items() if k != "transformers")
+    text = (f"ours ({ours}) decodes every running request in one step, continuous batching, and a step also "
+            f"carries other requests' prefill chunks (up to max_tokens_per_step "
+            f"{engine.get('max_tokens_per_step', 512)} tokens), so while prefills queue a token waits for a "
+            f"chunk")
+    if "transformers" in s:
+        text += (f"; transformers ({_ms(s['transformers']['tpot_p50_s'])}) without continuous batching decodes "
+                 f"one request at a time: a lone decode step, its queue in TTFT instead")
     return text
 
 
 def _throughput_note(w: dict, s: dict, tf: dict) -> str:
     span = w["arrival_span_s"]
-    walls = ", ".join(f"{k} {v['wall_s']:.1f} s" for k, v in s.items())
-    text = (f"arrivals span {span:.1f} s; wall time {walls}: a scenario that ends soon after the last "
-            f"arrival was not saturated, and its throughput is the offered load's, not its capacity")
+    walls = ", ".join(f"{k} {v['wall_s'] - span:.1f} s" for k, v in s.items())
+    text = (f"arrivals span {span:.1f} s; each scenario ended this long after the last arrival: {walls} (one "
+            f"that ends soon after it kept up with the offered load, and its throughput is that load's, not "
+            f"its capacity); each session's turns wait for the previous answer")
     if "skipped" in tf:
         return text + f"; transformers skipped: {tf['skipped']}"
     if tf.get("continuous_batching_refused"):
