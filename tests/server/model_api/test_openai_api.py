@@ -153,8 +153,12 @@ def test_a_stop_string_ends_the_answer_and_the_request(server, client):
     stop = _stop_in(full)
     r = chat(client, "Stop somewhere", stop=[stop], **kw)
     assert r.choices[0].message.content == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
-    streamed = chat(client, "Stop somewhere", stop=stop, stream=True, **kw)
+    # the same greedy answer, allowed 30000 tokens: only the stop string can end it soon
+    streamed = chat(client, "Stop somewhere", stop=stop, stream=True, **{**kw, "max_tokens": 30000})
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+    deadline = time.time() + 30           # the abort lands after the engine's running step; far less than
+    while running_requests(server.url) and time.time() < deadline:      # 30000 tokens would take
+        time.sleep(0.2)
     assert running_requests(server.url) == 0              # the engine request ended at the stop string
     text = client.completions.create(model=MODEL, prompt="Stop here", max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
