@@ -31,6 +31,8 @@ import shutil
 
 from torch import nn
 
+from kvcache.engine.sampling import SamplingParams
+
 PHASES = ("attn_in", "ffn_in", "ffn_out")
 MODEL_WHOLE = "decode_layers"   # a model's planned decode step (all layers, logits) as one graph
 RECOMPILE_LIMIT = 64      # attention kinds x gate kinds x (static, 1, dynamic) token counts
@@ -103,6 +105,16 @@ def _compiled_phases(cls: type, options: dict) -> dict:
     if key not in _COMPILED:
         _COMPILED[key] = {p: _compile(getattr(cls, p), options) for p in PHASES}
     return _COMPILED[key]
+
+
+def generate_on(engine):
+    """warm_up's `run` on an engine: its prompts generated greedily to their max_tokens."""
+    def run(prompts: list[list[int]], max_tokens: list[int]) -> None:
+        for p, n in zip(prompts, max_tokens):
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
+    return run
 
 
 def warm_up(run, block_size: int, vocab_size: int) -> None:

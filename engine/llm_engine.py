@@ -21,7 +21,7 @@ import torch
 
 from kvcache.client.open_store import open_store
 from kvcache.engine.block_pool import BlockPool, PoolExhausted
-from kvcache.engine.compiled import compile_layers, warm_up as compiled_warmup
+from kvcache.engine.compiled import compile_layers, generate_on, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
 from kvcache.engine.cache.connector import KVConnector
 from kvcache.engine.config import CacheConfig, EngineConfig
@@ -29,12 +29,16 @@ from kvcache.engine.decode_graphs import DecodeGraphs
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
-from kvcache.kvstore.hashing import Namespace, hash_blocks, salted_root
+from kvcache.kvstore.hashing import hash_blocks, salted_root
+from kvcache.engine.cache.namespace import engine_namespace
 from kvcache.engine.detokenizer import Detokenizer
-from kvcache.engine.request import FinishReason, Request, checked_cache_points
+from kvcache.engine.request import FinishReason, Request, check_request, checked_cache_points, prompt_ids
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from kvcache.engine.cache.weights_id import weights_id
+from kvcache.engine.structured.batch_masks import BatchMasks
+from kvcache.engine.structured.guide import Guide
+from kvcache.engine.structured.compiler import engine_compiler
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ class LLMEngine:
                                    reset_state=self._drop_state, on_finish=self._on_finish,
                                    cut=snapshot_cut(config.cache) if config.cache is not None else None)
         self.detokenizer = Detokenizer(tokenizer, self.scheduler.is_stop_token)
+        self.grammars = engine_compiler(tokenizer, mc)     # structured outputs (None: no tokenizer)
+        self.masks = BatchMasks(self.grammars, mc.vocab_size) if self.grammars is not None else None
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
@@ -87,15 +93,9 @@ class LLMEngine:
         pool): the compiled graphs it leaves behind serve this engine's steps."""
         cfg = dataclasses.replace(self.config, cache=None, compile_warmup=False, num_blocks=16, max_running=4,
                                   cuda_graphs=False)        # this engine captures its own, on its own pool
-        scratch = LLMEngine(self.model, None, cfg)
-
-        def run(prompts: list[list[int]], max_tokens: list[int]) -> None:
-            for p, n in zip(prompts, max_tokens):
-                scratch.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            while scratch.has_work():
-                scratch.step()
         t = time.perf_counter()
-        compiled_warmup(run, self.config.block_size, self.model.config.vocab_size)
+        scratch = LLMEngine(self.model, None, cfg)
+        compiled_warmup(generate_on(scratch), self.config.block_size, self.model.config.vocab_size)
         log.info("compiled layers ready in %.1f s", time.perf_counter() - t)
 
     def _open_cache(self, cfg: CacheConfig | None, store) -> PrefixCache | None:
@@ -117,6 +117,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Wait for the cache's pending saves and close a store the engine opened."""
+        if self.grammars is not None:
+            self.masks.close()
+            self.grammars.close()
         conn = self.cache.connector if self.cache is not None else None
         if conn is not None:
             conn.close()
@@ -149,12 +152,24 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         req = Request(ids, params.with_seed(), priority, request_id, cache_salt=cache_salt,
                       chain_root=salted_root(self.namespace, cache_salt),
-                      cache_points=checked_cache_points(cache_points, len(ids)))
+                      cache_points=checked_cache_points(cache_points, len(ids)), guide=self._guide(params))
         # once: the pool's keys and the store lookup
         req.prompt_keys = hash_blocks(self.namespace, ids, parent=req.chain_root)
         if self.cache is not None:
             req.usage = CacheUsage(prompt_tokens=len(ids))
         return req
+
+    def _guide(self, params: SamplingParams) -> Guide | None:
+        """A new request's constraint state; a GrammarError (a ValueError) if it does not compile."""
+        c = params.constraint
+        if c is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
+        think_end = self.tokenizer.token_id("</think>") if c.after_thinking else None
+        if c.after_thinking and think_end is None:
+            raise ValueError("an after_thinking constraint needs a tokenizer with a </think> token")
+        return Guide.for_request(self.grammars.matcher(c), think_end)
 
     def add(self, req: Request) -> Request:
         """Queue a request from new_request (a ValueError if its id is in use)."""
@@ -167,19 +182,8 @@ class LLMEngine:
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or a ValueError saying what is wrong with the request: nothing
         is queued (LLM.generate checks a whole batch before it queues any of it)."""
-        ids = self._ids(prompt)
-        mc = self.model.config
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{mc.vocab_size - 1})")
-        if len(ids) + params.max_tokens > mc.max_position_embeddings:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the model's "
-                             f"context of {mc.max_position_embeddings} tokens")
-        params.check_vocab(mc.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        ids = prompt_ids(prompt, self.tokenizer)
+        check_request(ids, params, self.model.config, self.tokenizer)
         self.scheduler.check_fits(ids, params)
         return ids
 
@@ -191,13 +195,6 @@ class LLMEngine:
             return []
         kids = (self.requests.get(f"{request_id}/{i}") for i in range(1, req.params.n))
         return [req] + [k for k in kids if k is not None]
-
-    def _ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            return self.tokenizer.encode(prompt, add_bos=True)
-        return [int(t) for t in prompt]
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request (and its finished samples) from `self.requests`: a long-lived
@@ -224,12 +221,13 @@ class LLMEngine:
         if not out.chunks:
             return []
         t0 = time.perf_counter()
+        masks = self.masks.start(out.chunks) if self.masks is not None else None   # filled during the forward
         try:
             logits = self._run(out.chunks)
         except Exception as e:      # isolate: re-run each request alone, fail only the culprit
             log.warning("a batched step failed (%s); re-running its %d requests one by one", e, len(out.chunks))
             return self._isolate(out)
-        results = self._finish_step(out, logits)
+        results = self._finish_step(out, logits, masks)
         if self.cache is not None:
             self.cache.after_step(out.chunks, time.perf_counter() - t0)
         return results
@@ -271,7 +269,7 @@ class LLMEngine:
         if self.cache is not None:
             self.cache.on_finish(req, reason)
 
-    def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+    def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor, masks=None) -> list[StepOutput]:
         logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
         sampled, forked, failed, now = {}, [], [], time.perf_counter()
         for i, ch in enumerate(out.chunks):
@@ -282,20 +280,27 @@ class LLMEngine:
             if self.logits_hook is not None:
                 self.logits_hook(req, pos, logits[i])
             try:
-                sampled[req.request_id] = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
+                problem = masks.apply(i, logits[i]) if masks is not None else None   # before bias and penalties
+                if problem is None:
+                    tok = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
             except FloatingPointError as e:          # this request's logits (NaN): it fails alone
-                log.error("request %s failed: %s", req.request_id, e)
-                self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
-                failed.append(StepOutput(req, [], True))
-                continue
-            if req.metrics.first_token is None:
+                problem = f"{type(e).__name__}: {e}"
+            if problem is None and req.metrics.first_token is None:
                 req.metrics.first_token = now
                 if req.params.n > 1 and req.parent is None:
-                    forked += self._fork(req, logits[i], pos)
+                    forked += self._fork(req, logits[i], pos)        # each sample forks the grammar first
+            if problem is None and req.guide is not None:
+                problem = req.guide.commit(tok)
+            if problem is not None:                  # it fails alone
+                log.error("request %s failed: %s", req.request_id, problem)
+                self.scheduler.abort(req, FinishReason.ERROR, error=problem)
+                failed.append(StepOutput(req, [], True))
+                continue
+            sampled[req.request_id] = tok
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
             self._key_blocks(ch.request, ch.start + len(ch.tokens))
-        finished = set(id(r) for r in self.scheduler.update(out, sampled, self.detokenizer.stop_string))
+        finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
         results = []
         for ch in out.chunks:
             req = ch.request
@@ -307,6 +312,11 @@ class LLMEngine:
             self.detokenizer.update(child)
             results.append(StepOutput(child, list(child.output), child.finished))
         return results + failed
+
+    def _stops(self, req: Request) -> bool:
+        """Besides stop tokens and max_tokens: its grammar is complete (nothing but EOS could
+        follow, whatever ignore_eos), or a stop string ended its text."""
+        return (req.guide is not None and req.guide.done) or self.detokenizer.stop_string(req)
 
     def _key_blocks(self, req: Request, computed: int) -> None:
         """Content keys (kvstore.hashing chain) for every block whose tokens are all computed: they
@@ -337,6 +347,12 @@ class LLMEngine:
                             cache_points=parent.cache_points)
             children.append(child)
             child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
+            if parent.guide is not None:             # the parent's grammar before its own token
+                child.guide = parent.guide.fork()
+                problem = child.guide.commit(child.output[-1])
+                if problem is not None:
+                    self.scheduler.abort(child, FinishReason.ERROR, error=problem)
+                    continue
             child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
             if parent.usage is not None:            # its prompt came the parent's way (a hit or not)
                 child.usage = dataclasses.replace(parent.usage, cached_tokens=dict(parent.usage.cached_tokens))
@@ -345,7 +361,7 @@ class LLMEngine:
             if own is not None:                                         # it runs now (else: recomputes later)
                 self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
                 child.state = parent.state.clone(self._view(child))
-            reason = self.scheduler.stop_reason(child, child.output[-1], self.detokenizer.stop_string)
+            reason = self.scheduler.stop_reason(child, child.output[-1], self._stops)
             if reason is not None:                                      # a stop, or max_tokens 1
                 self.scheduler.abort(child, reason)
         return children
@@ -366,7 +382,8 @@ class LLMEngine:
                 req.block_ids, req.block_keys = own, []
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
             try:                         # its forward pass and what follows it, for this request alone
-                results += self._finish_step(SchedulerOutput([chunk]), self._run([chunk]))
+                masks = self.masks.start([chunk]) if self.masks is not None else None
+                results += self._finish_step(SchedulerOutput([chunk]), self._run([chunk]), masks)
             except Exception as e:
                 log.error("request %s failed: %s", req.request_id, e)
                 self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
@@ -381,12 +398,3 @@ class LLMEngine:
         if not self.has_work() and self.kv.free_slots != 2 * self.config.max_running:
             raise AssertionError(f"idle engine still holds state slots ({self.kv.free_slots} free)")
 
-
-def engine_namespace(config, block_size: int, layout: str, weights_id: str = "") -> Namespace:
-    """Block keys depend on the model (its config's fingerprint and, with a cache, its weights:
-    engine/cache/weights_id.py), the pool's block layout id (engine/cache/block_payload.py) and the block size."""
-    import hashlib
-    import json
-    fingerprint = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:32]
-    model = f"{config.model_type}:{fingerprint}" + (f":{weights_id}" if weights_id else "")
-    return Namespace(model, layout, block_size, name=config.model_type)

@@ -78,6 +78,7 @@ class Request:
     resume: object = None            # after a prefix hit: how its first state is built (cache.prefix_cache.Resume)
     cache_planned: bool = False      # the prefix cache has looked this request up
     saved_blocks: int = 0            # leading full blocks already saved to (or loaded from) the cache
+    guide: object = None             # its constraint's state (engine.structured.guide.Guide), if it has one
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -116,3 +117,27 @@ def checked_cache_points(points, prompt_len: int) -> tuple[int, ...]:
         if not 0 < p < prompt_len:
             raise ValueError(f"cache point {p} is outside the prompt (0 < point < {prompt_len})")
     return tuple(sorted({int(p) for p in points}))
+
+
+def prompt_ids(prompt, tokenizer) -> list[int]:
+    """A prompt's token ids: text through the tokenizer (with BOS), or the ids given."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids instead")
+        return tokenizer.encode(prompt, add_bos=True)
+    return [int(t) for t in prompt]
+
+
+def check_request(ids: list[int], params: SamplingParams, mc, tokenizer) -> None:
+    """A ValueError saying what is wrong with a request for a model with config `mc`."""
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary (0..{mc.vocab_size - 1})")
+    if len(ids) + params.max_tokens > mc.max_position_embeddings:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the model's "
+                         f"context of {mc.max_position_embeddings} tokens")
+    params.check_vocab(mc.vocab_size)
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")

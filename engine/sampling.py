@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from kvcache.engine.structured.constraint import Constraint
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     seed: int | None = None              # None: the engine draws one per request (draw_seed)
+    constraint: Constraint | None = None  # what the output must match (engine/structured): masked token by token
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -58,6 +61,8 @@ class SamplingParams:
         need(-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2,
              "presence_penalty and frequency_penalty must be in [-2, 2]")
         need(self.n >= 1, f"n must be >= 1, got {self.n}")
+        need(self.constraint is None or isinstance(self.constraint, Constraint),
+             "constraint must be an engine.structured Constraint (Constraint.json(schema), .regex(...), ...)")
         need(all(_is_int(k) for k in self.logit_bias), "logit_bias keys must be token ids (int)")
         need(all(_is_real(v) for v in self.logit_bias.values()), "logit_bias values must be finite numbers")
         # one stop string or id alone is that one, not its characters (tuple("###") is 3 stops)
