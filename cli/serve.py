@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvcache.server.config import default_data_dir
 
@@ -88,6 +89,12 @@ def overrides(args):
 
 
 def cmd_serve(args) -> int:
+    if args.model:
+        # OpenMP threads that spin while idle steal the cores from the event loop and the grammar
+        # and saver threads (decode 5-20x slower under contention on a small host); the setting is
+        # read when torch loads its OpenMP runtime, so before the model is imported. An explicit
+        # OMP_WAIT_POLICY in the environment wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from kvcache.server import daemon
     daemon.run(overrides(args))
     print("kvcache: stopped cleanly", flush=True)
