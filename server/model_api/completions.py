@@ -2,7 +2,9 @@
 
 No chat template: the prompt is text (our tokenizer, BOS first) or token ids, and the answer is
 the engine's own detokenised text, stop strings cut by the engine. Streamed text holds back what
-may still turn out to be the start of a stop string, and a trailing partial character.
+may still turn out to be the start of a stop string, and a trailing partial character. An output
+constraint comes from response_format or structured_outputs (structured.py); routes.py compiles
+it before the engine runs.
 
     {"id": "cmpl-...", "object": "text_completion", "created", "model",
      "choices": [{"index": 0, "text", "logprobs": null, "finish_reason"}],
@@ -27,6 +29,7 @@ from kvcache.server.model_api.conversation import parse_body
 from kvcache.server.model_api.errors import ApiError, bad_field, error_body, log
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.sampling_fields import completions_fields, resolve_max_tokens
+from kvcache.server.model_api.structured import Structured, completion_structured
 from kvcache.server.model_api.stream import (Deadline, EngineFailed, Outcome, RequestTimedOut, engine_outputs,
                                             next_output, sse_frame)
 
@@ -39,6 +42,7 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    structured: Structured | None = None      # its output constraint (also in params) and its field
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -50,12 +54,13 @@ def prepare_completion(raw: bytes, host: ModelHost) -> CompletionRequest:
     host.check_model(model)
     ids = _prompt_ids(body.get("prompt"), host)
     fields = completions_fields(body, host.vocab_size)
+    structured = completion_structured(body)
     max_tokens = resolve_max_tokens(len(ids), host.context_limit, fields.max_tokens, fields.max_tokens or 1)
     stream = body.get("stream") is True
     options = body.get("stream_options")
     include_usage = not stream or (isinstance(options, dict) and options.get("include_usage") is True)
-    return CompletionRequest("cmpl-" + uuid.uuid4().hex[:24], model, ids, fields.sampling_params(max_tokens),
-                             stream, include_usage)
+    params = fields.sampling_params(max_tokens, structured.constraint if structured is not None else None)
+    return CompletionRequest("cmpl-" + uuid.uuid4().hex[:24], model, ids, params, stream, include_usage, structured)
 
 
 def _prompt_ids(prompt, host: ModelHost) -> list[int]:
@@ -133,7 +138,8 @@ class CompletionRun:
             o.finish_reason = "abort"
             return
         o.finish_reason = req.finish_reason.value if req.finish_reason else "abort"
-        stop_token = req.finish_reason is FinishReason.STOP and not req.text_cut and req.output
+        stop_token = (req.finish_reason is FinishReason.STOP and not req.text_cut and req.output
+                      and self.host.engine.engine.scheduler.is_stop_token(req, req.output[-1]))
         o.generated = len(req.output) - (1 if stop_token else 0)
         o.tpot_s = req.metrics.tpot_s(len(req.output))
         o.error = req.error

@@ -5,11 +5,15 @@
          ─ convert(options) ─> ConversationRequest     (a ConversionError: its status and message)
          ─ encoding.encode(conversation) ─> prompt ids (the chat template and tool syntax are the
                                                          recipe's; nothing of them is written here)
-         ─ sampling fields ─> SamplingParams, max_tokens resolved against the context
+         ─ output constraint (structured.py): the recipe's output_constraint and the body's
+           structured_outputs ─> Constraint | None    (compiled later, before the engine runs)
+         ─ sampling fields ─> SamplingParams (with the constraint), max_tokens resolved against
+           the context
          ─ cache point: just after the prompt's last <｜Assistant｜> (cache_points)
          ─> Prepared (+ the chunk generator and parsing options its StreamProcessor takes)
 
-Everything a client can get wrong is an ApiError (4xx) raised here, before any compute.
+Everything a client can get wrong is an ApiError (4xx) raised here, before any compute (a
+constraint that does not compile: when routes.py compiles it, still before the engine runs).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvcache.server.model_api.errors import ApiError, bad_field, from_conversion
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.sampling_fields import (Fields, chat_fields, messages_fields, resolve_max_tokens,
                                                       responses_fields)
+from kvcache.server.model_api.structured import Structured, chat_structured
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Prepared:
     generator: Any                              # the recipe's chunk generator (a StreamProcessor consumes it)
     parsing: Any                                # its ParsingOptions (stop strings, thinking stage, tools)
     cache_points: tuple[int, ...] = ()          # where exact mode saves a snapshot the next turn resumes at
+    structured: Structured | None = None        # its output constraint (also in params) and the field it came from
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -80,16 +86,17 @@ def prepare(protocol: Protocol, raw: bytes, host: ModelHost) -> Prepared:
     conv = _convert(request, host)
     ids = encode(conv, host)
     fields = protocol.fields(body, conv.inference_options, host.vocab_size)
-    _check_constraint(conv.inference_options.output_constraint)
+    structured = chat_structured(protocol.name, body, conv.inference_options.output_constraint, ids,
+                                 host.think_token)
     max_tokens = _max_tokens(conv, fields, len(ids), host.context_limit)
     request_id = protocol.id_prefix + uuid.uuid4().hex[:24]
     generator = protocol.request.chunk_generator(conv, request_id, model)
     if extras is not None:
         tool_map, echo = extras
         generator = generator.with_namespace_tool_map(tool_map).with_echo(echo)
-    return Prepared(protocol, request_id, model, ids, fields.sampling_params(max_tokens), conv.stream,
-                    _include_usage(protocol, body, conv.stream), generator, conv.parsing_options,
-                    cache_points(ids, host.assistant_token))
+    params = fields.sampling_params(max_tokens, structured.constraint if structured is not None else None)
+    return Prepared(protocol, request_id, model, ids, params, conv.stream, _include_usage(protocol, body, conv.stream),
+                    generator, conv.parsing_options, cache_points(ids, host.assistant_token), structured)
 
 
 def cache_points(ids: list[int], assistant_token: int | None) -> tuple[int, ...]:
@@ -147,17 +154,6 @@ def _responses_extras(request, host: ModelHost) -> tuple[dict, Any]:
         return request.namespace_tool_map(host.options), request.echo()
     except dr.ConversionError as e:
         raise from_conversion(e.status_code, e.body) from None
-
-
-def _check_constraint(constraint) -> None:
-    """A schema or regex the answer must match needs constrained decoding, which the engine does
-    not do: refused rather than answered unchecked. json_object (any JSON) is asked for in the
-    prompt, and tool calls are parsed from the output, so those run."""
-    if constraint is None:
-        return
-    if constraint.kind == "regex" or (constraint.kind == "json" and constraint.schema):
-        raise bad_field("response_format", f"a {constraint.kind} response format with a schema or pattern is not "
-                        "supported (this server does no constrained decoding)")
 
 
 def _max_tokens(conv, fields: Fields, prompt_len: int, context_limit: int) -> int:

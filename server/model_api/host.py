@@ -57,7 +57,13 @@ class ModelHost:
     context_limit: int            # prompt + completion tokens one request may have
     vocab_size: int
     assistant_token: int | None = None   # the id of <｜Assistant｜>: where a chat prompt's cache point goes
+    think_token: int | None = None       # the id of <think>: a prompt ending in it is in thinking mode
     ready: bool = False
+
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler (engine/structured/compiler.py; None without a tokenizer)."""
+        return self.engine.engine.grammars
 
     def check_model(self, name: str) -> None:
         if name not in self.model_names:
@@ -156,7 +162,8 @@ def open_model_host(spec: str, data_dir: str, config: EngineConfig, store=None, 
     encoding = family.encoding().with_tokenizer(recipe_tokenizer)
     host = ModelHost(AsyncEngine(engine), tokenizer, recipe_tokenizer, encoding, options, name,
                      frozenset((name, family.official_name)), context_limit(engine), model.config.vocab_size,
-                     special_token_id(recipe_tokenizer, options, dr.SpecialToken.Assistant))
+                     special_token_id(recipe_tokenizer, options, dr.SpecialToken.Assistant),
+                     special_token_id(recipe_tokenizer, options, dr.SpecialToken.ThinkingStart))
     host.ready = True
     return host
 

@@ -8,6 +8,8 @@
     GET  /ready    200 once the engine is warm, else 503 (loading, or shutting down)
 
     handler ─ ready? ─ body (at most max_body_bytes: 413) ─ prepare (4xx: the API's error shape)
+            ─ compile its output constraint, if any (structured.py; off the event loop: a bad
+              schema, pattern or grammar is a 400, streamed or not)
             ─ admission (429 + Retry-After) ─ Run ─ SSE frames or one JSON answer
               (past --request-timeout: aborted, a 504 or, mid-stream, an error event)
             ─ metrics and the access log, whatever the outcome
@@ -35,6 +37,7 @@ from kvcache.server.model_api.completions import (CompletionRun, completion_answ
 from kvcache.server.model_api.errors import ApiError, dialect_for, error_response, internal_error, refusal
 from kvcache.server.model_api.host import ModelHost
 from kvcache.server.model_api.stream import Deadline, EngineFailed, Outcome, Run, answer, sse_events
+from kvcache.server.model_api.structured import compile_structured
 from kvcache.server.request_state import CONFIG, PRINCIPAL, REFUSAL, principal
 
 log = logging.getLogger("kvcache.server.model_api")
@@ -141,6 +144,7 @@ async def _chat(request: web.Request, x: Exchange, protocol) -> web.StreamRespon
     s = _serving(request)
     prep = conversation.prepare(protocol, await read_body(request, s.max_body_bytes), s.host)
     x.request_id = prep.request_id
+    await compile_structured(s.host, prep.structured)
     with _admitted(s, request, len(prep.prompt_ids) + prep.params.max_tokens):
         run = Run(s.host, prep, _cache_salt(request), gone=lambda: _gone(request),
                   deadline=Deadline.after(s.request_timeout_s))
@@ -154,6 +158,7 @@ async def _completions(request: web.Request, x: Exchange) -> web.StreamResponse:
     s = _serving(request)
     creq = prepare_completion(await read_body(request, s.max_body_bytes), s.host)
     x.request_id = creq.request_id
+    await compile_structured(s.host, creq.structured)
     with _admitted(s, request, len(creq.prompt_ids) + creq.params.max_tokens):
         run = CompletionRun(s.host, creq, _cache_salt(request), gone=lambda: _gone(request),
                             deadline=Deadline.after(s.request_timeout_s))

@@ -12,7 +12,9 @@ Stop strings are the recipe's parsing options for the three chat APIs: its Strea
 them, across token boundaries, and the server aborts the request there, so the engine never sees
 them. The engine stops at its end-of-sequence token by itself. Fields a request does not carry
 keep the engine's defaults; fields no API defines are ignored, as the SDKs' servers do.
-max_tokens waits for the prompt's length (resolve_max_tokens).
+max_tokens waits for the prompt's length (resolve_max_tokens). The output constraint
+(response_format, tool_choice, structured_outputs) is structured.py's; it joins the
+SamplingParams here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcache.engine.sampling import SamplingParams
+from kvcache.engine.structured.constraint import Constraint
 from kvcache.server.model_api.errors import ApiError, bad_field
 
 MAX_LOGIT_BIAS_ENTRIES = 300          # OpenAI's limit
@@ -36,9 +39,9 @@ class Fields:
     params: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, constraint: Constraint | None = None) -> SamplingParams:
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.params)
+            return SamplingParams(max_tokens=max_tokens, constraint=constraint, **self.params)
         except ValueError as e:            # a combination the engine refuses
             raise ApiError(400, str(e)) from None
 

@@ -3,7 +3,8 @@
     engine.generate(ids, params) ─ each output ─┬─ first: InferenceChunk.ready(PromptUsage(prompt,
                                                 │          cached by the prefix cache))
                                                 ├─ new token ids ─ InferenceChunk.tokens (a stop
-                                                │   token never: it ends as finish(Stop))
+                                                │   token never: it ends as finish(Stop); an answer
+                                                │   its grammar completed ends in a real token, kept)
                                                 ├─ finished: finish(Stop) | finish(Length);
                                                 │   aborted or failed: EngineFailed; past the
                                                 │   request's deadline: RequestTimedOut (aborted)
@@ -158,7 +159,7 @@ class Run:
             chunks.append(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
                 prompt_tokens=self.outcome.prompt_tokens, prompt_cache_hit_tokens=self.outcome.cached)))
         tokens = out.new_tokens
-        if out.finished and req.finish_reason is FinishReason.STOP and tokens:
+        if out.finished and req.finish_reason is FinishReason.STOP and tokens and self._stop_token(req, tokens[-1]):
             tokens = tokens[:-1]                 # the stop token: pushed as text it would show in the answer
         if tokens:
             self.outcome.generated += len(tokens)
@@ -166,6 +167,10 @@ class Run:
         if out.finished and req.finish_reason in _FINISH:
             chunks.append(dr.InferenceChunk.finish(_FINISH[req.finish_reason]))
         return chunks
+
+    def _stop_token(self, req, token: int) -> bool:
+        """Whether the request's last token is a stop token (not one its completed grammar ended on)."""
+        return self.host.engine.engine.scheduler.is_stop_token(req, token)
 
     def _start(self, req) -> None:
         usage = req.usage
