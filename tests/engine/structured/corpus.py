@@ -4,6 +4,13 @@
     check(schema, text)       the parsed value; an AssertionError saying where and why otherwise
     build_demo(name, root)    a random-weight demo checkpoint of configs/models/NAME.json under root
 
+Nearly every string is bounded (maxLength, an enum, a pattern with bounded repetition) and nearly
+every map's keys follow a bounded patternProperties: a random-weight model has no reason to close
+a string, so only the grammar's bounds end its output within max_tokens (as they would end a real
+model's runaway). The exceptions: 62-unbounded-note, written without any bounds, and
+22-shipping-address, an allOf whose parts cannot forbid extra properties. JSON numbers stay
+unbounded in their digits, as JSON Schema has no way to bound them.
+
 Every schema compiles with llguidance 1.9.1 as engine/structured/compiler.py configures it. What it
 refuses (so the corpus leaves it out, or says it another way):
 
