@@ -194,6 +194,7 @@ def assert_mostly_stopped(ends: dict, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)          # ~75 s alone on 2 cores; a loaded machine takes 3-4x that
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_v41_tiny_corpus(v41_llm, v41_dir, temperature):
     ends = corpus_pass(v41_llm, checkpoint_compiler(v41_dir), temperature, seed=100)
@@ -201,6 +202,7 @@ def test_v41_tiny_corpus(v41_llm, v41_dir, temperature):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_v4_tiny_corpus(v4_dir):
     with LLM(v4_dir, config=ONE_WAVE) as llm:
         ends = corpus_pass(llm, checkpoint_compiler(v4_dir), 1.0, seed=200)
