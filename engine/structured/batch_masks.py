@@ -23,16 +23,22 @@ from kvcache.engine.structured import masks
 
 
 class StepMasks:
-    def __init__(self, future: Future, mask: np.ndarray, rows: set[int], vocab_size: int):
+    def __init__(self, future: Future, mask: np.ndarray, rows: dict, vocab_size: int):
         self._future, self.mask, self.rows, self.vocab_size = future, mask, rows, vocab_size
 
     def apply(self, row: int, logits: torch.Tensor) -> str | None:
-        """Mask `logits` (chunk `row`'s, [V], in place); the reason when nothing is allowed."""
-        if row not in self.rows:
+        """Mask `logits` (chunk `row`'s, [V], in place); the reason when its matcher failed (a
+        failed matcher's mask allows EOS alone: checked by its error, not by the bits)."""
+        matcher = self.rows.get(row)
+        if matcher is None:
             return None
-        self._future.result()
-        if not self.mask[row].any():
-            return "the output's constraint allows no next token (its matcher failed)"
+        try:
+            self._future.result()
+        except Exception as e:              # the fill itself raised: these rows fail, not the step
+            return f"the output's constraint could not be applied: {type(e).__name__}: {str(e)[:200]}"
+        problem = matcher.error()
+        if problem or not self.mask[row].any():
+            return f"the output's constraint failed: {problem or 'no token is allowed'}"
         masks.apply(logits, self.mask[row])
         return None
 
@@ -50,7 +56,9 @@ class BatchMasks:
         if not rows:
             return None
         mask = masks.allocate(len(chunks), self.vocab_size)
-        return StepMasks(self._worker.submit(self._fill, rows, mask), mask, {i for _, i in rows}, self.vocab_size)
+        # one worker thread, in step order: a matcher is never filled twice at once, and the engine
+        # thread touches one only after its step's fill is done (StepMasks.apply waits for it)
+        return StepMasks(self._worker.submit(self._fill, rows, mask), mask, {i: m for m, i in rows}, self.vocab_size)
 
     def _fill(self, rows, mask) -> None:
         t = time.perf_counter()

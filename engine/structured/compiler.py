@@ -11,7 +11,9 @@
       fill_batch([(matcher, row)], mask)   a batch's masks in llguidance's parallel executor
 
 The tokenizer is built once per compiler. Limits bound what one constraint may cost: its lexer's
-states (about 1-2 kB each: `max_lexer_states` bounds a matcher's memory), the fuel one mask may
+states (about 1-2 kB each: `max_lexer_states` bounds a cache entry's memory; the copies of one
+entry share its lexer, so the bound is for all of them together, and an entry whose copy fails
+is forgotten, so the next request starts a fresh lexer), the fuel one mask may
 burn, the grammar's size; a constraint past them is a GrammarError, as is one that fails to parse.
 JSON is compact (no free whitespace: a random-weight or unsure model cannot pad forever).
 """
@@ -43,8 +45,11 @@ def default_limits() -> "llg.LLParserLimits":
 class LLGuidanceMatcher:
     """engine/structured/grammar.py's Matcher over an llguidance LLMatcher."""
 
-    def __init__(self, inner: "llg.LLMatcher", executor: "llg.LLExecutor"):
-        self.inner, self._executor = inner, executor
+    def __init__(self, inner: "llg.LLMatcher", executor: "llg.LLExecutor", on_error=None):
+        """`on_error()` runs the first time error() finds the matcher failed: copies of one
+        compiled matcher share its lexer, so a lexer limit reached by one holds for every later
+        copy; the compiler then forgets that entry and the next request builds it afresh."""
+        self.inner, self._executor, self._on_error = inner, executor, on_error
 
     def fill(self, mask: np.ndarray, row: int) -> None:
         llg_np.fill_next_token_bitmask(self.inner, mask, row)
@@ -63,7 +68,7 @@ class LLGuidanceMatcher:
             raise GrammarError(f"the grammar cannot roll back {n} tokens: {self.inner.get_error()}")
 
     def fork(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self.inner.deep_copy(), self._executor)
+        return LLGuidanceMatcher(self.inner.deep_copy(), self._executor, self._on_error)
 
     @property
     def stopped(self) -> bool:
@@ -74,7 +79,14 @@ class LLGuidanceMatcher:
         return self.inner.is_accepting()
 
     def error(self) -> str:
-        return self.inner.get_error() if self.inner.is_error() else ""
+        """"" or why it failed: the first line of llguidance's report (the rest dumps the grammar)."""
+        if not self.inner.is_error():
+            return ""
+        if self._on_error is not None:
+            self._on_error()
+            self._on_error = None
+        lines = self.inner.get_error().strip().splitlines()
+        return _short(lines[0] if lines else "the matcher failed")
 
 
 class GrammarCompiler:
@@ -118,13 +130,18 @@ class GrammarCompiler:
             base = self._cache.get(c.key)
             if base is not None:
                 self._cache.move_to_end(c.key)
-                return LLGuidanceMatcher(base.deep_copy(), self.executor)
+                return LLGuidanceMatcher(base.deep_copy(), self.executor, lambda: self.forget(c))
         base = self._build(c)                   # outside the lock: a slow compile blocks no other
         with self._lock:
             self._cache[c.key] = base
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            return LLGuidanceMatcher(base.deep_copy(), self.executor)
+            return LLGuidanceMatcher(base.deep_copy(), self.executor, lambda: self.forget(c))
+
+    def forget(self, c: Constraint) -> None:
+        """Drop `c`'s compiled matcher (one of its copies failed: the shared lexer is spent)."""
+        with self._lock:
+            self._cache.pop(c.key, None)
 
     async def compile(self, c: Constraint) -> None:
         """Compile `c` off the event loop (the engine's later `matcher(c)` finds it cached)."""

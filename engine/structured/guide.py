@@ -44,9 +44,11 @@ class Guide:
             if token == self.think_end:
                 self.start = self.seen
             return None
-        if self.matcher.consume(token):
+        ok = self.matcher.consume(token)
+        problem = self.matcher.error()      # a failed matcher still "consumes" EOS: never a quiet end
+        if ok and not problem:
             return None
-        return f"the output left its constraint at token {token}: {self.matcher.error() or 'not allowed'}"
+        return f"the output left its constraint at token {token}: {problem or 'not allowed'}"
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.seen:

@@ -217,3 +217,29 @@ def test_the_compiler_caches_per_constraint(compiler):
     before = compiler.compiled
     a, b = compiler.matcher(c), compiler.matcher(c)
     assert compiler.compiled == before + 1 and a is not b and a.inner is not b.inner
+
+
+def test_a_spent_shared_lexer_fails_requests_loudly_and_is_rebuilt(tok, model):
+    """Copies of one compiled matcher share its lexer: once its state limit is reached, a copy
+    fails. That must be the request's error (never a quiet EOS-only "stop"), and the compiler
+    forgets the entry, so the next request builds a fresh lexer."""
+    import llguidance as llg
+    from kvcache.engine.structured.compiler import GrammarCompiler
+    vocab = model.config.vocab_size
+    tight = GrammarCompiler(tok.backend.to_str(), vocab, 1, limits=llg.LLParserLimits(max_lexer_states=2000))
+    c = Constraint.regex("([a-z]{1,5}[0-9]{1,7}|[0-9]{2,9}[a-z]{3,11}|[a-m]{4,13}[n-z]{2,9}){1,40}")
+    rng, problem, requests = np.random.default_rng(0), None, 0
+    while problem is None and requests < 1000:
+        guide, requests = Guide.for_request(tight.matcher(c), None), requests + 1
+        for _ in range(120):
+            mask = masks.allocate(1, vocab)
+            guide.matcher.fill(mask, 0)
+            ok = np.nonzero(masks.allowed(mask[0], vocab))[0]
+            ok = ok[ok != 1] if len(ok) > 1 else ok           # EOS only where nothing else is allowed
+            problem = guide.commit(int(rng.choice(ok)))
+            if problem is not None or guide.done:
+                break
+    assert problem is not None and "constraint" in problem and len(problem) < 600, requests
+    before = tight.compiled
+    fresh = tight.matcher(c)
+    assert tight.compiled == before + 1 and not fresh.error()
