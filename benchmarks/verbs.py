@@ -272,6 +272,59 @@ def add_serve_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAU
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+STRUCTURED_EPILOG = """what is measured (one engine on a demo checkpoint of --config, random weights):
+  decode A/B   per batch size b: --requests JSON-schema requests (seeded, temperature 1), b at a
+               time; each batch constrained, then free (same prompts and seeds, max_tokens = each
+               one's generated count, ignore_eos: the same decode steps), --repeats times; decode
+               tok/s = tokens after each request's first / (last finish - first token); ratio =
+               the median pair's constrained / free; also the mask fill's time (BatchMasks.fill_s)
+               and how long sampling waited for it
+  compile      GrammarCompiler.matcher's first build of each schema (fresh compiler, no cache), p50 / p99
+  fill         GrammarCompiler.fill_batch of --fill-rows rows in mid-JSON states, p50 / p99; and
+               masks.apply of one row to the logits
+  compile and fill run twice: on the checkpoint's tokenizer at the model's width, and on a
+  --wide-vocab BPE (trained on a seeded synthetic text) at --wide-width logits (V4's 129280)
+
+targets (reported, never enforced): structured_decode_vs_free_b1 >= 0.9, _b8 >= 0.9.
+The JSON report goes to OUT_DIR/structured-<UTC time>.json and ...-latest.json.
+
+examples:
+  kvcache bench structured --schemas tests/engine/structured/schemas     # the test corpus
+  kvcache bench structured --config v41-tiny --requests 2 --repeats 1 --max-tokens 8 --wide-vocab 1024
+"""
+
+
+def add_structured_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    count = checked(int, what="a positive integer")
+    p.add_argument("--config", default="v41-small", help="demo model config (configs/models/NAME.json), random "
+                   "weights (default v41-small)")
+    p.add_argument("--batches", type=counts, default="1,8", help="requests decoded at once (default 1,8)")
+    p.add_argument("--requests", type=count, default=8, metavar="N",
+                   help="requests per round, each on its own schema; batch b runs them b at a time (default 8)")
+    p.add_argument("--repeats", type=count, default=5, metavar="N",
+                   help="times each batch runs constrained then free; the median pair is reported (default 5)")
+    p.add_argument("--max-tokens", type=count, default=48, metavar="N",
+                   help="cap on a constrained request's output (default 48)")
+    p.add_argument("--schemas", default=None, metavar="DIR",
+                   help="a directory of *.json JSON schemas (default: the benchmark's built-in few)")
+    p.add_argument("--fill-rows", type=counts, default="1,8,32", help="rows per fill_batch timed (default 1,8,32)")
+    p.add_argument("--fill-iters", type=count, default=200, metavar="N", help="fills timed per row count (default 200)")
+    p.add_argument("--compile-passes", type=count, default=3, metavar="N",
+                   help="times each schema's first build is timed, a fresh compiler each pass (default 3)")
+    p.add_argument("--wide-vocab", type=checked(int, lambda v: v >= 512, "at least 512"), default=32768, metavar="N",
+                   help="tokens of the realistic-size tokenizer (default 32768)")
+    p.add_argument("--wide-width", type=count, default=129280, metavar="N",
+                   help="logit width its masks are filled at (default 129280, DeepSeek-V4's)")
+    p.add_argument("--compile", action="store_true", help="the compiled engine (EngineConfig(compile=True); g++ "
+                   "and minutes of compiling on a cold cache); default: eager")
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="where the demo checkpoint is built once and kept (default: a scratch directory, removed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling and of the fill benchmark's walks")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 @dataclass(frozen=True)
 class Verb:
     """One benchmark as a command: the module that runs it (its `run_args(args) -> int`), its help."""
@@ -320,6 +373,12 @@ VERBS = {
                   "replaying sessions of the Mooncake conversation trace over HTTP, with the prefix cache on and "
                   "off, against transformers serve on the same weights; prints a table, writes a JSON report.",
                   add_serve_arguments, SERVE_EPILOG),
+    "structured": Verb("structured", "JSON-schema constrained decode against free decode; grammar compile "
+                       "and mask fill times",
+                       "Decode tokens/s of the engine with a JSON-schema constraint against the same requests "
+                       "without, in the same run (batch 1 and 8), and the grammar's own costs: compile time per "
+                       "schema and mask fill time per batch, at the demo and at a real tokenizer's size; prints a "
+                       "table, writes a JSON report.", add_structured_arguments, STRUCTURED_EPILOG),
     "decode-profile": Verb("decode_profile", "where a decode step's time goes (torch.profiler)",
                            "Host time, kernel launches and device syncs per decode step, how long the device is busy, "
                            "and the ops that cost the most host time (torch.profiler).", add_profile_arguments,
