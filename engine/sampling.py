@@ -132,15 +132,33 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, seen: list[int], ge
 def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, seen: list[int],
            generated: list[int]) -> int:
     """The next token for one sequence: logits [V] for the token that will sit at `position`."""
-    logits = apply_penalties(logits, p, seen, generated)
+    logits = checked(apply_penalties(logits, p, seen, generated), position)
+    if p.greedy:
+        return int(torch.argmax(logits))
+    kept = truncated(logits, p)
+    if kept is None:
+        return int(torch.argmax(logits))
+    order, sorted_p = kept
+    cdf = torch.cumsum(sorted_p, 0) / sorted_p.sum()
+    u = uniform(p.seed, position, stream)
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device), right=True)[0])
+    return int(order[min(idx, len(order) - 1)])
+
+
+def checked(logits: torch.Tensor, position: int) -> torch.Tensor:
     if bool(torch.isnan(logits).any()):            # argmax takes NaN for the largest: never a token
         raise FloatingPointError(f"the model produced {int(torch.isnan(logits).sum())} NaN logits at position "
                                  f"{position}: its weights or activations are broken (this request fails)")
-    if p.greedy:
-        return int(torch.argmax(logits))
+    return logits
+
+
+def truncated(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token ids by falling probability, their kept mass in fp64: temperature, top-k, top-p and
+    min-p applied, not renormalised) of penalised logits [V]; None where the temperature is so small
+    that the scaled logits overflow (its limit is greedy)."""
     probs = torch.softmax(logits / p.temperature, dim=-1)
-    if not bool(torch.isfinite(probs).all()):      # a temperature so small the scaled logits overflow:
-        return int(torch.argmax(logits))           # its limit, greedy (not NaN probabilities)
+    if not bool(torch.isfinite(probs).all()):
+        return None
     order = torch.argsort(probs, descending=True, stable=True)
     sorted_p = probs[order]
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
@@ -152,8 +170,19 @@ def sample(logits: torch.Tensor, p: SamplingParams, position: int, stream: int, 
     if p.min_p > 0:
         keep &= sorted_p >= p.min_p * sorted_p[0]
     keep[0] = True
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
-    cdf = torch.cumsum(kept, 0) / kept.sum()
-    u = uniform(p.seed, position, stream)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64, device=cdf.device), right=True)[0])
-    return int(order[min(idx, len(order) - 1)])
+    return order, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).double()
+
+
+def distribution(logits: torch.Tensor, p: SamplingParams, position: int, seen: list[int],
+                 generated: list[int]) -> torch.Tensor:
+    """The distribution `sample` draws from, as probabilities [V] (fp64, vocabulary order): one-hot
+    at the argmax when greedy. What speculative verification compares drafts against."""
+    logits = checked(apply_penalties(logits, p, seen, generated), position)
+    out = torch.zeros(logits.shape[-1], dtype=torch.float64, device=logits.device)
+    kept = None if p.greedy else truncated(logits, p)
+    if kept is None:
+        out[int(torch.argmax(logits))] = 1.0
+        return out
+    order, sorted_p = kept
+    out[order] = sorted_p / sorted_p.sum()
+    return out
