@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-_CARRY = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate", "pending")
+CARRY = ("buf_kv", "buf_gate", "overlap_kv", "overlap_gate", "pending")
 
 
 def _clone(t, device=None):
@@ -29,7 +29,7 @@ def _part(comp) -> dict | None:
         return None
     out = {"count": comp.count, "rows": None if comp.rows is None else comp.rows.count,
            "keys": None if getattr(comp, "keys", None) is None else comp.keys.count}
-    for name in _CARRY:
+    for name in CARRY:
         if hasattr(type(comp), name):
             out[name] = _clone(getattr(comp, name))
     return out
@@ -51,7 +51,7 @@ def _restore_part(comp, snap: dict | None, device) -> None:
         comp.rows._count = snap["rows"]
     if getattr(comp, "keys", None) is not None and snap["keys"] is not None:
         comp.keys._count = snap["keys"]
-    for name in _CARRY:
+    for name in CARRY:
         if name in snap:
             setattr(comp, name, _clone(snap[name], device))
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvcache.engine.model_config import ModelConfig
 from kvcache.engine.layers.compressor import Compressor, CompressorState, Indexer
-from kvcache.engine.layers.history import BlockRows, SlotField, clone_field, make_rows, padded_rows, slot_of
+from kvcache.engine.layers.history import BlockRows, SlotField, clone_field, make_rows, padded_rows, record, slot_of
 from kvcache.engine.layers.norm import RMSNorm, rms
 from kvcache.engine.layers.decode_step import masked_bias
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
@@ -44,6 +44,7 @@ class AttentionState:
 
     def __init__(self, window=None, compressor=None, index=None):
         self.window, self.compressor, self.index = window, compressor, index
+        self.journal: list | None = None         # a speculative step's new rows (history.record)
 
     def clone(self, view=None) -> "AttentionState":
         """A copy; `view` (engine/kv_pool.PoolView) rebinds pool-backed rows and slots to another
@@ -231,6 +232,7 @@ class Attention(nn.Module):
 
     def _attend_request(self, q, kv, positions, state: AttentionState, rope, shared, pre) -> torch.Tensor:
         B, T = q.shape[:2]
+        record(state, kv)
         prev = state.window if state.window is not None else kv.new_zeros((B, 0, self.head_dim))
         rows = torch.cat([prev, kv], 1)                                      # positions start-len(prev) ..
         first_row = int(positions[0]) - prev.shape[1]

@@ -76,10 +76,7 @@ class SharedAttention(Attention):
             return None, None
         if self.is_kv_source:
             src: SourceState = state.compressor
-            latents = self.compressor.latents_from(pre["rows"], src)
-            wk = self.indexer.wk if self.is_index_source else None
-            keys = self.indexer.k_norm(wk(latents.to(wk.weight.dtype))) if wk is not None else None
-            emit(src, latents, keys, self.ratio, rope)
+            self.absorb(pre["rows"], src, rope)
             shared["kv"] = (src.entries, src.index_keys, self.ratio)
         if "kv" not in shared:
             raise RuntimeError("a V4.1 layer reads shared history before any kv-source layer wrote it")
@@ -88,6 +85,14 @@ class SharedAttention(Attention):
             shared["topk"] = self._select(pre, positions, keys, ratio, shared)
         topk = shared["topk"]
         return entries, lambda i, j: topk[:, i:j]
+
+    def absorb(self, rows: torch.Tensor, src: SourceState, rope: RotaryTables) -> None:
+        """A kv source's projected rows [B, T, .] into its state: the entries and index keys of
+        the groups they close."""
+        latents = self.compressor.latents_from(rows, src)
+        wk = self.indexer.wk if self.is_index_source else None
+        keys = self.indexer.k_norm(wk(latents.to(wk.weight.dtype))) if wk is not None else None
+        emit(src, latents, keys, self.ratio, rope)
 
     def _select(self, pre, positions, keys, ratio, shared) -> torch.Tensor:
         """Top-k per query [B, T, k], computed tile by tile (scores are [B, Tq, N])."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows, SlotField, clone_field, slot_of
+from kvcache.engine.layers.history import DenseRows, SlotField, clone_field, record, slot_of
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -36,6 +36,7 @@ class CompressorState:
     def __init__(self, rows=None, buf_kv=None, buf_gate=None, overlap_kv=None, overlap_gate=None, count=0):
         self.rows, self.count = rows, count
         self.floor = 0            # entries below this index are already stored (bounded replay: not rewritten)
+        self.journal: list | None = None          # a speculative step's new rows (history.record)
         self.buf_kv, self.buf_gate, self.overlap_kv, self.overlap_gate = buf_kv, buf_gate, overlap_kv, overlap_gate
 
     @property
@@ -72,6 +73,7 @@ class Compressor(nn.Module):
     def absorb(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState, rope: RotaryTables) -> torch.Tensor:
         """One request's projected rows [B, T, c*d] into its state; every entry so far [B, N, d]."""
         m, d = self.ratio, self.head_dim
+        record(state, kv, gate)
         if state.buf_kv is not None:
             kv, gate = torch.cat([state.buf_kv, kv], 1), torch.cat([state.buf_gate, gate], 1)
         usable = kv.shape[1] // m * m

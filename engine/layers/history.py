@@ -31,6 +31,10 @@ class DenseRows:
     def clone(self, table=None) -> "DenseRows":
         return DenseRows(self.dim, self._rows.clone())
 
+    def truncate(self, n: int) -> None:
+        """Forget rows n.. (a rolled-back speculative step)."""
+        self._rows = self._rows[:, :n]
+
 
 class BlockRows:
     def __init__(self, lane: torch.Tensor, table: list[int], count: int = 0):
@@ -64,6 +68,10 @@ class BlockRows:
         nb = -(-self._count // self.per_block)
         blocks = self.lane[torch.tensor(self.table[:nb], dtype=torch.long, device=self.lane.device)]
         return blocks.reshape(-1, self.dim)[: self._count][None].float()
+
+    def truncate(self, n: int) -> None:
+        """Forget rows n.. (a rolled-back speculative step: the next rows overwrite them)."""
+        self._count = min(self._count, n)
 
     def clone(self, table: list[int] | None = None) -> "BlockRows":
         """The same rows seen through another table (a forked request whose blocks hold a copy)."""
@@ -152,3 +160,11 @@ def clone_field(obj, name: str, slot_for):
     if isinstance(v, SlotRows):
         return v.copy_to(slot_for(v.lane)) if slot_for is not None else v.get().clone() if v.n else None
     return None if v is None else v.clone()
+
+
+def record(lane, *rows: torch.Tensor) -> None:
+    """Keep the rows a step fed into a lane's bounded state when the lane has a journal (a
+    speculative step: engine/speculative/rollback.py replays the verified ones)."""
+    journal = getattr(lane, "journal", None)
+    if journal is not None:
+        journal.append(rows)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvcache.engine.layers.history import DenseRows, SlotField, clone_field
+from kvcache.engine.layers.history import DenseRows, SlotField, clone_field, record
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables, apply_rope
 
@@ -28,6 +28,7 @@ class SourceState:
     def __init__(self, rows=None, keys=None, pending=None, count=0):
         self.rows, self.keys, self.pending, self.count = rows, keys, pending, count
         self.floor = 0            # entries below this index are already stored (bounded replay: not rewritten)
+        self.journal: list | None = None          # a speculative step's new rows (history.record)
 
     @property
     def entries(self) -> torch.Tensor | None:
@@ -69,6 +70,7 @@ class SourceCompressor(nn.Module):
         return rows if self.ratio == 1 else torch.cat([rows, self.wgate(x).float()], -1)
 
     def latents_from(self, rows: torch.Tensor, state: SourceState) -> torch.Tensor:
+        record(state, rows)
         if self.ratio == 1:
             return self.norm(rows)
         if state.pending is not None:
