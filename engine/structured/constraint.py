@@ -57,7 +57,8 @@ class Constraint:
 
     @classmethod
     def choice(cls, choices, **kw) -> Constraint:
-        if isinstance(choices, str) or not all(isinstance(c, str) for c in choices or ()) or not choices:
+        if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices \
+                or not all(isinstance(c, str) for c in choices):
             raise ValueError("a choice constraint needs a non-empty list of strings")
         return cls("choice", _dumps(list(choices), "choices"), **kw)
 

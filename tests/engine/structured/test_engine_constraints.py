@@ -174,6 +174,9 @@ def test_bad_constraints_are_refused_before_anything_runs(model, tok):
             llm.engine.add_request("x", SamplingParams(constraint=c))
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(model=model, config=CFG).engine.add_request([5, 6], json_params())
+    for bad in (5, None, [], "ab", [1]):                  # a clear error, never a TypeError
+        with pytest.raises(ValueError, match="non-empty list of strings"):
+            Constraint.choice(bad)
     assert not llm.engine.has_work()
 
 
