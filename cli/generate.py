@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the layers' token-wise phases: faster "
                    "steps after a one-time compile at start (v4-small on 2 CPU cores: ~5-8 minutes the first "
                    "time, under a minute once inductor's cache holds the graphs; needs g++ on CPU); not with --tp")
+    p.add_argument("--speculative", choices=("mtp", "dspark"), help="speculative decoding with the checkpoint's "
+                   "own drafter: mtp (V4's MTP layer, --num-draft tokens a step) or dspark (V4.1's DSpark block, "
+                   "its confidences choose how many to verify); lossless: greedy output is the same tokens")
+    p.add_argument("--num-draft", type=int, metavar="K", help="drafts per step (default: 3 for mtp, the draft "
+                   "block for dspark)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -151,6 +156,10 @@ def _generate(rank: int, world: int, args, params, config) -> int:
           + (f", {tpot * 1e3:.1f} ms/token ({1 / tpot:.1f} tokens/s)" if tpot else "") + "]", file=sys.stderr)
     if req.usage is not None:
         print(usage_line(req.usage, llm.engine.config.cache), file=sys.stderr)
+    if engine.spec is not None:
+        s = engine.spec.stats
+        print(f"[speculative {engine.config.speculative}: {s.mean_accepted_tokens:.2f} tokens per verify step; "
+              "accepted by draft position: " + " ".join(f"{r:.2f}" for r in s.rates()) + "]", file=sys.stderr)
     llm.close()
     if req.error:
         print(f"kvcache generate: error: {req.error}", file=sys.stderr)
@@ -197,7 +206,8 @@ def _config(args):
     if args.cache_config and cache is None:
         raise ValueError(f"--cache-config {path}: the file's cache is off (no [cache] section, or enabled = false): "
                          "pass --cache STORE, or set enabled = true in its [cache]")
-    return dataclasses.replace(config, cache=cache, compile=config.compile or args.compile)
+    spec = {k: v for k, v in (("speculative", args.speculative), ("num_draft", args.num_draft)) if v is not None}
+    return dataclasses.replace(config, cache=cache, compile=config.compile or args.compile, **spec)
 
 
 def _ids(text: str) -> list[int]:

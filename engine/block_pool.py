@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvcache.kvstore.hashing import hash_blocks
+
 
 class PoolExhausted(RuntimeError):
     """Not enough blocks: the scheduler preempts or waits."""
@@ -125,3 +127,21 @@ class BlockPool:
         for key, bid in self._by_key.items():
             if self.blocks[bid].key != key:
                 raise AssertionError(f"key index points at block {bid}, which holds another key")
+
+
+def key_blocks(pool: BlockPool, namespace, req, computed: int) -> None:
+    """Content keys (kvstore.hashing chain) for every block of `req` whose tokens are all computed
+    (`computed`: how many are): they stay findable in the pool after the request ends, until the
+    block is reallocated."""
+    full = min(computed, req.num_tokens) // pool.block_size
+    if full <= len(req.block_keys) or req.finished:
+        return
+    bs, have = pool.block_size, len(req.block_keys)
+    new = req.prompt_keys[have:full]                 # the prompt's keys were hashed when it was added
+    start = have + len(new)
+    if full > start:                                 # blocks of generated tokens
+        parent = (req.block_keys + new)[-1] if start else req.chain_root
+        new = new + hash_blocks(namespace, req.tokens[start * bs: full * bs], parent=parent)
+    for i, key in enumerate(new, start=have):
+        pool.set_key(req.block_ids[i], key)
+    req.block_keys += new

@@ -68,6 +68,17 @@ class EngineConfig:
     # CUDA: replay planned decode steps as CUDA graphs, one per (batch, blocks) bucket
     # (engine/decode_graphs.py); needs planned_decode and device_experts
     cuda_graphs: bool = False
+    # speculative decoding (engine/speculative): "" off, "mtp" (V4's MTP layer chained num_draft
+    # times), "dspark" (the DSpark drafter; how many of its drafts a step verifies is chosen from
+    # their confidences and the measured step cost); lossless either way
+    speculative: str = ""
+    num_draft: int = 0               # drafts per request and step; 0: 3 for mtp, the draft block for dspark
+
+    def __post_init__(self):
+        if self.speculative not in ("", "mtp", "dspark"):
+            raise ValueError(f"speculative must be '', 'mtp' or 'dspark', got {self.speculative!r}")
+        if self.num_draft < 0:
+            raise ValueError(f"num_draft must be >= 0 (0: the method's default), got {self.num_draft}")
 
     @classmethod
     def load(cls, path: str) -> "EngineConfig":

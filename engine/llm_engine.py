@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcache.client.open_store import open_store
-from kvcache.engine.block_pool import BlockPool, PoolExhausted
+from kvcache.engine.block_pool import BlockPool, PoolExhausted, key_blocks
 from kvcache.engine.compiled import compile_layers, generate_on, warm_up as compiled_warmup
 from kvcache.engine.cache.block_payload import block_layout, layout_id
 from kvcache.engine.cache.connector import KVConnector
@@ -30,6 +30,7 @@ from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
 from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
 from kvcache.kvstore.hashing import hash_blocks, salted_root
+from kvcache.engine.speculative.decoding import Speculator
 from kvcache.engine.cache.namespace import engine_namespace
 from kvcache.engine.detokenizer import Detokenizer
 from kvcache.engine.request import FinishReason, Request, check_request, checked_cache_points, prompt_ids
@@ -76,9 +77,12 @@ class LLMEngine:
         exact = config.cache is not None and config.cache.mode == "exact"
         self.namespace = engine_namespace(mc, config.block_size, layout_id(self.kv) + ("/exact" if exact else ""),
                                           weights_id(model, config.cache))
+        self.spec = (Speculator(model, config.speculative, config.num_draft, config.max_tokens_per_step,
+                                mc.eos_token_id) if config.speculative else None)
         self.scheduler = Scheduler(self.pool, config.max_tokens_per_step, config.max_running, eos_id=mc.eos_token_id,
                                    reset_state=self._drop_state, on_finish=self._on_finish,
-                                   cut=snapshot_cut(config.cache) if config.cache is not None else None)
+                                   cut=snapshot_cut(config.cache) if config.cache is not None else None,
+                                   drafts=self.spec.drafts if self.spec is not None else None)
         self.detokenizer = Detokenizer(tokenizer, self.scheduler.is_stop_token)
         self.grammars = engine_compiler(tokenizer, mc)     # structured outputs (None: no tokenizer)
         self.masks = BatchMasks(self.grammars, mc.vocab_size) if self.grammars is not None else None
@@ -221,6 +225,8 @@ class LLMEngine:
         if not out.chunks:
             return []
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.prepare(out.chunks)
         masks = self.masks.start(out.chunks) if self.masks is not None else None   # filled during the forward
         try:
             logits = self._run(out.chunks)
@@ -242,6 +248,8 @@ class LLMEngine:
             states.append(req.state)
         tokens = [torch.tensor(ch.tokens, device="cpu") for ch in chunks]
         with torch.no_grad():
+            if self.spec is not None:
+                return self.spec.forward(chunks, states)
             if self.decode_graphs is not None:
                 logits = self.decode_graphs.logits(tokens, states)
                 if logits is not None:
@@ -258,6 +266,7 @@ class LLMEngine:
 
     def _drop_state(self, req: Request) -> None:
         """The scheduler finished or preempted `req`: its slot goes back to the pool."""
+        req.proposal = None
         if req.slot is not None:
             self.kv.release_slot(req.slot)
             req.slot = None
@@ -281,8 +290,10 @@ class LLMEngine:
                 self.logits_hook(req, pos, logits[i])
             try:
                 problem = masks.apply(i, logits[i]) if masks is not None else None   # before bias and penalties
-                if problem is None:
-                    tok = sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)
+                if problem is None and ch.drafts:
+                    toks = self.spec.verify(ch)          # accepted drafts + one: never a constrained request
+                elif problem is None:
+                    toks = [sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)]
             except FloatingPointError as e:          # this request's logits (NaN): it fails alone
                 problem = f"{type(e).__name__}: {e}"
             if problem is None and req.metrics.first_token is None:
@@ -290,17 +301,19 @@ class LLMEngine:
                 if req.params.n > 1 and req.parent is None:
                     forked += self._fork(req, logits[i], pos)        # each sample forks the grammar first
             if problem is None and req.guide is not None:
-                problem = req.guide.commit(tok)
+                problem = req.guide.commit(toks[0])
             if problem is not None:                  # it fails alone
                 log.error("request %s failed: %s", req.request_id, problem)
                 self.scheduler.abort(req, FinishReason.ERROR, error=problem)
                 failed.append(StepOutput(req, [], True))
                 continue
-            sampled[req.request_id] = tok
+            sampled[req.request_id] = toks
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
-            self._key_blocks(ch.request, ch.start + len(ch.tokens))
+            key_blocks(self.pool, self.namespace, ch.request, ch.start + len(ch.tokens) + ch.accepted)
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
+        if self.spec is not None:
+            self.spec.after_step(out.chunks, forked)    # the drafter reads what was kept, drafts the next
         results = []
         for ch in out.chunks:
             req = ch.request
@@ -317,22 +330,6 @@ class LLMEngine:
         """Besides stop tokens and max_tokens: its grammar is complete (nothing but EOS could
         follow, whatever ignore_eos), or a stop string ended its text."""
         return (req.guide is not None and req.guide.done) or self.detokenizer.stop_string(req)
-
-    def _key_blocks(self, req: Request, computed: int) -> None:
-        """Content keys (kvstore.hashing chain) for every block whose tokens are all computed: they
-        stay findable in the pool after the request ends, until the block is reallocated."""
-        full = min(computed, req.num_tokens) // self.pool.block_size
-        if full <= len(req.block_keys) or req.finished:
-            return
-        bs, have = self.pool.block_size, len(req.block_keys)
-        new = req.prompt_keys[have:full]                 # the prompt's keys were hashed when it was added
-        start = have + len(new)
-        if full > start:                                 # blocks of generated tokens
-            parent = (req.block_keys + new)[-1] if start else req.chain_root
-            new = new + hash_blocks(self.namespace, req.tokens[start * bs: full * bs], parent=parent)
-        for i, key in enumerate(new, start=have):
-            self.pool.set_key(req.block_ids[i], key)
-        req.block_keys += new
 
     def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> list[Request]:
         """n > 1: children share the parent's prompt blocks and KV state; each samples its own

@@ -79,6 +79,7 @@ class Request:
     cache_planned: bool = False      # the prefix cache has looked this request up
     saved_blocks: int = 0            # leading full blocks already saved to (or loaded from) the cache
     guide: object = None             # its constraint's state (engine.structured.guide.Guide), if it has one
+    proposal: object = None          # speculative decoding: the drafts for its next step (speculative.drafters)
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -32,6 +32,8 @@ class Chunk:
     start: int                # absolute position of the first token
     tokens: list[int]
     samples: bool             # the chunk ends at the request's last known token: sample after it
+    drafts: list[int] = field(default_factory=list)   # speculative tokens run after `tokens` (verified)
+    accepted: int = 0         # how many of the drafts were kept: their KV stays computed
 
 
 @dataclass
@@ -46,11 +48,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_tokens_per_step: int = 512, max_running: int = 64,
-                 lookahead: int = 0, reset_state=None, eos_id: int | None = None, cut=None, on_finish=None):
+                 lookahead: int = 0, reset_state=None, eos_id: int | None = None, cut=None, on_finish=None,
+                 drafts=None):
         """`cut(req, start, n) -> n'` may shorten a prefill chunk (e.g. to end on a snapshot point);
         `on_finish(req, reason)` runs before a finishing request lets go of anything (its blocks
         and state still held: the prefix cache saves them); `reset_state(req)` after a request
-        lost its state (finished or preempted)."""
+        lost its state (finished or preempted); `drafts(req) -> [token ids]` the speculative
+        tokens to run after a decoding request's last token (engine/speculative)."""
         if max_tokens_per_step < 1 or max_running < 1:
             raise ValueError("max_tokens_per_step and max_running must be >= 1")
         self.pool, self.budget, self.max_running, self.lookahead = pool, max_tokens_per_step, max_running, lookahead
@@ -60,6 +64,7 @@ class Scheduler:
         self._reset_state = reset_state or (lambda req: None)
         self._cut = cut or (lambda req, start, n: n)
         self.on_finish = on_finish or (lambda req, reason: None)
+        self._drafts = drafts
 
     # ------------------------------------------------------------------ queue
     def check_fits(self, prompt: list[int], params) -> None:
@@ -116,9 +121,11 @@ class Scheduler:
                 continue
             n = 1 if not req.is_prefill else self._cut(req, req.num_computed,
                                                         min(len(req.prompt) - req.num_computed, budget))
-            if self._reserve(req, n, out):
+            drafts = self._drafts_for(req, n, budget)
+            if self._reserve(req, n + len(drafts), out):
                 out.chunks.append(self._chunk(req, n))
-                budget -= n
+                out.chunks[-1].drafts = drafts
+                budget -= n + len(drafts)
         for req in sorted(self.waiting, key=Request.sort_key):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
@@ -133,6 +140,13 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
             budget -= n
         return out
+
+    def _drafts_for(self, req: Request, n: int, budget: int) -> list[int]:
+        """Drafts ride only in a decode chunk that ends at the request's last token."""
+        if self._drafts is None or req.is_prefill or req.num_computed + n != req.num_tokens:
+            return []
+        room = min(budget - n, req.params.max_tokens - len(req.output) - 1)    # emitted <= drafts + 1
+        return self._drafts(req)[: max(0, room)]
 
     def _admit_blocks(self, req: Request, n: int) -> bool:
         """Blocks for a waiting request's first n tokens. Waiting requests ranked after it that
@@ -191,30 +205,30 @@ class Scheduler:
         self._reset_state(req)
 
     # ------------------------------------------------------------------ results
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], stop_check=None) -> list[Request]:
-        """Advance each scheduled request; `sampled` maps request id -> new token (sampling chunks).
-        `stop_check(req) -> bool` tests stop strings. Returns the requests that finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]], stop_check=None) -> list[Request]:
+        """Advance each scheduled request; `sampled` maps request id -> its new token, or tokens
+        (a verified draft: chunk.accepted of the drafts stay computed). `stop_check(req) -> bool`
+        tests stop strings. Returns the requests that finished."""
         done = []
         for ch in out.chunks:
             req = ch.request
             if req.finished:
                 continue
-            req.num_computed += len(ch.tokens)
-            req.metrics.tokens_computed += len(ch.tokens)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            req.output.append(tok)
-            reason = self.stop_reason(req, tok, stop_check)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-                done.append(req)
+            req.num_computed += len(ch.tokens) + ch.accepted
+            req.metrics.tokens_computed += len(ch.tokens) + len(ch.drafts)
+            new = sampled.get(req.request_id)
+            for tok in [new] if isinstance(new, int) else new or ():
+                req.output.append(tok)
+                reason = self.stop_reason(req, tok, stop_check)
+                if reason is not None:
+                    self.running.remove(req)
+                    self._finish(req, reason)
+                    done.append(req)
+                    break
         return done
 
     def is_stop_token(self, req: Request, tok: int) -> bool:
-        p = req.params
-        return tok in p.stop_token_ids or (not p.ignore_eos and tok == self.eos_id)
+        return is_stop_token(req, tok, self.eos_id)
 
     def stop_reason(self, req: Request, tok: int, stop_check=None) -> FinishReason | None:
         """Why `req` stops after sampling `tok` (a stop token, a stop string, max_tokens), or None."""
@@ -235,3 +249,8 @@ class Scheduler:
         self._reset_state(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         req.metrics.finished = time.perf_counter()
+
+
+def is_stop_token(req: Request, tok: int, eos_id: int | None) -> bool:
+    p = req.params
+    return tok in p.stop_token_ids or (not p.ignore_eos and tok == eos_id)

@@ -38,12 +38,14 @@ class ModelState:
     length: int = 0
     drafter: list[AttentionState] = field(default_factory=list)
     extra: dict = field(default_factory=dict)      # e.g. V4.1 Engram's last token ids
+    draft_carry: object = None     # what a drafter keeps between its context and its next draft (MTP: its last output)
 
     def clone(self, view=None) -> "ModelState":
         """A copy; `view` (a PoolView of another request) rebinds its pool-backed rows and slots."""
         return ModelState([s.clone(None if view is None else view.layer(i)) for i, s in enumerate(self.layers)],
                           self.length, [s.clone() for s in self.drafter],
-                          {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()})
+                          {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.extra.items()},
+                          self.draft_carry)
 
 
 class DecoderLayer(nn.Module):
@@ -242,12 +244,25 @@ class DeepseekV4ForCausalLM(nn.Module):
         ends = torch.tensor([len(ch) for ch in chunks], device=h.device).cumsum(0) - 1
         return self.logits(h[:, ends])[0]
 
+    def step_rows(self, chunks: list[torch.Tensor], states: list[ModelState], tails: list[int],
+                  collect: tuple[int, ...] = ()):
+        """A speculative step: (logits of each chunk's last tails[i] tokens [sum tails, vocab], the
+        streams after the layers in `collect` at every token {layer: [1, N, n, d]})."""
+        h, _, taps = self.run(chunks, states, collect)
+        return self.logits(h[:, tail_rows(chunks, tails, h.device)])[0], taps
+
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, state: ModelState,
                    start: int) -> torch.Tensor:
         """MTP-1 draft logits for the tokens after `next_ids`, given the target's streams."""
         positions = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)
         h = self.mtp[0].draft(streams, self.embed(next_ids), positions, state.drafter[0], self.rope, next_ids)
         return self.head(h).float()
+
+
+def tail_rows(chunks: list[torch.Tensor], tails: list[int], device) -> torch.Tensor:
+    """The flat rows of each chunk's last tails[i] tokens in a flattened batch."""
+    ends = torch.tensor([len(ch) for ch in chunks]).cumsum(0).tolist()
+    return torch.tensor([r for end, n in zip(ends, tails) for r in range(end - n, end)], device=device)
 
 
 def batch_inputs(embed: nn.Embedding, config: ModelConfig, chunks: list[torch.Tensor], states: list[ModelState]):

@@ -34,7 +34,7 @@ from kvcache.engine.layers.hyper import collapse, expand, hc_mix, hc_params
 from kvcache.engine.layers.moe import MoE
 from kvcache.engine.layers.norm import RMSNorm
 from kvcache.engine.layers.rope import RotaryTables
-from kvcache.engine.models.deepseek_v4 import ModelState, batch_inputs
+from kvcache.engine.models.deepseek_v4 import ModelState, batch_inputs, tail_rows
 from kvcache.engine.models.dspark import make_stages
 
 
@@ -208,6 +208,15 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError("forward() takes one request [1, T]; use run() for a batch of requests")
         hidden, _, _ = self.streams(token_ids, state if state is not None else self.new_state())
         return self.head(hidden).float()
+
+    def step_rows(self, chunks: list[torch.Tensor], states: list[ModelState], tails: list[int],
+                  collect: tuple[int, ...] = ()):
+        """A speculative step: (logits of each chunk's last tails[i] tokens [sum tails, vocab], the
+        streams after the layers in `collect` at every token)."""
+        if self.prefill_keep_tokens is not None:
+            raise ValueError("speculative steps need every token's row: not in prefill truncation mode")
+        hidden, _, taps = self.run(chunks, states, collect)
+        return self.head(hidden[0, tail_rows(chunks, tails, hidden.device)]).float(), taps
 
     def step(self, chunks: list[torch.Tensor], states: list[ModelState]) -> torch.Tensor:
         """The engine's call: last-token logits [len(chunks), vocab] of each request's chunk."""

@@ -108,6 +108,17 @@ def test_generate_streams_and_is_reproducible_with_a_seed(v4_tiny_checkpoint):
     assert r.returncode == 2 and "--compile does not support tensor" in r.stderr
 
 
+def test_generate_speculative_gives_the_same_greedy_tokens(v4_tiny_checkpoint):
+    d = v4_tiny_checkpoint
+    base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "10", "--ignore-eos")
+    plain, spec = kv(*base), kv(*base, "--speculative", "mtp", "--num-draft", "2")
+    assert spec.stdout == plain.stdout and "[speculative mtp:" in spec.stderr and "10 generated" in spec.stderr
+    r = kv(*base, "--speculative", "dspark", check=False)                 # V4-tiny has MTP, not DSpark
+    assert r.returncode == 2 and "DSpark speculation needs" in r.stderr
+    r = kv(*base, "--speculative", "mtp", "--num-draft", "-1", check=False)
+    assert r.returncode == 2 and "num_draft" in r.stderr
+
+
 def test_generate_with_two_tensor_parallel_ranks_matches_one(v4_tiny_checkpoint):
     d = v4_tiny_checkpoint
     # greedy: sampled tokens could flip on a draw that lands within float rounding of a CDF step, and

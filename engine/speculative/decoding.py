@@ -1,0 +1,205 @@
+"""Speculative decoding in the engine's step: drafts ride in the decode chunks, one target forward
+verifies them all, rollback keeps only what was verified, the drafter drafts the next ones.
+
+    step N-1 end   propose: each running request's drafter drafts after its last token (req.proposal)
+    schedule       a decode chunk is [last token] + the proposal's drafts (blocks reserved for
+                   them too); DSpark: budget.draft_lengths trims each to what pays this step
+    prepare        rollback.begin on every state whose chunk carries drafts
+    forward        model.step_rows: logits of every chunk's anchor and draft rows, the drafter's
+                   target streams at every token
+    verify         verify.verify per drafted chunk -> accepted drafts + one token of the target's,
+                   cut at a stop token or max_tokens; rollback.keep(chunk tokens + kept drafts)
+                   (or commit when all were kept); chunk.accepted tells the scheduler
+    after_step     the drafter reads the kept rows' streams (its context), then proposes
+
+A chunk without drafts samples as without speculation, from the same logits row: a request the
+drafter cannot help (a constraint, the first token) decodes exactly as it would. Drafts never
+enter the pool's block keys or the store: those cover computed tokens, and a rejected draft is
+never computed as far as the state is concerned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.engine.scheduler import is_stop_token
+from kvcache.engine.speculative import rollback
+from kvcache.engine.speculative.budget import StepCost, draft_lengths
+from kvcache.engine.speculative.drafters import make_drafter
+from kvcache.engine.speculative.verify import Draft, draft_token, verify
+
+
+@dataclass
+class SpecStats:
+    """Acceptance per draft position (index 0: the first draft), over the engine's life."""
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0                       # verify rounds (one per drafted chunk)
+    emitted: int = 0                     # tokens those rounds produced (accepted + one each)
+
+    def count(self, verified: int, accepted: int) -> None:
+        for i in range(verified):
+            if i >= len(self.proposed):
+                self.proposed.append(0)
+                self.accepted.append(0)
+            self.proposed[i] += 1
+            self.accepted[i] += int(i < accepted)
+        self.steps += 1
+        self.emitted += accepted + 1
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens per verify round, the bonus included (1.0: nothing accepted)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def rates(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+
+class Speculator:
+    def __init__(self, model, method: str, num_draft: int, max_tokens_per_step: int, eos_id: int | None):
+        self.model, self.drafter = model, make_drafter(model, method)
+        default = 3 if method == "mtp" else self.drafter.max_draft
+        self.k = min(num_draft or default, self.drafter.max_draft)
+        self.adaptive = method == "dspark"
+        self.budget, self.eos_id = max_tokens_per_step, eos_id
+        self.cost = measure_cost(model, self.k + 1) if self.adaptive else None
+        self.stats = SpecStats()
+        self._rows: dict[int, torch.Tensor] = {}
+        self._checkpoints: dict[int, rollback.Checkpoint] = {}
+        self._taps: dict = {}
+        self._offsets: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ before the forward
+    def drafts(self, req) -> list[int]:
+        """The scheduler's question: draft tokens to run after `req`'s last token this step."""
+        prop = req.proposal
+        return [] if prop is None else list(prop.draft.tokens[: self.k])
+
+    def prepare(self, chunks) -> None:
+        """Trim the drafts to what pays (DSpark), checkpoint every state that runs drafts."""
+        if self.adaptive:
+            drafted = [ch for ch in chunks if ch.drafts]
+            other = sum(len(ch.tokens) for ch in chunks) - len(drafted)
+            conf = {id(ch): list(ch.request.proposal.confidences[: len(ch.drafts)]) for ch in drafted}
+            lengths = draft_lengths(conf, self.cost, other, self.budget)
+            for ch in drafted:
+                ch.drafts = ch.drafts[: lengths[id(ch)]]
+        self._checkpoints = {id(ch): rollback.begin(ch.request.state) for ch in chunks if ch.drafts}
+
+    def forward(self, chunks, states) -> torch.Tensor:
+        """The step's forward: logits [len(chunks), V] of the token after each chunk's committed
+        tokens (what plain sampling reads); the draft rows and streams kept for verify/after_step."""
+        tokens = [torch.tensor(ch.tokens + ch.drafts, device="cpu") for ch in chunks]
+        tails = [1 + len(ch.drafts) for ch in chunks]
+        logits, self._taps = self.model.step_rows(tokens, states, tails, self.drafter.collect)
+        logits = logits.cpu()
+        self._rows, first, row, flat = {}, [], 0, 0
+        self._offsets = {}
+        for ch, t in zip(chunks, tails):
+            first.append(row)
+            if ch.drafts:
+                self._rows[id(ch)] = logits[row: row + t]
+            self._offsets[id(ch)] = flat
+            row, flat = row + t, flat + len(ch.tokens) + len(ch.drafts)
+        return logits[first]
+
+    # ------------------------------------------------------------------ after the forward
+    def verify(self, ch) -> list[int]:
+        """The tokens a drafted chunk emits; its state rolled back to what they keep."""
+        req = ch.request
+        rows = self._rows.pop(id(ch))
+        draft = Draft(tuple(ch.drafts), _probs(req.proposal, len(ch.drafts)))
+        verdict = verify(rows, draft, req.params, ch.start + len(ch.tokens), req.stream, req.tokens, req.output)
+        toks = list(verdict.tokens)
+        for i, tok in enumerate(toks):                 # nothing past a stop token or max_tokens
+            if is_stop_token(req, tok, self.eos_id):
+                toks = toks[: i + 1]
+                break
+        toks = toks[: max(1, req.params.max_tokens - len(req.output))]
+        ch.accepted = min(verdict.accepted, len(toks) - 1)
+        self.stats.count(len(ch.drafts), verdict.accepted)
+        cp = self._checkpoints.pop(id(ch))
+        if ch.accepted == len(ch.drafts):
+            rollback.commit(cp)
+        else:
+            rollback.keep(self.model, req.state, cp, ch.tokens + ch.drafts[: ch.accepted])
+        return toks
+
+    def after_step(self, chunks, forked=()) -> None:
+        """The drafter reads the kept rows of every chunk whose request still runs, then drafts."""
+        for cp in self._checkpoints.values():         # drafted chunks that never verified (an error)
+            rollback.commit(cp)
+        self._checkpoints = {}
+        kids = {}
+        for child in forked:
+            kids.setdefault(id(child.parent), []).append(child)
+        for ch in chunks:
+            req = ch.request
+            if req.finished or req.state is None:
+                continue
+            kept = len(ch.tokens) + ch.accepted
+            self._context(req, ch.start, self._offsets[id(ch)], kept)
+            for child in kids.get(id(req), ()):
+                if child.state is not None and not child.finished:
+                    self._context(child, ch.start, self._offsets[id(ch)], kept)
+                    self.propose(child)
+            if ch.samples:
+                self.propose(req)
+        self._taps = {}
+
+    def _context(self, req, start: int, offset: int, kept: int) -> None:
+        """Feed the drafter the streams at positions start .. start+kept-1 (each next token known);
+        only the last window's worth: the drafter keeps no more, and a row is its token's alone."""
+        window = self.model.config.sliding_window
+        n = min(kept, max(window - 1, 1))
+        lo = offset + kept - n
+        taps = {k: v[:, lo: offset + kept] for k, v in self._taps.items()}
+        first = start + kept - n
+        positions = torch.arange(first, first + n, device=next(iter(taps.values())).device)
+        next_ids = torch.tensor(req.tokens[first + 1: first + n + 1], device=positions.device)
+        with torch.no_grad():
+            self.drafter.context(req.state, taps, positions, next_ids)
+
+    def propose(self, req) -> None:
+        req.proposal = None
+        if req.guide is not None or req.finished or self.k == 0:
+            return                                   # constrained requests decode without drafts (for now)
+        p, tokens, output = req.params, req.tokens, req.output
+
+        def sample(logits, pos, drafts):
+            return draft_token(logits, p, pos, req.stream, tokens + drafts, output + drafts)
+
+        with torch.no_grad():
+            req.proposal = self.drafter.propose(req.state, tokens[-1], len(tokens) - 1, self.k, sample, p.greedy)
+
+    def forget(self, req) -> None:
+        """`req` lost its state (preempted, finished): its drafts went with it."""
+        req.proposal = None
+
+
+def _probs(proposal, n: int):
+    probs = proposal.draft.probs
+    return None if probs is None else probs[:n]
+
+
+def measure_cost(model, most: int) -> StepCost:
+    """Seconds a step takes at 1 .. `most` tokens of one request (after a short context), the
+    fastest of three runs each: the DSpark budget's cost model, measured once at start."""
+    counts = sorted({1, 2, *range(2, most + 1, max(1, most // 4)), most})
+    seconds = []
+    with torch.no_grad():
+        base = model.new_state()
+        model.step([torch.arange(3, 19)], [base])
+        for n in counts:
+            best = float("inf")
+            for _ in range(3):
+                st = base.clone()
+                t = time.perf_counter()
+                model.step_rows([torch.arange(20, 20 + n)], [st], [n])
+                best = min(best, time.perf_counter() - t)
+            seconds.append(best)
+    return StepCost(tuple(counts), tuple(max(s, 1e-6) for s in seconds))
