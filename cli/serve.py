@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
                    "(http://host:port or unix:///path); this process then serves only the model routes")
     m.add_argument("--cache-mode", choices=("replay", "exact"), help="how a prefix hit resumes (default exact: "
                    "bit-identical; replay: recompute the hit's last blocks)")
+    m.add_argument("--speculative", choices=("mtp", "dspark"), help="speculative decoding with the checkpoint's "
+                   "own drafter (lossless; [engine] speculative in --config)")
+    m.add_argument("--num-draft", type=_positive_int, metavar="K", help="drafts per step (default: 3 for mtp, "
+                   "the draft block for dspark)")
     m.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     m.add_argument("--access-log", metavar="PATH|-", help="a JSON line per model request to PATH (- : stdout)")
     m.add_argument("--max-waiting", type=_positive_int, default=256, metavar="N",
@@ -83,7 +87,8 @@ def overrides(args):
     return Overrides(config_file=args.config, data_dir=args.data_dir, host=args.host, port=args.port,
                      unix_socket=args.unix_socket, gc_interval_s=args.gc_interval, model=args.model,
                      served_model_name=args.served_model_name, cache_url=args.cache_url,
-                     cache_mode=args.cache_mode, device=args.device, access_log=args.access_log,
+                     cache_mode=args.cache_mode, speculative=args.speculative, num_draft=args.num_draft,
+                     device=args.device, access_log=args.access_log,
                      max_waiting=args.max_waiting, tenant_max_requests=args.tenant_max_requests,
                      tenant_max_tokens=args.tenant_max_tokens, request_timeout_s=args.request_timeout or None)
 

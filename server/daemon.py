@@ -43,6 +43,8 @@ class Overrides:
     served_model_name: str | None = None
     cache_url: str | None = None         # the engine's cache daemon (then no store of our own)
     cache_mode: str | None = None        # replay | exact (the engine's [cache].mode)
+    speculative: str | None = None       # mtp | dspark (the engine's [engine].speculative)
+    num_draft: int | None = None
     device: str = "cpu"
     access_log: str | None = None        # a path, or "-" for stdout
     max_waiting: int = 256               # model requests in flight (beyond: 429)
@@ -172,10 +174,12 @@ def attach_model(app, over: Overrides, data_dir: str, store, registry):
     raw = read_config_file(over.config_file) if over.config_file else {}
     sections = {k: v for k, v in raw.items() if k in ENGINE_SECTIONS}
     config = model_host.engine_config(sections, over.cache_url, over.cache_mode)
+    spec = {k: v for k, v in (("speculative", over.speculative), ("num_draft", over.num_draft)) if v is not None}
+    config = dataclasses.replace(config, **spec) if spec else config
     name = model_host.check_model_spec(over.model, over.served_model_name)
     serving = Serving(admission=Admission(over.max_waiting, over.tenant_max_requests, over.tenant_max_tokens),
                       access_log=open_access_log(over.access_log), request_timeout_s=over.request_timeout_s)
-    serving.metrics = ServingMetrics(registry, serving.running_waiting, name)
+    serving.metrics = ServingMetrics(registry, serving.running_waiting, name, serving.spec_stats)
     add_routes(app, serving)
 
     def loaded(host) -> None:

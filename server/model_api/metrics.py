@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvcache.kvstore.types import TierName
 
@@ -53,9 +53,39 @@ class _QueueCollector:
         yield from families
 
 
+class _SpecCollector:
+    """Speculative decoding, vLLM's series: drafts (verify rounds), draft tokens, accepted tokens,
+    accepted tokens per draft position; read from the engine's SpecStats when scraped (absent
+    while the engine has no speculation)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], object]):
+        self.model_name, self.stats = model_name, stats
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(())                   # unchecked: registering never calls into the engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.stats()
+        if s is None:
+            return
+        m = self.model_name
+        for name, doc, value in (("spec_decode_num_drafts", "Verify rounds (a request's drafts checked)", s.steps),
+                                 ("spec_decode_num_draft_tokens", "Draft tokens verified", sum(s.proposed)),
+                                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted", sum(s.accepted))):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([m], value)
+            yield family
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position (0: the first)",
+                                     labels=["model_name", "position"])
+        for pos, value in enumerate(list(s.accepted)):
+            family.add_metric([m, str(pos)], value)
+        yield family
+
+
 class ServingMetrics:
     def __init__(self, registry: CollectorRegistry, running_waiting: Callable[[], tuple[int, int]],
-                 model_name: str = ""):
+                 model_name: str = "", spec_stats: Callable[[], object] = lambda: None):
         """running_waiting: the engine's (running, waiting) request counts, called at each scrape;
         model_name: the served model name, the value of every series' model_name label."""
         self.model_name = m = model_name
@@ -88,6 +118,7 @@ class ServingMetrics:
         for tier in TierName:
             self.cache_hits.labels(m, tier.value)
         registry.register(_QueueCollector(m, running_waiting))
+        registry.register(_SpecCollector(m, spec_stats))
 
     def arrived(self, api: str) -> None:
         self.arrivals.labels(self.model_name, api).inc()

@@ -67,6 +67,11 @@ class Serving:
         """The engine's running and waiting requests; none while the model loads."""
         return self.host.running_waiting() if self.host is not None else (0, 0)
 
+    def spec_stats(self):
+        """The engine's speculative decoding statistics (None: none, or still loading)."""
+        spec = self.host.engine.engine.spec if self.host is not None else None
+        return None if spec is None else spec.stats
+
 
 SERVING = web.AppKey("model_serving", Serving)
 
