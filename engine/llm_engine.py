@@ -40,6 +40,7 @@ from kvcache.engine.cache.weights_id import weights_id
 from kvcache.engine.structured.batch_masks import BatchMasks
 from kvcache.engine.structured.guide import Guide
 from kvcache.engine.structured.compiler import engine_compiler
+from kvcache.engine.structured.grammar import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -291,16 +292,16 @@ class LLMEngine:
             try:
                 problem = masks.apply(i, logits[i]) if masks is not None else None   # before bias and penalties
                 if problem is None and ch.drafts:
-                    toks = self.spec.verify(ch)          # accepted drafts + one: never a constrained request
+                    toks = self.spec.verify(ch)          # accepted drafts + one (its guide advanced by them)
                 elif problem is None:
                     toks = [sample(logits[i], req.params, pos, req.stream, req.tokens, req.output)]
-            except FloatingPointError as e:          # this request's logits (NaN): it fails alone
+            except (FloatingPointError, GrammarError) as e:   # its logits (NaN), its matcher: it fails alone
                 problem = f"{type(e).__name__}: {e}"
             if problem is None and req.metrics.first_token is None:
                 req.metrics.first_token = now
                 if req.params.n > 1 and req.parent is None:
                     forked += self._fork(req, logits[i], pos)        # each sample forks the grammar first
-            if problem is None and req.guide is not None:
+            if problem is None and req.guide is not None and not ch.drafts:    # (verify committed its own)
                 problem = req.guide.commit(toks[0])
             if problem is not None:                  # it fails alone
                 log.error("request %s failed: %s", req.request_id, problem)
@@ -311,9 +312,11 @@ class LLMEngine:
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
             key_blocks(self.pool, self.namespace, ch.request, ch.start + len(ch.tokens) + ch.accepted)
+        if self.spec is not None:
+            self.spec.context(out.chunks, forked)       # the drafter reads what was kept
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
         if self.spec is not None:
-            self.spec.after_step(out.chunks, forked)    # the drafter reads what was kept, drafts the next
+            self.spec.after_step(out.chunks, forked)    # and drafts what comes next
         results = []
         for ch in out.chunks:
             req = ch.request
@@ -328,8 +331,10 @@ class LLMEngine:
 
     def _stops(self, req: Request) -> bool:
         """Besides stop tokens and max_tokens: its grammar is complete (nothing but EOS could
-        follow, whatever ignore_eos), or a stop string ended its text."""
-        return (req.guide is not None and req.guide.done) or self.detokenizer.stop_string(req)
+        follow, whatever ignore_eos) at this token (a verified draft commits several at once), or
+        a stop string ended its text."""
+        g = req.guide
+        return (g is not None and g.done and g.seen == len(req.output)) or self.detokenizer.stop_string(req)
 
     def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> list[Request]:
         """n > 1: children share the parent's prompt blocks and KV state; each samples its own

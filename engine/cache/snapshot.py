@@ -35,12 +35,19 @@ def _part(comp) -> dict | None:
     return out
 
 
-def capture(state) -> dict:
-    """Everything but the history rows of a request's ModelState (tensors copied)."""
-    return {"length": state.length,
+def capture(state, drafter: bool = True) -> dict:
+    """Everything but the history rows of a request's ModelState (tensors copied); with `drafter`,
+    the draft layers' windows too (verified context only: a hit then drafts as the cold run did)."""
+    snap = {"length": state.length,
             "extra": {k: _clone(v) if isinstance(v, torch.Tensor) else v for k, v in state.extra.items()},
             "layers": [{"window": _clone(st.window), "compressor": _part(st.compressor), "index": _part(st.index)}
                        for st in state.layers]}
+    if drafter and state.drafter:
+        snap["drafter"] = [_clone(st.window) for st in state.drafter]
+        carry = state.draft_carry                  # MTP: the last position's streams, its row still to write
+        if carry is not None:
+            snap["drafter_carry"] = {"streams": _clone(carry["streams"]), "position": carry["position"]}
+    return snap
 
 
 def _restore_part(comp, snap: dict | None, device) -> None:
@@ -67,6 +74,11 @@ def restore(model, view, snap: dict):
         st.window = _clone(part["window"], device)
         _restore_part(st.compressor, part["compressor"], device)
         _restore_part(st.index, part["index"], device)
+    for st, window in zip(state.drafter, snap.get("drafter", ())):
+        st.window = _clone(window, device)
+    carry = snap.get("drafter_carry")
+    if carry is not None:
+        state.draft_carry = {"streams": _clone(carry["streams"], device), "position": carry["position"]}
     return state
 
 
@@ -113,6 +125,14 @@ def misfit(template: dict, snap: dict, length: int) -> str | None:
         for k in ("compressor", "index"):    # present exactly where the model's layer has one
             if (want[k] is None) != (got.get(k) is None) or not isinstance(got.get(k), (dict, type(None))):
                 return f"layer {i}'s {k} is not shaped like the model's"
+    drafter = snap.get("drafter", [])        # absent: saved without a drafter (it drafts from later context)
+    if not isinstance(drafter, list) or len(drafter) not in (0, len(template.get("drafter", []))) \
+            or not all(w is None or isinstance(w, torch.Tensor) for w in drafter):
+        return "its drafter windows are not shaped like the model's"
+    carry = snap.get("drafter_carry")
+    if carry is not None and not (isinstance(carry, dict) and isinstance(carry.get("streams"), torch.Tensor)
+                                  and isinstance(carry.get("position"), int) and carry["position"] == length - 1):
+        return "its drafter carry is not the streams of its last position"
     return None
 
 

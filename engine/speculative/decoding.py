@@ -10,23 +10,27 @@ verifies them all, rollback keeps only what was verified, the drafter drafts the
     verify         verify.verify per drafted chunk -> accepted drafts + one token of the target's,
                    cut at a stop token or max_tokens; rollback.keep(chunk tokens + kept drafts)
                    (or commit when all were kept); chunk.accepted tells the scheduler
-    after_step     the drafter reads the kept rows' streams (its context), then proposes
+    context        the drafter reads the kept rows' streams (before the scheduler's update)
+    after_step     every request still running proposes its next drafts
 
 A chunk without drafts samples as without speculation, from the same logits row: a request the
-drafter cannot help (a constraint, the first token) decodes exactly as it would. Drafts never
+drafter cannot help (its first token) decodes exactly as it would. Under a constraint the drafts
+are drawn and verified through the grammar's masks (guided.py). Drafts never
 enter the pool's block keys or the store: those cover computed tokens, and a rejected draft is
 never computed as far as the state is concerned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvcache.engine.scheduler import is_stop_token
-from kvcache.engine.speculative import rollback
+from kvcache.engine.structured.grammar import GrammarError
+from kvcache.engine.speculative import guided, rollback
 from kvcache.engine.speculative.budget import StepCost, draft_lengths
 from kvcache.engine.speculative.drafters import make_drafter
 from kvcache.engine.speculative.verify import Draft, draft_token, verify
@@ -109,19 +113,27 @@ class Speculator:
 
     # ------------------------------------------------------------------ after the forward
     def verify(self, ch) -> list[int]:
-        """The tokens a drafted chunk emits; its state rolled back to what they keep."""
-        req = ch.request
-        rows = self._rows.pop(id(ch))
-        draft = Draft(tuple(ch.drafts), _probs(req.proposal, len(ch.drafts)))
+        """The tokens a drafted chunk emits; its state rolled back to what they keep and, under a
+        constraint, its guide advanced by exactly them (guided.py)."""
+        req, guide = ch.request, ch.request.guide
+        rows, drafts = self._rows.pop(id(ch)), list(ch.drafts)
+        if guide is not None:
+            rows, n = guided.row_masks(guide, rows, drafts)
+            drafts = drafts[:n]
+        draft = Draft(tuple(drafts), _probs(req.proposal, len(drafts)))
         verdict = verify(rows, draft, req.params, ch.start + len(ch.tokens), req.stream, req.tokens, req.output)
         toks = list(verdict.tokens)
+        if guide is not None and guide.done and verdict.accepted == len(drafts):
+            toks = toks[:-1]                          # the drafts completed the grammar: it ends there
         for i, tok in enumerate(toks):                 # nothing past a stop token or max_tokens
             if is_stop_token(req, tok, self.eos_id):
                 toks = toks[: i + 1]
                 break
         toks = toks[: max(1, req.params.max_tokens - len(req.output))]
         ch.accepted = min(verdict.accepted, len(toks) - 1)
-        self.stats.count(len(ch.drafts), verdict.accepted)
+        self.stats.count(len(drafts), verdict.accepted)
+        if guide is not None:
+            self._guide_to(guide, len(drafts), min(verdict.accepted, len(toks)), toks)
         cp = self._checkpoints.pop(id(ch))
         if ch.accepted == len(ch.drafts):
             rollback.commit(cp)
@@ -129,8 +141,20 @@ class Speculator:
             rollback.keep(self.model, req.state, cp, ch.tokens + ch.drafts[: ch.accepted])
         return toks
 
-    def after_step(self, chunks, forked=()) -> None:
-        """The drafter reads the kept rows of every chunk whose request still runs, then drafts."""
+    @staticmethod
+    def _guide_to(guide, committed: int, keep: int, toks: list[int]) -> None:
+        """The guide holds `committed` drafts tentatively: keep the `keep` the output keeps, take
+        back the rest, then commit the output's last token when it is the target's own."""
+        guide.rollback(committed - keep)
+        if len(toks) > keep:
+            problem = guide.commit(toks[keep])
+            if problem is not None:                   # (a row masked from this same guide allowed it)
+                raise GrammarError(problem)
+
+    def context(self, chunks, forked=()) -> None:
+        """Before the scheduler appends the step's tokens (a finishing request's end snapshot
+        then holds its drafter's context too): the drafter reads the kept rows of every chunk,
+        and a sample forked this step reads its parent's (its state is a copy from before)."""
         for cp in self._checkpoints.values():         # drafted chunks that never verified (an error)
             rollback.commit(cp)
         self._checkpoints = {}
@@ -138,47 +162,67 @@ class Speculator:
         for child in forked:
             kids.setdefault(id(child.parent), []).append(child)
         for ch in chunks:
-            req = ch.request
-            if req.finished or req.state is None:
-                continue
-            kept = len(ch.tokens) + ch.accepted
-            self._context(req, ch.start, self._offsets[id(ch)], kept)
-            for child in kids.get(id(req), ()):
-                if child.state is not None and not child.finished:
-                    self._context(child, ch.start, self._offsets[id(ch)], kept)
-                    self.propose(child)
-            if ch.samples:
+            kept = ch.tokens + ch.drafts[: ch.accepted]
+            for req in (ch.request, *kids.get(id(ch.request), ())):
+                if req.state is not None:
+                    self._context(req, ch.start, self._offsets[id(ch)], kept)
+
+    def after_step(self, chunks, forked=()) -> None:
+        """After the scheduler's update: every request still running drafts its next tokens."""
+        for req in [ch.request for ch in chunks if ch.samples] + list(forked):
+            if not req.finished and req.state is not None:
                 self.propose(req)
         self._taps = {}
 
-    def _context(self, req, start: int, offset: int, kept: int) -> None:
-        """Feed the drafter the streams at positions start .. start+kept-1 (each next token known);
-        only the last window's worth: the drafter keeps no more, and a row is its token's alone."""
-        window = self.model.config.sliding_window
-        n = min(kept, max(window - 1, 1))
-        lo = offset + kept - n
-        taps = {k: v[:, lo: offset + kept] for k, v in self._taps.items()}
-        first = start + kept - n
+    def _context(self, req, start: int, offset: int, kept: list[int]) -> None:
+        """Feed the drafter the streams at positions start .. start+len(kept)-1, only the last
+        window's worth (W: W - 1 rows and MTP's pending one): the drafter keeps no more, and a
+        row is its position's alone."""
+        n = min(len(kept), max(self.model.config.sliding_window, 1))
+        lo = offset + len(kept) - n
+        taps = {k: v[:, lo: offset + len(kept)] for k, v in self._taps.items()}
+        first = start + len(kept) - n
         positions = torch.arange(first, first + n, device=next(iter(taps.values())).device)
-        next_ids = torch.tensor(req.tokens[first + 1: first + n + 1], device=positions.device)
         with torch.no_grad():
-            self.drafter.context(req.state, taps, positions, next_ids)
+            self.drafter.context(req.state, taps, positions, kept[len(kept) - n:])
 
     def propose(self, req) -> None:
         req.proposal = None
-        if req.guide is not None or req.finished or self.k == 0:
-            return                                   # constrained requests decode without drafts (for now)
-        p, tokens, output = req.params, req.tokens, req.output
+        if req.finished or self.k == 0:
+            return
+        p, tokens, output, guide = req.params, req.tokens, req.output, req.guide
+        taken = []                                   # drafts committed to the guide for the next masks
 
         def sample(logits, pos, drafts):
-            return draft_token(logits, p, pos, req.stream, tokens + drafts, output + drafts)
+            if guide is not None:
+                logits = guided.masked(guide, logits)
+            tok, q = draft_token(logits, p, pos, req.stream, tokens + drafts, output + drafts)
+            if guide is not None and not guide.done and guide.accepts(tok):
+                guide.commit(tok)
+                taken.append(tok)
+            return tok, q
 
-        with torch.no_grad():
-            req.proposal = self.drafter.propose(req.state, tokens[-1], len(tokens) - 1, self.k, sample, p.greedy)
+        try:
+            with torch.no_grad():
+                prop = self.drafter.propose(req.state, tokens[-1], len(tokens) - 1, self.k, sample, p.greedy)
+        finally:
+            if guide is not None:
+                guide.rollback(len(taken))
+        if guide is not None:                        # drafts past the grammar's end (or, from a drafter that
+            n = guided.valid_prefix(guide, list(prop.draft.tokens))    # ignores `sample`, refused ones) go
+            prop = prop if n == len(prop.draft.tokens) else _cut(prop, n)
+        req.proposal = prop
 
     def forget(self, req) -> None:
         """`req` lost its state (preempted, finished): its drafts went with it."""
         req.proposal = None
+
+
+def _cut(prop, n: int):
+    """The first n drafts of a proposal (a stopping rule on the drafted prefix: lossless)."""
+    d = prop.draft
+    return dataclasses.replace(prop, draft=Draft(d.tokens[:n], None if d.probs is None else d.probs[:n]),
+                               confidences=prop.confidences[:n])
 
 
 def _probs(proposal, n: int):

@@ -2,20 +2,22 @@
 
 The contract (what the engine calls, per request, after each step):
 
-    context(state, taps, positions, next_ids)
+    context(state, taps, positions, tokens)
         the target's streams at newly verified positions ({layer: [1, n, hc, d]} for the layers
-        in `collect`), those positions [n] and the token after each [n] (the last one is the
-        anchor: the token the target emitted last, not yet run through it). The drafter keeps
-        what it needs of them in its own state (state.drafter: one window per stage, of verified
-        context only).
+        in `collect`), those positions [n] and the tokens at them. The drafter keeps what it
+        needs in its own state (state.drafter: one window per stage, of verified context only;
+        state.draft_carry), all of it a function of the tokens up to the state's length, so a
+        tail snapshot of the state holds it for a later hit.
     propose(state, anchor, start, k, sample) -> Proposal
         up to k draft tokens for positions start+1 .. (start: the anchor's position); `sample`
         turns a draft position's logits into (token, q) with the request's sampling parameters
         (verify.draft_token). Proposing leaves the drafter's state as context() left it.
 
     MTP (V4's mtp.0)   context: the MTP layer over (streams at t, embedding of token t+1), its
-                       rows kept; its output at the last position gives draft 1. Drafts 2..k
-                       chain the layer on its own output streams; those rows are dropped after.
+                       rows kept, one call late (token t+1 must be verified: the last position's
+                       streams wait in draft_carry). Propose runs that pending row with the
+                       anchor (draft 1), then chains the layer on its own output streams for
+                       drafts 2..k; those rows are dropped after.
     DSpark (V4.1,      context: the target layers' streams, averaged over hc streams, projected
     V4-0731)           into every stage's window (models/dspark.write_context). One draft block
                        [anchor, noise ..] gives dspark_block_size logits; the Markov head adds
@@ -68,29 +70,39 @@ class MTPDrafter:
                                     c.rms_norm_eps))
         return h, m.head(hidden).float()
 
-    def context(self, state, taps: dict, positions: torch.Tensor, next_ids: torch.Tensor) -> None:
+    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int]) -> None:
+        """The layer's row at t needs token t+1: rows are written one call late. The streams at
+        the last position wait in state.draft_carry (a snapshot keeps them), written with the
+        next call's first token; a gap (context that never came, e.g. a hit on an old snapshot)
+        drops them."""
         streams = taps[self.collect[0]]
-        h, logits = self._layer(streams, next_ids[None].to(streams.device), positions, state.drafter[0])
-        state.draft_carry = (h[:, -1:], logits[0, -1])       # (its streams, logits) at the last position
+        pending = state.draft_carry
+        first = int(positions[0])
+        if pending is not None and pending["position"] == first - 1:
+            streams = torch.cat([pending["streams"].to(streams), streams], 1)
+            positions = torch.cat([positions.new_tensor([first - 1]), positions])
+            tokens = [-1, *tokens]                  # (the pending position's own token is not needed)
+        ids = torch.tensor([tokens[1:]], device=streams.device)            # the token after each but the last
+        if ids.shape[1]:
+            self._layer(streams[:, :-1], ids, positions[:-1], state.drafter[0])
+        state.draft_carry = {"streams": streams[:, -1:].clone(), "position": int(positions[-1])}
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:
-        last = state.draft_carry
-        if last is None or k <= 0:
+        pending = state.draft_carry
+        if pending is None or k <= 0 or pending["position"] != start - 1:
             return Proposal(Draft(()))
         st = state.drafter[0]
-        window = st.window
-        window = None if window is None else window.clone()
-        streams, logits = last
-        toks, qs = [], []
-        try:
+        window = None if st.window is None else st.window.clone()
+        streams, dev = pending["streams"], pending["streams"].device
+        toks, qs, prev = [], [], anchor
+        try:                     # the pending row (next token: the anchor), then the chain: all dropped after
             for i in range(k):
-                tok, q = sample(logits, start + 1 + i, toks)
+                pos = torch.tensor([start - 1 + i], device=dev)
+                streams, out = self._layer(streams, torch.tensor([[prev]], device=dev), pos, st)
+                tok, q = sample(out[0, -1], start + 1 + i, toks)
                 toks.append(tok)
                 qs.append(q)
-                if i + 1 < k:
-                    pos = torch.tensor([start + i], device=streams.device)
-                    streams, out = self._layer(streams, torch.tensor([[tok]], device=streams.device), pos, st)
-                    logits = out[0, -1]
+                prev = tok
         finally:
             st.window = window
         return Proposal(Draft(tuple(toks), _stack(qs, greedy)))
@@ -109,7 +121,7 @@ class DSparkDrafter:
         self.collect = tuple(x["dspark_target_layer_ids"])
         self.max_draft = int(x["dspark_block_size"])
 
-    def context(self, state, taps: dict, positions: torch.Tensor, next_ids: torch.Tensor) -> None:
+    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int]) -> None:
         dspark.write_context(self.model, taps, positions, state.drafter)
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:

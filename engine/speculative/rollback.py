@@ -43,7 +43,7 @@ def begin(state) -> Checkpoint:
             if lane is not None:
                 lane.journal = []
                 lanes.append(lane)
-    return Checkpoint(snapshot.capture(state), lanes)
+    return Checkpoint(snapshot.capture(state, drafter=False), lanes)
 
 
 def commit(cp: Checkpoint) -> None:

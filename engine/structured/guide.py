@@ -50,6 +50,10 @@ class Guide:
             return None
         return f"the output left its constraint at token {token}: {problem or 'not allowed'}"
 
+    def accepts(self, token: int) -> bool:
+        """Whether commit(token) would keep to the constraint (nothing changes)."""
+        return not self.active or self.matcher.validate([token]) == 1
+
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.seen:
             raise ValueError(f"cannot roll back {n} of {self.seen} committed tokens")
