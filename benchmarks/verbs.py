@@ -325,6 +325,40 @@ def add_structured_arguments(p: argparse.ArgumentParser, default_out_dir: str = 
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+SPEC_EPILOG = """\
+per model (v4-small: MTP, v41-small: DSpark), demo checkpoints with distilled drafters:
+  distill   `kvcache model distill` for --distill-seconds, once (kept under --models-dir)
+  rounds    per batch, --repeats times: the plain engine then the speculative one, greedy, on the
+            distillation corpus's greedy prompts; decode tok/s, the median round's ratio; the
+            outputs must be the same tokens
+  accepted  mean tokens per verify step (the bonus included), acceptance by draft position
+
+targets (reported, never enforced): spec_decode_speedup_b1 >= 2.0, _b8 >= 1.3.
+The JSON report goes to OUT_DIR/spec-<UTC time>.json and ...-latest.json.
+
+examples:
+  kvcache bench spec --models-dir ~/.cache/kvcache-models           # distils once, reuses after
+  kvcache bench spec --models v4-small --batches 1 --repeats 1 --distill-seconds 30
+"""
+
+
+def add_spec_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    count = checked(int, what="a positive integer")
+    p.add_argument("--models", type=lambda v: [m for m in v.split(",") if m], default=["v4-small", "v41-small"],
+                   help="demo configs, comma-separated: v4-small (MTP), v41-small (DSpark) (default both)")
+    p.add_argument("--batches", type=counts, default="1,8", help="requests decoded at once (default 1,8)")
+    p.add_argument("--repeats", type=count, default=3, metavar="N", help="rounds per batch (default 3)")
+    p.add_argument("--max-tokens", type=count, default=48, metavar="N", help="tokens per request (default 48)")
+    p.add_argument("--num-draft", type=count, default=4, metavar="K", help="drafts per step (default 4)")
+    p.add_argument("--distill-seconds", type=checked(float, lambda v: v > 0, "positive"), default=150.0,
+                   metavar="S", help="drafter training time per model (default 150)")
+    p.add_argument("--models-dir", default=None, metavar="DIR", help="where the demo checkpoints are built and "
+                   "distilled once (default OUT_DIR/.models)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default {default_out_dir})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 @dataclass(frozen=True)
 class Verb:
     """One benchmark as a command: the module that runs it (its `run_args(args) -> int`), its help."""
@@ -379,6 +413,11 @@ VERBS = {
                        "without, in the same run (batch 1 and 8), and the grammar's own costs: compile time per "
                        "schema and mask fill time per batch, at the demo and at a real tokenizer's size; prints a "
                        "table, writes a JSON report.", add_structured_arguments, STRUCTURED_EPILOG),
+    "spec": Verb("spec", "speculative decoding (MTP, DSpark) against plain decoding, distilled demo drafters",
+                 "Decode tokens/s with speculative decoding against without, in the same run, on v4-small (MTP) "
+                 "and v41-small (DSpark) with drafters distilled on their targets, batch 1 and 8; mean accepted "
+                 "tokens and acceptance by position; prints a table, writes a JSON report.", add_spec_arguments,
+                 SPEC_EPILOG),
     "decode-profile": Verb("decode_profile", "where a decode step's time goes (torch.profiler)",
                            "Host time, kernel launches and device syncs per decode step, how long the device is busy, "
                            "and the ops that cost the most host time (torch.profiler).", add_profile_arguments,

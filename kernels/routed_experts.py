@@ -62,15 +62,18 @@ def grouped_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     perm = torch.tensor(order, dtype=torch.long, device=flat.device)
     x = flat[perm // k]                                                # [n*k, d], pairs by expert
     ws = [expert(e) for e, _, _ in held]                               # (w1, w3, w2) per held expert
-    g, u = (x.new_empty(n * k, ws[0][0].shape[0]) for _ in range(2))
-    for (w1, w3, _), (_, a, b) in zip(ws, held):
-        torch.mm(x[a:b], w1.t(), out=g[a:b])
-        torch.mm(x[a:b], w3.t(), out=u[a:b])
-    h = F.silu(g.clamp_(max=limit)).mul_(u.clamp_(min=-limit, max=limit))
-    # rows of experts held elsewhere (expert parallelism) add zero
-    y = torch.empty_like(x) if len(held) == len(spans) else torch.zeros_like(x)
-    for (_, _, w2), (_, a, b) in zip(ws, held):
-        torch.mm(h[a:b], w2.t(), out=y[a:b])
+    if torch.is_grad_enabled() and (x.requires_grad or ws[0][0].requires_grad):
+        y = _pairs_differentiable(x, ws, held, spans, limit)           # (training a drafter)
+    else:
+        g, u = (x.new_empty(n * k, ws[0][0].shape[0]) for _ in range(2))
+        for (w1, w3, _), (_, a, b) in zip(ws, held):
+            torch.mm(x[a:b], w1.t(), out=g[a:b])
+            torch.mm(x[a:b], w3.t(), out=u[a:b])
+        h = F.silu(g.clamp_(max=limit)).mul_(u.clamp_(min=-limit, max=limit))
+        # rows of experts held elsewhere (expert parallelism) add zero
+        y = torch.empty_like(x) if len(held) == len(spans) else torch.zeros_like(x)
+        for (_, _, w2), (_, a, b) in zip(ws, held):
+            torch.mm(h[a:b], w2.t(), out=y[a:b])
     inv = perm.argsort()             # pair p of the (token, slot) grid sits at row inv[p] of the sorted pairs
     slots = torch.argsort(ids, dim=1, stable=True)                     # each token's slots, ascending expert
     at = inv.view(n, k).gather(1, slots)
@@ -79,6 +82,16 @@ def grouped_sum(flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     for j in range(1, k):
         acc = acc + terms[:, j]
     return acc
+
+
+def _pairs_differentiable(x, ws, held, spans, limit: float) -> torch.Tensor:
+    """The expert outputs of the sorted pairs [n*k, d] as above, with no `out=` writes (autograd)."""
+    mine = {a: w for w, (_, a, _) in zip(ws, held)}
+    parts = []
+    for _, a, b in spans:
+        w = mine.get(a)
+        parts.append(x[a:b].new_zeros((b - a, x.shape[1])) if w is None else swiglu(x[a:b], *w, limit))
+    return torch.cat(parts)
 
 
 def _by_expert(pair_ids: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:

@@ -1,0 +1,180 @@
+"""`kvcache bench spec` / `python -m kvcache.benchmarks.spec`: what speculative decoding buys.
+
+    per model (v4-small with MTP, v41-small with DSpark; demo checkpoints, random target weights):
+      1 build the demo checkpoint once, distill its drafter (`kvcache model distill`, --distill-
+        seconds) unless the checkpoint's distill.json says it was, on the same corpus
+      2 prompts: the corpus's greedy ones (a random target is a hash of its context: its drafter
+        predicts only what it was trained on, so these are the prompts where it behaves like a
+        trained drafter; acceptance below says how well)
+      3 per batch b, --repeats rounds, each: the plain engine (speculation off, the default
+        decode path) then the speculative engine, greedy, the same prompts b at a time
+        decode tok/s = sum of (n_i - 1) / (last finish - first token) of the batch
+        speedup = the median round's speculative / plain; the outputs must be the same tokens
+      4 mean accepted tokens per verify step (the bonus included) and acceptance per position
+
+The JSON report (with the machine description) goes to OUT_DIR/spec-<time>.json and
+spec-latest.json: spec_decode_speedup_b1 (target >= 2.0), _b8 (target >= 1.3), mean_accepted_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from kvcache.benchmarks import verbs
+
+MODELS = {"v4-small": "mtp", "v41-small": "dspark", "v4-tiny": "mtp", "v41-tiny": "dspark"}   # tiny: smoke tests
+TARGETS = {"spec_decode_speedup_b1": 2.0, "spec_decode_speedup_b8": 1.3}
+
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...]
+    batches: tuple[int, ...]
+    repeats: int
+    max_tokens: int
+    num_draft: int
+    distill_seconds: float
+
+
+def ensure_distilled(models_dir: str, name: str, seconds: float, progress) -> tuple[str, dict]:
+    """The demo checkpoint `name` under models_dir, its drafter distilled for `seconds` (kept: a
+    second run reuses it); (its path, its distill.json)."""
+    from kvcache.engine.checkpoint.demo import demo_checkpoint
+    from kvcache.engine.speculative.distill import distill_checkpoint
+    path = demo_checkpoint(models_dir, name)
+    meta = os.path.join(path, "distill.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            done = json.load(f)
+        if done.get("seconds", 0) >= 0.9 * seconds:
+            return path, done
+    distill_checkpoint(path, seconds, MODELS[name], progress=progress)
+    with open(meta) as f:
+        return path, json.load(f)
+
+
+def decode_rate(reqs) -> float:
+    """Decode tokens/s of a batch that ran together: (n_i - 1) summed over last finish - first token."""
+    first = min(r.metrics.first_token for r in reqs)
+    last = max(r.metrics.finished for r in reqs)
+    return sum(len(r.output) - 1 for r in reqs) / max(last - first, 1e-9)
+
+
+def run_batch(llm, prompts, params) -> tuple[float, list[list[int]]]:
+    engine = llm.engine
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    for r in reqs:
+        engine.forget(r.request_id)
+    return decode_rate(reqs), [list(r.output) for r in reqs]
+
+
+def measure(model, method: str, prompts, s: Settings, bar=None) -> dict:
+    import dataclasses
+    from kvcache.engine.config import EngineConfig
+    from kvcache.engine.llm import LLM
+    from kvcache.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=0, ignore_eos=True)
+    base = EngineConfig(block_size=128, num_blocks=16 * max(s.batches) + 16, max_running=max(s.batches),
+                        max_tokens_per_step=512)
+    plain = LLM(model=model, config=base)
+    spec = LLM(model=model, config=dataclasses.replace(base, speculative=method, num_draft=s.num_draft))
+    out = {}
+    for b in s.batches:
+        batch = prompts[:b]
+        run_batch(plain, batch, params)               # warm both (first-step allocations)
+        run_batch(spec, batch, params)
+        stats = spec.engine.spec.stats
+        before = dataclasses.replace(stats, proposed=list(stats.proposed), accepted=list(stats.accepted))
+        ratios, rates, same = [], {"plain": [], "spec": []}, True
+        for _ in range(s.repeats):
+            r_plain, o_plain = run_batch(plain, batch, params)
+            r_spec, o_spec = run_batch(spec, batch, params)
+            ratios.append(r_spec / r_plain)
+            rates["plain"].append(r_plain)
+            rates["spec"].append(r_spec)
+            same = same and o_plain == o_spec
+            if bar is not None:
+                bar.update(1)
+        acc = [a - a0 for a, a0 in zip(stats.accepted, before.accepted + [0] * len(stats.accepted))]
+        prop = [p - p0 for p, p0 in zip(stats.proposed, before.proposed + [0] * len(stats.proposed))]
+        steps, emitted = stats.steps - before.steps, stats.emitted - before.emitted
+        out[f"b{b}"] = {"speedup": statistics.median(ratios), "speedups": ratios,
+                        "plain_tokens_per_s": statistics.median(rates["plain"]),
+                        "spec_tokens_per_s": statistics.median(rates["spec"]),
+                        "same_tokens": same, "mean_accepted_tokens": emitted / steps if steps else 0.0,
+                        "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(acc, prop)]}
+    return out
+
+
+def run(s: Settings, out_dir: str, models_dir: str | None, progress: bool = True) -> dict:
+    import torch
+    from tqdm import tqdm
+    from kvcache.benchmarks.record import load_now, machine_info, write_results
+    from kvcache.engine.llm import load_checkpoint
+    from kvcache.engine.speculative.distill import Corpus
+    started, load_at_start = time.perf_counter(), load_now()
+    models_dir = models_dir or os.path.join(os.path.abspath(out_dir), ".models")
+    doc = {"benchmark": "spec", "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "config": {**s.__dict__}, "targets": TARGETS, "models": {}}
+    with tqdm(total=len(s.models) * len(s.batches) * s.repeats, desc="spec rounds", disable=not progress) as bar:
+        for name in s.models:
+            t = time.perf_counter()
+            path, meta = ensure_distilled(models_dir, name, s.distill_seconds, None)
+            model, _ = load_checkpoint(path)
+            corpus = Corpus(**meta["corpus"])
+            prompts = corpus.prompts(model.config.vocab_size)[0::2]          # the greedy ones
+            result = measure(model, MODELS[name], prompts, s, bar)
+            doc["models"][name] = {"method": MODELS[name], "distill": {k: meta[k] for k in (
+                "steps", "seconds", "agreement", "held_out_agreement")}, "setup_s": time.perf_counter() - t, **result}
+    for b in s.batches:
+        vals = [m[f"b{b}"]["speedup"] for m in doc["models"].values()]
+        doc[f"spec_decode_speedup_b{b}"] = min(vals)                      # the worse model's
+    doc["mean_accepted_tokens"] = {n: {k: v["mean_accepted_tokens"] for k, v in m.items() if k.startswith("b")}
+                                   for n, m in doc["models"].items()}
+    doc["async_sched_speedup"] = None
+    doc["notes"] = {"async": "asynchronous scheduling is not built yet: no ratio",
+                    "prompts": "the distillation corpus's greedy prompts: a random-weight target cannot be "
+                               "predicted on others (held_out_agreement)"}
+    doc["elapsed_s"] = time.perf_counter() - started
+    doc["machine"] = {**machine_info(out_dir), "load_at_start": load_at_start, "torch": torch.__version__,
+                      "torch_threads": torch.get_num_threads()}
+    write_results(doc, out_dir, "spec")
+    return doc
+
+
+def format_table(doc: dict) -> str:
+    lines = [f"{'model':<10} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accepted':>8}  "
+             "acceptance by position"]
+    for name, m in doc["models"].items():
+        for key, r in m.items():
+            if key.startswith("b") and isinstance(r, dict):
+                lines.append(f"{name:<10} {key[1:]:>5} {r['plain_tokens_per_s']:>11.1f} "
+                             f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>8.2f} {r['mean_accepted_tokens']:>8.2f}  "
+                             + " ".join(f"{x:.2f}" for x in r["acceptance_by_position"])
+                             + ("" if r["same_tokens"] else "  (OUTPUTS DIFFER)"))
+    lines += [f"{k}: {doc[k]:.2f} (target >= {v})" for k, v in TARGETS.items() if doc.get(k) is not None]
+    return "\n".join(lines)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    s = Settings(tuple(args.models), tuple(args.batches), args.repeats, args.max_tokens, args.num_draft,
+                 args.distill_seconds)
+    doc = run(s, args.out_dir, args.models_dir, progress=not args.no_progress)
+    print(format_table(doc))
+    print(f"\nwrote {doc['files']['json']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return verbs.main("spec", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""`kvcache bench spec` end to end on the tiny configs (seconds of distillation, one round):
+the JSON has the named ratios, the outputs matched, the table prints."""
+
+import json
+
+from tests.cli.command import kv
+
+
+def test_spec_bench_smoke(tmp_path):
+    r = kv("bench", "spec", "--models", "v4-tiny,v41-tiny", "--batches", "1,2", "--repeats", "1",
+           "--max-tokens", "12", "--distill-seconds", "3", "--models-dir", str(tmp_path / "models"),
+           "--out-dir", str(tmp_path), "--no-progress")
+    doc = json.loads((tmp_path / "spec-latest.json").read_text())
+    for key in ("spec_decode_speedup_b1", "spec_decode_speedup_b2", "mean_accepted_tokens", "machine"):
+        assert key in doc, key
+    for m in doc["models"].values():
+        assert m["b1"]["same_tokens"] and m["b2"]["same_tokens"] and m["b1"]["mean_accepted_tokens"] >= 1.0
+    assert "spec_decode_speedup_b1" in r.stdout and doc["models"]["v41-tiny"]["method"] == "dspark"
