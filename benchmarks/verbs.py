@@ -349,7 +349,8 @@ def add_spec_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAUL
     p.add_argument("--batches", type=counts, default="1,8", help="requests decoded at once (default 1,8)")
     p.add_argument("--repeats", type=count, default=3, metavar="N", help="rounds per batch (default 3)")
     p.add_argument("--max-tokens", type=count, default=48, metavar="N", help="tokens per request (default 48)")
-    p.add_argument("--num-draft", type=count, default=4, metavar="K", help="drafts per step (default 4)")
+    p.add_argument("--num-draft", type=checked(int, lambda v: v >= 0, "a count"), default=0, metavar="K",
+                   help="drafts per step (default 0: the method's, 3 for mtp, the draft block for dspark)")
     p.add_argument("--distill-seconds", type=checked(float, lambda v: v > 0, "positive"), default=150.0,
                    metavar="S", help="drafter training time per model (default 150)")
     p.add_argument("--models-dir", default=None, metavar="DIR", help="where the demo checkpoints are built and "

@@ -108,6 +108,31 @@ def draft_hidden(model, anchor: torch.Tensor, start: int, states: list[Attention
     return hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, c.hc_eps, c.rms_norm_eps)
 
 
+def draft_hidden_many(model, anchors: list[int], starts: list[int], states: list[list[AttentionState]]) -> torch.Tensor:
+    """draft_hidden for R requests at their own positions in one pass per stage (a flattened
+    batch: each request's block attends its own window): h [R, size, d]."""
+    c = model.config
+    size, noise = int(c.extra.get("dspark_block_size", 5)), int(c.extra.get("dspark_noise_token_id", 0))
+    dev = model.embed.weight.device
+    ids = torch.tensor([[t for a in anchors for t in (a, *[noise] * (size - 1))]], device=dev)
+    positions = [torch.arange(s, s + size, device=dev) for s in starts]
+    h = model.embed(ids).unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+    pre = None
+    for k, stage in enumerate(model.mtp):
+        attend = _draft_attention(stage.attn, model.rope)
+        sts = [st[k] for st in states]
+        if c.is_v41:
+            h, pre = stage(h, pre, positions, sts, model.rope, ids, [{} for _ in sts], attend=attend)
+        else:
+            h = stage(h, positions, sts, model.rope, ids, attend=attend)
+    if c.is_v41:
+        out = collapse(h, pre)
+    else:
+        last = model.mtp[-1]
+        out = hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+    return out.view(len(anchors), size, -1)
+
+
 def _draft_attention(attn, rope):
     """Attention of a draft block: the window (causal, within W) plus the whole draft (bidirectional);
     the draft's rows are not kept (the window holds only accepted context)."""

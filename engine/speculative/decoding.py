@@ -161,37 +161,65 @@ class Speculator:
         kids = {}
         for child in forked:
             kids.setdefault(id(child.parent), []).append(child)
+        items = []
         for ch in chunks:
             kept = ch.tokens + ch.drafts[: ch.accepted]
             for req in (ch.request, *kids.get(id(ch.request), ())):
                 if req.state is not None:
-                    self._context(req, ch.start, self._offsets[id(ch)], kept)
+                    items.append(self._context(req, ch.start, self._offsets[id(ch)], kept))
+        if items:
+            with torch.no_grad():
+                self.drafter.context_many(items)
 
     def after_step(self, chunks, forked=()) -> None:
         """After the scheduler's update: every request still running drafts its next tokens."""
-        for req in [ch.request for ch in chunks if ch.samples] + list(forked):
-            if not req.finished and req.state is not None:
-                self.propose(req)
+        self.propose_all([r for r in [ch.request for ch in chunks if ch.samples] + list(forked)
+                          if not r.finished and r.state is not None])
         self._taps = {}
 
-    def _context(self, req, start: int, offset: int, kept: list[int]) -> None:
-        """Feed the drafter the streams at positions start .. start+len(kept)-1, only the last
-        window's worth (W: W - 1 rows and MTP's pending one): the drafter keeps no more, and a
-        row is its position's alone."""
+    def _context(self, req, start: int, offset: int, kept: list[int]) -> tuple:
+        """What the drafter reads of a chunk: the streams at positions start .. start+len(kept)-1,
+        only the last window's worth (W: W - 1 rows and MTP's pending one): the drafter keeps no
+        more, and a row is its position's alone."""
         n = min(len(kept), max(self.model.config.sliding_window, 1))
         lo = offset + len(kept) - n
         taps = {k: v[:, lo: offset + len(kept)] for k, v in self._taps.items()}
         first = start + len(kept) - n
         positions = torch.arange(first, first + n, device=next(iter(taps.values())).device)
-        with torch.no_grad():
-            self.drafter.context(req.state, taps, positions, kept[len(kept) - n:])
+        return req.state, taps, positions, kept[len(kept) - n:]
+
+    def propose_all(self, reqs) -> None:
+        """Each request's next drafts (req.proposal), the drafter's layers run once for all."""
+        items, taken = [], {}
+        for req in reqs:
+            req.proposal = None
+            if req.finished or self.k == 0:
+                continue
+            taken[id(req)] = []
+            items.append((req, (req.state, req.tokens[-1], len(req.tokens) - 1, self.k,
+                                self._sampler(req, taken[id(req)]), req.params.greedy)))
+        try:
+            with torch.no_grad():
+                props = self.drafter.propose_many([it for _, it in items]) if items else []
+        finally:
+            for req, _ in items:
+                if req.guide is not None:
+                    req.guide.rollback(len(taken[id(req)]))
+        for (req, _), prop in zip(items, props):
+            if req.guide is not None:     # drafts past the grammar's end (or, from a drafter that
+                n = guided.valid_prefix(req.guide, list(prop.draft.tokens))   # ignores `sample`, refused ones)
+                prop = prop if n == len(prop.draft.tokens) else _cut(prop, n)
+            req.proposal = prop
 
     def propose(self, req) -> None:
-        req.proposal = None
-        if req.finished or self.k == 0:
-            return
+        self.propose_all([req])
+
+    @staticmethod
+    def _sampler(req, taken: list[int]):
+        """Draft positions' logits -> (token, q) with `req`'s parameters on the drafter's stream;
+        under a constraint through the grammar's mask, each draft committed to the guide for the
+        next position's mask (`taken`: the caller takes them back)."""
         p, tokens, output, guide = req.params, req.tokens, req.output, req.guide
-        taken = []                                   # drafts committed to the guide for the next masks
 
         def sample(logits, pos, drafts):
             if guide is not None:
@@ -201,17 +229,7 @@ class Speculator:
                 guide.commit(tok)
                 taken.append(tok)
             return tok, q
-
-        try:
-            with torch.no_grad():
-                prop = self.drafter.propose(req.state, tokens[-1], len(tokens) - 1, self.k, sample, p.greedy)
-        finally:
-            if guide is not None:
-                guide.rollback(len(taken))
-        if guide is not None:                        # drafts past the grammar's end (or, from a drafter that
-            n = guided.valid_prefix(guide, list(prop.draft.tokens))    # ignores `sample`, refused ones) go
-            prop = prop if n == len(prop.draft.tokens) else _cut(prop, n)
-        req.proposal = prop
+        return sample
 
     def forget(self, req) -> None:
         """`req` lost its state (preempted, finished): its drafts went with it."""

@@ -1,14 +1,16 @@
 """Drafters: the checkpoint's own draft layers proposing the next tokens of a request.
 
-The contract (what the engine calls, per request, after each step):
+The contract (what the engine calls after each step, for all its requests at once: the batch
+forms take lists of what the single forms take, and a drafter runs each of its layers once per
+call over all of them, as the target does):
 
-    context(state, taps, positions, tokens)
+    context(state, taps, positions, tokens)            context_many([(state, taps, positions, tokens)])
         the target's streams at newly verified positions ({layer: [1, n, hc, d]} for the layers
         in `collect`), those positions [n] and the tokens at them. The drafter keeps what it
         needs in its own state (state.drafter: one window per stage, of verified context only;
         state.draft_carry), all of it a function of the tokens up to the state's length, so a
         tail snapshot of the state holds it for a later hit.
-    propose(state, anchor, start, k, sample) -> Proposal
+    propose(state, anchor, start, k, sample, greedy)   propose_many([...]) -> [Proposal]
         up to k draft tokens for positions start+1 .. (start: the anchor's position); `sample`
         turns a draft position's logits into (token, q) with the request's sampling parameters
         (verify.draft_token). Proposing leaves the drafter's state as context() left it.
@@ -49,7 +51,20 @@ def _stack(qs: list[torch.Tensor], greedy: bool) -> torch.Tensor | None:
     return None if greedy or not qs else torch.stack(qs)
 
 
-class MTPDrafter:
+class Drafter:
+    """The batch forms, one request at a time: a drafter overrides them to batch its layers."""
+    collect: tuple[int, ...] = ()
+    max_draft: int = 0
+
+    def context_many(self, items: list) -> None:
+        for item in items:
+            self.context(*item)
+
+    def propose_many(self, items: list) -> list[Proposal]:
+        return [self.propose(*item) for item in items]
+
+
+class MTPDrafter(Drafter):
     """V4's MTP layer, chained k times (later positions degrade: the layer was trained for one)."""
 
     name = "mtp"
@@ -61,54 +76,78 @@ class MTPDrafter:
         self.collect = (len(model.layers) - 1,)
         self.max_draft = 16
 
-    def _layer(self, streams, next_ids, positions, st):
+    def _layer(self, streams, ids, positions: list, states: list, logits: bool = True):
+        """The MTP layer over a flattened batch: streams [1, N, hc, d], ids [1, N] (the token after
+        each row's position), positions / states per request -> (output streams, logits [N, V])."""
         layer, m = self.model.mtp[0], self.model
         c = m.config
-        h = layer.e_proj(layer.enorm(m.embed(next_ids))).unsqueeze(2) + layer.h_proj(layer.hnorm(streams))
-        h = layer(h, positions, st, m.rope, next_ids)
+        h = layer.e_proj(layer.enorm(m.embed(ids))).unsqueeze(2) + layer.h_proj(layer.hnorm(streams))
+        h = layer(h, positions, states, m.rope, ids)
+        if not logits:
+            return h, None
         hidden = layer.norm(hc_head(h, layer.hc_head_fn, layer.hc_head_base, layer.hc_head_scale, c.hc_eps,
                                     c.rms_norm_eps))
-        return h, m.head(hidden).float()
+        return h, m.head(hidden).float()[0]
 
     def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int]) -> None:
+        self.context_many([(state, taps, positions, tokens)])
+
+    def context_many(self, items: list) -> None:
         """The layer's row at t needs token t+1: rows are written one call late. The streams at
-        the last position wait in state.draft_carry (a snapshot keeps them), written with the
-        next call's first token; a gap (context that never came, e.g. a hit on an old snapshot)
-        drops them."""
-        streams = taps[self.collect[0]]
-        pending = state.draft_carry
-        first = int(positions[0])
-        if pending is not None and pending["position"] == first - 1:
-            streams = torch.cat([pending["streams"].to(streams), streams], 1)
-            positions = torch.cat([positions.new_tensor([first - 1]), positions])
-            tokens = [-1, *tokens]                  # (the pending position's own token is not needed)
-        ids = torch.tensor([tokens[1:]], device=streams.device)            # the token after each but the last
-        if ids.shape[1]:
-            self._layer(streams[:, :-1], ids, positions[:-1], state.drafter[0])
-        state.draft_carry = {"streams": streams[:, -1:].clone(), "position": int(positions[-1])}
+        each request's last position wait in state.draft_carry (a snapshot keeps them), written
+        with the next call's first token; a gap (context that never came, e.g. a hit on an old
+        snapshot) drops them."""
+        rows = []
+        for state, taps, positions, tokens in items:
+            streams = taps[self.collect[0]]
+            pending, first = state.draft_carry, int(positions[0])
+            if pending is not None and pending["position"] == first - 1:
+                streams = torch.cat([pending["streams"].to(streams), streams], 1)
+                positions = torch.cat([positions.new_tensor([first - 1]), positions])
+                tokens = [-1, *tokens]                  # (the pending position's own token is not needed)
+            state.draft_carry = {"streams": streams[:, -1:].clone(), "position": int(positions[-1])}
+            if len(tokens) > 1:
+                rows.append((state, streams[:, :-1], tokens[1:], positions[:-1]))
+        if rows:
+            self._layer(torch.cat([r[1] for r in rows], 1), torch.tensor([[t for r in rows for t in r[2]]]),
+                        [r[3] for r in rows], [r[0].drafter[0] for r in rows], logits=False)
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:
-        pending = state.draft_carry
-        if pending is None or k <= 0 or pending["position"] != start - 1:
-            return Proposal(Draft(()))
-        st = state.drafter[0]
-        window = None if st.window is None else st.window.clone()
-        streams, dev = pending["streams"], pending["streams"].device
-        toks, qs, prev = [], [], anchor
-        try:                     # the pending row (next token: the anchor), then the chain: all dropped after
-            for i in range(k):
-                pos = torch.tensor([start - 1 + i], device=dev)
-                streams, out = self._layer(streams, torch.tensor([[prev]], device=dev), pos, st)
-                tok, q = sample(out[0, -1], start + 1 + i, toks)
-                toks.append(tok)
-                qs.append(q)
-                prev = tok
+        return self.propose_many([(state, anchor, start, k, sample, greedy)])[0]
+
+    def propose_many(self, items: list) -> list[Proposal]:
+        """The pending row with each anchor (draft 1), then the chain, every request's row in one
+        layer call per draft position; the windows as they were after."""
+        live = [it for it in items if it[3] > 0 and it[0].draft_carry is not None
+                and it[0].draft_carry["position"] == it[2] - 1]
+        out = {id(it): Proposal(Draft(())) for it in items}
+        if not live:
+            return [out[id(it)] for it in items]
+        sts = [it[0].drafter[0] for it in live]
+        windows = [None if st.window is None else st.window.clone() for st in sts]
+        dev = live[0][0].draft_carry["streams"].device
+        streams = torch.cat([it[0].draft_carry["streams"] for it in live], 1)
+        prev = [it[1] for it in live]
+        toks, qs = [[] for _ in live], [[] for _ in live]
+        try:
+            for i in range(max(it[3] for it in live)):
+                pos = [torch.tensor([it[2] - 1 + i], device=dev) for it in live]
+                streams, logits = self._layer(streams, torch.tensor([prev], device=dev), pos, sts)
+                for j, it in enumerate(live):
+                    if i < it[3]:
+                        tok, q = it[4](logits[j], it[2] + 1 + i, toks[j])
+                        toks[j].append(tok)
+                        qs[j].append(q)
+                        prev[j] = tok
         finally:
-            st.window = window
-        return Proposal(Draft(tuple(toks), _stack(qs, greedy)))
+            for st, w in zip(sts, windows):
+                st.window = w
+        for j, it in enumerate(live):
+            out[id(it)] = Proposal(Draft(tuple(toks[j]), _stack(qs[j], it[5])))
+        return [out[id(it)] for it in items]
 
 
-class DSparkDrafter:
+class DSparkDrafter(Drafter):
     """V4.1's (and V4-0731's) DSpark block: dspark_block_size drafts from one block forward."""
 
     name = "dspark"
@@ -125,21 +164,36 @@ class DSparkDrafter:
         dspark.write_context(self.model, taps, positions, state.drafter)
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:
-        k = min(k, self.max_draft)
-        if k <= 0:
-            return Proposal(Draft(()))
+        return self.propose_many([(state, anchor, start, k, sample, greedy)])[0]
+
+    def propose_many(self, items: list) -> list[Proposal]:
+        """Every request's draft block in one pass per stage, then the Markov heads position by
+        position over all of them."""
+        live = [it for it in items if min(it[3], self.max_draft) > 0]
+        out = {id(it): Proposal(Draft(())) for it in items}
+        if not live:
+            return [out[id(it)] for it in items]
         m = self.model
         dev = m.embed.weight.device
-        hidden = dspark.draft_hidden(m, torch.tensor([anchor], device=dev), start, state.drafter)
-        prev, toks, qs, confs = torch.tensor([anchor], device=dev), [], [], []
-        for i in range(k):
+        hidden = dspark.draft_hidden_many(m, [it[1] for it in live], [it[2] for it in live],
+                                          [it[0].drafter for it in live])
+        prev = torch.tensor([it[1] for it in live], device=dev)
+        ks = [min(it[3], self.max_draft) for it in live]
+        toks, qs, confs = [[] for _ in live], [[] for _ in live], [[] for _ in live]
+        for i in range(max(ks)):
             logits, conf = dspark.heads(m, hidden[:, i], prev)
-            tok, q = sample(logits[0], start + 1 + i, toks)
-            toks.append(tok)
-            qs.append(q)
-            confs.append(float(conf[0]))
-            prev = torch.tensor([tok], device=dev)
-        return Proposal(Draft(tuple(toks), _stack(qs, greedy)), tuple(confs))
+            nxt = prev.clone()
+            for j, it in enumerate(live):
+                if i < ks[j]:
+                    tok, q = it[4](logits[j], it[2] + 1 + i, toks[j])
+                    toks[j].append(tok)
+                    qs[j].append(q)
+                    confs[j].append(float(conf[j]))
+                    nxt[j] = tok
+            prev = nxt
+        for j, it in enumerate(live):
+            out[id(it)] = Proposal(Draft(tuple(toks[j]), _stack(qs[j], it[5])), tuple(confs[j]))
+        return [out[id(it)] for it in items]
 
 
 def make_drafter(model, method: str):

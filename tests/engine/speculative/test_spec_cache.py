@@ -24,28 +24,32 @@ def test_hits_keep_greedy_answers_and_the_drafters_context(case, mode, tmp_path)
     want = cold(model, asks)
     store = open_store(tmp_path)
     windows = {}
-    with LLM(model=model, config=_spec(cached(mode), method), store=store) as llm:
-        engine = llm.engine
-        propose = engine.spec.propose
 
-        def watch(req):          # the drafter's windows and drafts when it first drafts after the prompt
-            propose(req)
-            if len(req.output) == 1:
-                windows[tuple(req.prompt)] = ([None if st.window is None else st.window.clone()
-                                               for st in req.state.drafter], req.proposal.draft.tokens)
-        engine.spec.propose = watch
+    def watch(llm):              # the drafter's windows and drafts when it first drafts after the prompt
+        propose_all = llm.engine.spec.propose_all
+
+        def watched(reqs):
+            propose_all(reqs)
+            for req in reqs:
+                if len(req.output) == 1:
+                    windows[tuple(req.prompt)] = ([None if st.window is None else st.window.clone()
+                                                   for st in req.state.drafter], req.proposal.draft.tokens)
+        llm.engine.spec.propose_all = watched
+
+    with LLM(model=model, config=_spec(cached(mode), method), store=store) as llm:
+        watch(llm)
         got = [llm.generate([a], GREEDY)[0][0] for a in asks]
         assert [o.token_ids for o in got] == want
         assert sum(o.usage.total_cached for o in got[1:]) > 0                 # later questions hit the document
     with LLM(model=model, config=_spec(cached(mode), method)) as fresh:        # no store: cold, same engine kind
-        fresh.engine.spec.propose = watch
+        watch(fresh)
         windows.clear()
         for a in asks[1:]:
             fresh.generate([a], GREEDY)
     cold_windows = dict(windows)
     windows.clear()
     with LLM(model=model, config=_spec(cached(mode), method), store=store) as again:   # every ask hits now
-        again.engine.spec.propose = watch
+        watch(again)
         for a in asks[1:]:
             out = again.generate([a], GREEDY)[0][0]
             assert out.usage.total_cached > 0

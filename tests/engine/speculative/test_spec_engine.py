@@ -14,7 +14,7 @@ from kvcache.engine.llm import LLM
 from kvcache.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from kvcache.engine.models.deepseek_v41 import DeepseekV41ForCausalLM
 from kvcache.engine.sampling import SamplingParams
-from kvcache.engine.speculative.drafters import Proposal
+from kvcache.engine.speculative.drafters import Drafter, Proposal
 from kvcache.engine.speculative.verify import Draft
 from kvcache.engine.tokenizer import build_demo_tokenizer
 from tests.engine.tiny import randomize, v4_config, v41_config
@@ -46,15 +46,15 @@ def spec_config(method, **over):
     return dataclasses.replace(CFG, speculative=method, **over)
 
 
-class Oracle:
+class Oracle(Drafter):
     """A drafter that proposes the plain run's next tokens, wrong at every `lie`-th position."""
 
     def __init__(self, real, full: dict, lie: int = 3):
         self.real, self.full, self.lie, self.current = real, full, lie, []
         self.collect, self.max_draft, self.name = real.collect, real.max_draft, "oracle"
 
-    def context(self, state, taps, positions, next_ids):
-        self.real.context(state, taps, positions, next_ids)
+    def context_many(self, items):
+        self.real.context_many(items)
 
     def propose(self, state, anchor, start, k, sample, greedy):
         toks = []
@@ -68,13 +68,14 @@ def _with_oracle(llm, ps, plain):
     """The engine's drafter swapped for an Oracle that knows each prompt's plain answer."""
     spec = llm.engine.spec
     oracle = Oracle(spec.drafter, {tuple(p): p + o[0] for p, o in zip(ps, plain)})
-    propose = spec.propose
+    propose_all = spec.propose_all
 
-    def knowing(req):
-        oracle.current = oracle.full[tuple(req.prompt)]
-        propose(req)
+    def knowing(reqs):
+        for req in reqs:                       # one at a time: the oracle answers for one prompt
+            oracle.current = oracle.full[tuple(req.prompt)]
+            propose_all([req])
 
-    spec.drafter, spec.propose = oracle, knowing
+    spec.drafter, spec.propose_all = oracle, knowing
 
 
 @pytest.mark.parametrize("batch", [1, 4])
