@@ -51,7 +51,7 @@ def ensure_distilled(models_dir: str, name: str, seconds: float, progress) -> tu
     if os.path.exists(meta):
         with open(meta) as f:
             done = json.load(f)
-        if done.get("seconds", 0) >= 0.9 * seconds:
+        if done.get("total_seconds", done.get("seconds", 0)) >= 0.9 * seconds:
             return path, done
     distill_checkpoint(path, seconds, MODELS[name], progress=progress)
     with open(meta) as f:

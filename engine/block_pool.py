@@ -129,11 +129,13 @@ class BlockPool:
                 raise AssertionError(f"key index points at block {bid}, which holds another key")
 
 
-def key_blocks(pool: BlockPool, namespace, req, computed: int) -> None:
+def key_blocks(pool: BlockPool, namespace, req, computed: int, coming: list[int] = ()) -> None:
     """Content keys (kvstore.hashing chain) for every block of `req` whose tokens are all computed
     (`computed`: how many are): they stay findable in the pool after the request ends, until the
-    block is reallocated."""
-    full = min(computed, req.num_tokens) // pool.block_size
+    block is reallocated. `coming`: computed tokens the step is about to append (verified drafts),
+    so that a request that ends with this step has its last blocks keyed (and saved) too."""
+    tokens = req.tokens + list(coming)
+    full = min(computed, len(tokens)) // pool.block_size
     if full <= len(req.block_keys) or req.finished:
         return
     bs, have = pool.block_size, len(req.block_keys)
@@ -141,7 +143,7 @@ def key_blocks(pool: BlockPool, namespace, req, computed: int) -> None:
     start = have + len(new)
     if full > start:                                 # blocks of generated tokens
         parent = (req.block_keys + new)[-1] if start else req.chain_root
-        new = new + hash_blocks(namespace, req.tokens[start * bs: full * bs], parent=parent)
+        new = new + hash_blocks(namespace, tokens[start * bs: full * bs], parent=parent)
     for i, key in enumerate(new, start=have):
         pool.set_key(req.block_ids[i], key)
     req.block_keys += new

@@ -77,6 +77,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.speculative not in ("", "mtp", "dspark"):
             raise ValueError(f"speculative must be '', 'mtp' or 'dspark', got {self.speculative!r}")
+        if self.speculative and self.cuda_graphs:
+            raise ValueError("speculative decoding runs every step on the general path: cuda_graphs replays "
+                             "planned decode steps only; turn one of them off")
         if self.num_draft < 0:
             raise ValueError(f"num_draft must be >= 0 (0: the method's default), got {self.num_draft}")
 

@@ -311,12 +311,13 @@ class LLMEngine:
             sampled[req.request_id] = toks
         before = {ch.request.request_id: len(ch.request.output) for ch in out.chunks}
         for ch in out.chunks:                        # key the blocks this step completes (before any release)
-            key_blocks(self.pool, self.namespace, ch.request, ch.start + len(ch.tokens) + ch.accepted)
-        if self.spec is not None:
-            self.spec.context(out.chunks, forked)       # the drafter reads what was kept
+            key_blocks(self.pool, self.namespace, ch.request, ch.start + len(ch.tokens) + ch.accepted,
+                       ch.drafts[: ch.accepted])
+        if self.spec is not None:                    # the drafter reads what was kept (then drafts)
+            self.spec.context(out.chunks, forked)
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
         if self.spec is not None:
-            self.spec.after_step(out.chunks, forked)    # and drafts what comes next
+            self.spec.after_step(out.chunks, forked)
         results = []
         for ch in out.chunks:
             req = ch.request
@@ -330,9 +331,8 @@ class LLMEngine:
         return results + failed
 
     def _stops(self, req: Request) -> bool:
-        """Besides stop tokens and max_tokens: its grammar is complete (nothing but EOS could
-        follow, whatever ignore_eos) at this token (a verified draft commits several at once), or
-        a stop string ended its text."""
+        """Besides stop tokens and max_tokens: its grammar complete at this token (nothing but EOS
+        could follow, whatever ignore_eos), or a stop string ended its text."""
         g = req.guide
         return (g is not None and g.done and g.seen == len(req.output)) or self.detokenizer.stop_string(req)
 

@@ -53,8 +53,8 @@ class Scheduler:
         """`cut(req, start, n) -> n'` may shorten a prefill chunk (e.g. to end on a snapshot point);
         `on_finish(req, reason)` runs before a finishing request lets go of anything (its blocks
         and state still held: the prefix cache saves them); `reset_state(req)` after a request
-        lost its state (finished or preempted); `drafts(req) -> [token ids]` the speculative
-        tokens to run after a decoding request's last token (engine/speculative)."""
+        lost its state (finished or preempted); `drafts(chunks, step_tokens, step_budget) -> [[token
+        ids]]` the speculative tokens to run after each of those decode chunks (engine/speculative)."""
         if max_tokens_per_step < 1 or max_running < 1:
             raise ValueError("max_tokens_per_step and max_running must be >= 1")
         self.pool, self.budget, self.max_running, self.lookahead = pool, max_tokens_per_step, max_running, lookahead
@@ -121,11 +121,9 @@ class Scheduler:
                 continue
             n = 1 if not req.is_prefill else self._cut(req, req.num_computed,
                                                         min(len(req.prompt) - req.num_computed, budget))
-            drafts = self._drafts_for(req, n, budget)
-            if self._reserve(req, n + len(drafts), out):
+            if self._reserve(req, n, out):
                 out.chunks.append(self._chunk(req, n))
-                out.chunks[-1].drafts = drafts
-                budget -= n + len(drafts)
+                budget -= n
         for req in sorted(self.waiting, key=Request.sort_key):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
@@ -139,14 +137,24 @@ class Scheduler:
             req.status = Status.RUNNING
             out.chunks.append(self._chunk(req, n))
             budget -= n
+        self._add_drafts(out, budget)
         return out
 
-    def _drafts_for(self, req: Request, n: int, budget: int) -> list[int]:
-        """Drafts ride only in a decode chunk that ends at the request's last token."""
-        if self._drafts is None or req.is_prefill or req.num_computed + n != req.num_tokens:
-            return []
-        room = min(budget - n, req.params.max_tokens - len(req.output) - 1)    # emitted <= drafts + 1
-        return self._drafts(req)[: max(0, room)]
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative tokens from what the step has left: every request got its own tokens first,
+        and a draft never preempts anyone (its blocks come only from free ones). Drafts ride only
+        in decode chunks that end at their request's last token."""
+        chunks = [ch for ch in out.chunks if not ch.request.is_prefill and ch.samples and len(ch.tokens) == 1]
+        if self._drafts is None or not chunks or budget <= 0:
+            return
+        for ch, drafts in zip(chunks, self._drafts(chunks, out.num_tokens, self.budget)):
+            req = ch.request
+            drafts = drafts[: max(0, min(budget, req.params.max_tokens - len(req.output) - 1))]  # emitted <= drafts + 1
+            while drafts and self._blocks_missing(req, 1 + len(drafts)) > self.pool.num_free():
+                drafts.pop()
+            req.block_ids += self.pool.allocate(self._blocks_missing(req, 1 + len(drafts)))
+            ch.drafts = drafts
+            budget -= len(drafts)
 
     def _admit_blocks(self, req: Request, n: int) -> bool:
         """Blocks for a waiting request's first n tokens. Waiting requests ranked after it that

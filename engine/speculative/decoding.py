@@ -23,6 +23,7 @@ never computed as far as the state is concerned.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from kvcache.engine.speculative import guided, rollback
 from kvcache.engine.speculative.budget import StepCost, draft_lengths
 from kvcache.engine.speculative.drafters import make_drafter
 from kvcache.engine.speculative.verify import Draft, draft_token, verify
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +68,9 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, model, method: str, num_draft: int, max_tokens_per_step: int, eos_id: int | None):
+        if getattr(model, "prefill_keep_tokens", None) is not None:
+            raise ValueError("speculative decoding needs every token's row: not with prefill truncation "
+                             "(prefill_keep_tokens)")
         self.model, self.drafter = model, make_drafter(model, method)
         default = 3 if method == "mtp" else self.drafter.max_draft
         self.k = min(num_draft or default, self.drafter.max_draft)
@@ -75,23 +81,25 @@ class Speculator:
         self._rows: dict[int, torch.Tensor] = {}
         self._checkpoints: dict[int, rollback.Checkpoint] = {}
         self._taps: dict = {}
-        self._offsets: dict[int, int] = {}
 
     # ------------------------------------------------------------------ before the forward
-    def drafts(self, req) -> list[int]:
-        """The scheduler's question: draft tokens to run after `req`'s last token this step."""
-        prop = req.proposal
-        return [] if prop is None else list(prop.draft.tokens[: self.k])
+    def drafts(self, chunks, step_tokens: int, step_budget: int) -> list[list[int]]:
+        """The scheduler's question, once its chunks are chosen: drafts to run after each decode
+        chunk's token (the proposals; DSpark's trimmed to what pays against the step's cost)."""
+        drafts = [[] if ch.request.proposal is None else list(ch.request.proposal.draft.tokens[: self.k])
+                  for ch in chunks]
+        if self.adaptive:
+            conf = {i: list(ch.request.proposal.confidences[: len(d)]) for i, (ch, d) in enumerate(zip(chunks, drafts))
+                    if d}
+            lengths = draft_lengths(conf, self.cost, step_tokens - len(conf), step_budget)
+            drafts = [d[: lengths.get(i, 0)] for i, d in enumerate(drafts)]
+        return drafts
 
     def prepare(self, chunks) -> None:
-        """Trim the drafts to what pays (DSpark), checkpoint every state that runs drafts."""
-        if self.adaptive:
-            drafted = [ch for ch in chunks if ch.drafts]
-            other = sum(len(ch.tokens) for ch in chunks) - len(drafted)
-            conf = {id(ch): list(ch.request.proposal.confidences[: len(ch.drafts)]) for ch in drafted}
-            lengths = draft_lengths(conf, self.cost, other, self.budget)
-            for ch in drafted:
-                ch.drafts = ch.drafts[: lengths[id(ch)]]
+        """Checkpoint every state that runs drafts (a step that never reached verification leaves
+        its checkpoints behind: their journals are stopped first)."""
+        for cp in self._checkpoints.values():
+            rollback.commit(cp)
         self._checkpoints = {id(ch): rollback.begin(ch.request.state) for ch in chunks if ch.drafts}
 
     def forward(self, chunks, states) -> torch.Tensor:
@@ -99,16 +107,19 @@ class Speculator:
         tokens (what plain sampling reads); the draft rows and streams kept for verify/after_step."""
         tokens = [torch.tensor(ch.tokens + ch.drafts, device="cpu") for ch in chunks]
         tails = [1 + len(ch.drafts) for ch in chunks]
-        logits, self._taps = self.model.step_rows(tokens, states, tails, self.drafter.collect)
+        logits, taps = self.model.step_rows(tokens, states, tails, self.drafter.collect)
         logits = logits.cpu()
         self._rows, first, row, flat = {}, [], 0, 0
-        self._offsets = {}
+        self._taps = {}
+        keep = max(self.model.config.sliding_window, 1)
         for ch, t in zip(chunks, tails):
             first.append(row)
             if ch.drafts:
                 self._rows[id(ch)] = logits[row: row + t]
-            self._offsets[id(ch)] = flat
-            row, flat = row + t, flat + len(ch.tokens) + len(ch.drafts)
+            n = len(ch.tokens) + len(ch.drafts)
+            lo = max(0, n - keep - len(ch.drafts))       # the drafter reads no further back (_context)
+            self._taps[id(ch)] = ({k: v[:, flat + lo: flat + n] for k, v in taps.items()}, lo)
+            row, flat = row + t, flat + n
         return logits[first]
 
     # ------------------------------------------------------------------ after the forward
@@ -166,10 +177,8 @@ class Speculator:
             kept = ch.tokens + ch.drafts[: ch.accepted]
             for req in (ch.request, *kids.get(id(ch.request), ())):
                 if req.state is not None:
-                    items.append(self._context(req, ch.start, self._offsets[id(ch)], kept))
-        if items:
-            with torch.no_grad():
-                self.drafter.context_many(items)
+                    items.append(self._context(req, ch.start, self._taps[id(ch)], kept))
+        self._guarded(self.drafter.context_many, items, "read its context", self._reset_drafter)
 
     def after_step(self, chunks, forked=()) -> None:
         """After the scheduler's update: every request still running drafts its next tokens."""
@@ -177,13 +186,14 @@ class Speculator:
                           if not r.finished and r.state is not None])
         self._taps = {}
 
-    def _context(self, req, start: int, offset: int, kept: list[int]) -> tuple:
+    def _context(self, req, start: int, chunk_taps: tuple, kept: list[int]) -> tuple:
         """What the drafter reads of a chunk: the streams at positions start .. start+len(kept)-1,
         only the last window's worth (W: W - 1 rows and MTP's pending one): the drafter keeps no
-        more, and a row is its position's alone."""
+        more, and a row is its position's alone. `chunk_taps`: (the chunk's streams from row lo
+        on, lo)."""
         n = min(len(kept), max(self.model.config.sliding_window, 1))
-        lo = offset + len(kept) - n
-        taps = {k: v[:, lo: offset + len(kept)] for k, v in self._taps.items()}
+        streams, lo = chunk_taps
+        taps = {k: v[:, len(kept) - n - lo: len(kept) - lo] for k, v in streams.items()}
         first = start + len(kept) - n
         positions = torch.arange(first, first + n, device=next(iter(taps.values())).device)
         return req.state, taps, positions, kept[len(kept) - n:]
@@ -198,14 +208,18 @@ class Speculator:
             taken[id(req)] = []
             items.append((req, (req.state, req.tokens[-1], len(req.tokens) - 1, self.k,
                                 self._sampler(req, taken[id(req)]), req.params.greedy)))
-        try:
-            with torch.no_grad():
-                props = self.drafter.propose_many([it for _, it in items]) if items else []
-        finally:
-            for req, _ in items:
-                if req.guide is not None:
-                    req.guide.rollback(len(taken[id(req)]))
+        def run(batch):
+            try:
+                return self.drafter.propose_many([it for _, it in batch])
+            finally:
+                for req, _ in batch:
+                    if req.guide is not None:
+                        req.guide.rollback(len(taken[id(req)]))
+                        taken[id(req)].clear()
+        props = self._guarded(run, items, "draft", lambda item: None)
         for (req, _), prop in zip(items, props):
+            if prop is None:
+                continue
             if req.guide is not None:     # drafts past the grammar's end (or, from a drafter that
                 n = guided.valid_prefix(req.guide, list(prop.draft.tokens))   # ignores `sample`, refused ones)
                 prop = prop if n == len(prop.draft.tokens) else _cut(prop, n)
@@ -213,6 +227,38 @@ class Speculator:
 
     def propose(self, req) -> None:
         self.propose_all([req])
+
+    def _guarded(self, call, items: list, what: str, on_fail) -> list:
+        """call(items) for the batch; where it raises, each item alone, and an item that still
+        fails gets on_fail(item) (its request decodes without drafts: the drafter is an
+        optimisation, never a request's failure)."""
+        if not items:
+            return []
+        try:
+            with torch.no_grad():
+                out = call(items)
+            return out if out is not None else [None] * len(items)
+        except Exception as e:                       # noqa: BLE001 (any drafter error: retried alone)
+            log.warning("the drafter failed to %s for %d requests (%s); retrying one by one", what, len(items), e)
+        results = []
+        for item in items:
+            try:
+                with torch.no_grad():
+                    out = call([item])
+                results.append(out[0] if out is not None else None)
+            except Exception as e:                   # noqa: BLE001
+                log.warning("the drafter failed to %s (%s: %s): that request decodes without drafts for now",
+                            what, type(e).__name__, e)
+                results.append(on_fail(item))
+        return results
+
+    @staticmethod
+    def _reset_drafter(item) -> None:
+        """A state whose drafter could not read its context starts its drafter's context afresh."""
+        state = item[0]
+        state.draft_carry = None
+        for st in state.drafter:
+            st.window = None
 
     @staticmethod
     def _sampler(req, taken: list[int]):

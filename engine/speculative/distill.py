@@ -243,8 +243,13 @@ def distill_checkpoint(path: str, seconds: float, method: str | None = None, out
             src = os.path.join(path, name)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, name))
+    earlier = 0.0                                   # a checkpoint distilled before trains on from there
+    if os.path.exists(os.path.join(path, "distill.json")):
+        with open(os.path.join(path, "distill.json")) as f:
+            earlier = float(json.load(f).get("total_seconds", 0.0))
     with open(os.path.join(tmp, "distill.json"), "w") as f:
-        json.dump({**dataclasses.asdict(report), "source": os.path.abspath(path)}, f, indent=2)
+        json.dump({**dataclasses.asdict(report), "total_seconds": earlier + report.seconds,
+                   "source": os.path.abspath(path)}, f, indent=2)
     if os.path.exists(target):
         old = target.rstrip("/") + ".old"
         shutil.rmtree(old, ignore_errors=True)

@@ -140,3 +140,50 @@ def test_abort_during_speculation_frees_everything(case):
         llm.engine.abort(r.request_id)
     assert not llm.engine.has_work()
     llm.engine.check_idle()
+
+
+def test_drafts_take_only_what_the_step_leaves(case):
+    model, method = case
+    ps = prompts(6)
+    tight = dataclasses.replace(CFG, max_tokens_per_step=8)
+    plain = outputs(LLM(model=model, config=tight), ps)
+    llm = LLM(model=model, config=dataclasses.replace(tight, speculative=method, num_draft=4))
+    _with_oracle(llm, ps, plain)
+    engine, schedule = llm.engine, llm.engine.scheduler.schedule
+    seen = []
+
+    def watched():
+        out = schedule()
+        decoding = [r for r in engine.scheduler.running if not r.is_prefill]
+        seen.append((len(decoding), sum(1 for c in out.chunks if not c.request.is_prefill), out.num_tokens
+                     + sum(len(c.drafts) for c in out.chunks)))
+        return out
+    engine.scheduler.schedule = watched
+    assert outputs(llm, ps) == plain
+    assert all(got == want for want, got, _ in seen if want <= 8)    # every decode advances, drafts or not
+    assert all(total <= 8 for _, _, total in seen)
+
+
+def test_n_samples_keep_verified_drafts(case):
+    model, method = case
+    ps, two = prompts(2), dataclasses.replace(GREEDY, n=2)
+    plain = outputs(LLM(model=model, config=CFG), ps, two)
+    llm = LLM(model=model, config=spec_config(method, num_draft=4))
+    _with_oracle(llm, ps, plain)
+    assert outputs(llm, ps, two) == plain
+    assert llm.engine.spec.stats.mean_accepted_tokens > 1.5
+    llm.engine.check_idle()
+
+
+def test_a_failing_drafter_leaves_requests_decoding_without_drafts(case, caplog):
+    model, method = case
+    ps = prompts(3)
+    plain = outputs(LLM(model=model, config=CFG), ps)
+    llm = LLM(model=model, config=spec_config(method))
+
+    def broken(items):
+        raise FloatingPointError("the drafter produced NaN logits")
+    llm.engine.spec.drafter.propose_many = broken
+    assert outputs(llm, ps) == plain
+    assert "decodes without drafts" in caplog.text
+    llm.engine.check_idle()

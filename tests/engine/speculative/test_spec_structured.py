@@ -81,3 +81,20 @@ def test_sampled_constrained_speculation_validates(model, tok):
     for seed in range(4):
         check(run(llm, params(temperature=1.0, seed=seed)))
     llm.engine.check_idle()
+
+
+def test_a_stop_string_inside_verified_drafts_ends_the_output_there(model, tok):
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [prompt_ids(f"prompt {i}", tok) for i in range(3)]
+    texts = [o[0].text for o in LLM(model=model, tokenizer=tok, config=CFG).generate(prompts, free)]
+    middles = [t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 8]
+    stop = next(m for m in middles if m.strip())           # a piece of a plain answer's middle
+    params = dataclasses.replace(free, stop=(stop,))
+    plain = [o[0] for o in LLM(model=model, tokenizer=tok, config=CFG).generate(prompts, params)]
+    llm = LLM(model=model, tokenizer=tok, config=SPEC)
+    _with_oracle(llm, prompts, [[o.token_ids] for o in plain])
+    spec = [o[0] for o in llm.generate(prompts, params)]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in spec] == [(o.token_ids, o.text, o.finish_reason)
+                                                                      for o in plain]
+    assert any(stop not in o.text and o.finish_reason == "stop" for o in spec)
+    llm.engine.check_idle()
