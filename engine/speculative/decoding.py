@@ -76,7 +76,7 @@ class Speculator:
         self.k = min(num_draft or default, self.drafter.max_draft)
         self.adaptive = method == "dspark"
         self.budget, self.eos_id = max_tokens_per_step, eos_id
-        self.cost = measure_cost(model, self.k + 1) if self.adaptive else None
+        self.cost = measure_cost(model, min(max_tokens_per_step, 64)) if self.adaptive else None
         self.stats = SpecStats()
         self._rows: dict[int, torch.Tensor] = {}
         self._checkpoints: dict[int, rollback.Checkpoint] = {}
@@ -296,8 +296,9 @@ def _probs(proposal, n: int):
 
 def measure_cost(model, most: int) -> StepCost:
     """Seconds a step takes at 1 .. `most` tokens of one request (after a short context), the
-    fastest of three runs each: the DSpark budget's cost model, measured once at start."""
-    counts = sorted({1, 2, *range(2, most + 1, max(1, most // 4)), most})
+    fastest of three runs each, made non-decreasing (noise must not make more tokens look free):
+    the DSpark budget's cost model, measured once at start."""
+    counts = sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, most + 1)) | {most})
     seconds = []
     with torch.no_grad():
         base = model.new_state()
@@ -310,4 +311,6 @@ def measure_cost(model, most: int) -> StepCost:
                 model.step_rows([torch.arange(20, 20 + n)], [st], [n])
                 best = min(best, time.perf_counter() - t)
             seconds.append(best)
+    for i in range(1, len(seconds)):
+        seconds[i] = max(seconds[i], seconds[i - 1])
     return StepCost(tuple(counts), tuple(max(s, 1e-6) for s in seconds))

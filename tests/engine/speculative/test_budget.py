@@ -48,3 +48,25 @@ def test_step_cost_interpolates_and_extrapolates():
         StepCost((4, 2), (1.0, 1.0))
     with pytest.raises(ValueError):
         StepCost((1,), (0.0,))
+
+
+def test_the_measured_cost_never_falls_with_more_tokens():
+    import time
+    from kvcache.engine.speculative.decoding import measure_cost
+
+    class Model:          # a step that gets faster past 4 tokens: noise the budget must not trust
+        def new_state(self):
+            return self
+
+        def clone(self):
+            return self
+
+        def step(self, chunks, states):
+            pass
+
+        def step_rows(self, chunks, states, tails):
+            time.sleep(0.004 if len(chunks[0]) <= 4 else 0.001)
+
+    cost = measure_cost(Model(), 16)
+    assert cost.tokens == (1, 2, 4, 8, 16)
+    assert list(cost.seconds) == sorted(cost.seconds) and cost.at(16) >= cost.at(4)
