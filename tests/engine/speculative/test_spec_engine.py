@@ -64,10 +64,10 @@ class Oracle(Drafter):
         return Proposal(Draft(tuple(toks)), tuple(0.9 for _ in toks))
 
 
-def _with_oracle(llm, ps, plain):
+def _with_oracle(llm, ps, plain, lie: int = 3):
     """The engine's drafter swapped for an Oracle that knows each prompt's plain answer."""
     spec = llm.engine.spec
-    oracle = Oracle(spec.drafter, {tuple(p): p + o[0] for p, o in zip(ps, plain)})
+    oracle = Oracle(spec.drafter, {tuple(p): p + o[0] for p, o in zip(ps, plain)}, lie)
     propose_all = spec.propose_all
 
     def knowing(reqs):

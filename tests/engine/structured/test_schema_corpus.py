@@ -2,7 +2,7 @@
 
     grammar level   random logits, masked, sampled, consumed: no model, no engine
     engine level    LLM on the tiny random-weight demo checkpoints, all schemas in one batch,
-                    greedy and seeded sampling; a batch mixing constrained and free requests
+                    greedy (V4.1) and seeded sampling (V4); a batch mixing constrained and free requests
 
 A random-weight model is an adversary of sorts: it has no idea of JSON, so the mask alone keeps it
 valid, and nothing but the grammar's bounds makes it stop.
@@ -194,11 +194,12 @@ def assert_mostly_stopped(ends: dict, what: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)          # ~75 s alone on 2 cores; a loaded machine takes 3-4x that
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_v41_tiny_corpus(v41_llm, v41_dir, temperature):
-    ends = corpus_pass(v41_llm, checkpoint_compiler(v41_dir), temperature, seed=100)
-    assert_mostly_stopped(ends, f"v41-tiny, temperature {temperature}")
+@pytest.mark.timeout(900)          # ~25-75 s alone on 2 cores; a loaded machine takes 3-4x that
+def test_v41_tiny_corpus(v41_llm, v41_dir):
+    # greedy here, sampled on V4 below: each pass costs minutes on a loaded CI machine, and the
+    # mask's code is the same for both models (their tokenizers and layers are not)
+    ends = corpus_pass(v41_llm, checkpoint_compiler(v41_dir), 0.0, seed=100)
+    assert_mostly_stopped(ends, "v41-tiny, greedy")
 
 
 @pytest.mark.slow
