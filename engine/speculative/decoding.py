@@ -2,8 +2,9 @@
 verifies them all, rollback keeps only what was verified, the drafter drafts the next ones.
 
     step N-1 end   propose: each running request's drafter drafts after its last token (req.proposal)
-    schedule       a decode chunk is [last token] + the proposal's drafts (blocks reserved for
-                   them too); DSpark: budget.draft_lengths trims each to what pays this step
+    schedule       a decode chunk is [last token] + the proposal's drafts, from what the step
+                   leaves (budget, free blocks; `drafts`); DSpark: budget.draft_lengths trims
+                   each to what pays this step first
     prepare        rollback.begin on every state whose chunk carries drafts
     forward        model.step_rows: logits of every chunk's anchor and draft rows, the drafter's
                    target streams at every token
