@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
     d.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory (rewritten unless --out)")
     d.add_argument("--out", metavar="DIR", help="write the distilled checkpoint here instead")
     d.add_argument("--seconds", type=_positive, default=120.0, help="training time (default 120 s)")
+    d.add_argument("--steps", type=int, default=None, help="stop after this many training steps (same steps, "
+                   "same weights: the run is deterministic; default: train for --seconds)")
     d.add_argument("--method", choices=("mtp", "dspark"), help="default: dspark when the config has a DSpark "
                    "drafter, else mtp")
     d.add_argument("--sequences", type=int, default=24, help="training sequences: random prompts the target "
@@ -170,7 +172,8 @@ def cmd_distill(args) -> int:
         def progress(step: int, loss: float) -> None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
-        r = distill_checkpoint(args.model, args.seconds, args.method, args.out, Corpus(n=args.sequences), progress)
+        r = distill_checkpoint(args.model, args.seconds, args.method, args.out, Corpus(n=args.sequences), progress,
+                               max_steps=args.steps)
     print(f"distilled the {r.method} drafter of {args.out or args.model}: {r.steps} steps in {r.seconds:.0f} s, "
           f"loss {r.first_loss:.3f} -> {r.last_loss:.3f}; first-draft agreement with the target "
           f"{r.agreement:.0%} on its training sequences, {r.held_out_agreement:.0%} on held-out ones (a random-"

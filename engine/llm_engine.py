@@ -314,7 +314,7 @@ class LLMEngine:
             key_blocks(self.pool, self.namespace, ch.request, ch.start + len(ch.tokens) + ch.accepted,
                        ch.drafts[: ch.accepted])
         if self.spec is not None:                    # the drafter reads what was kept (then drafts)
-            self.spec.context(out.chunks, forked)
+            self.spec.context(out.chunks, forked, sampled)
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
         if self.spec is not None:
             self.spec.after_step(out.chunks, forked)

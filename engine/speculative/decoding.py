@@ -163,10 +163,12 @@ class Speculator:
             if problem is not None:                   # (a row masked from this same guide allowed it)
                 raise GrammarError(problem)
 
-    def context(self, chunks, forked=()) -> None:
+    def context(self, chunks, forked=(), sampled=None) -> None:
         """Before the scheduler appends the step's tokens (a finishing request's end snapshot
         then holds its drafter's context too): the drafter reads the kept rows of every chunk,
-        and a sample forked this step reads its parent's (its state is a copy from before)."""
+        and a sample forked this step reads its parent's (its state is a copy from before).
+        `sampled`: each request's new tokens; the last one, the next anchor, lets MTP compute its
+        first draft in the same call."""
         for cp in self._checkpoints.values():         # drafted chunks that never verified (an error)
             rollback.commit(cp)
         self._checkpoints = {}
@@ -177,8 +179,10 @@ class Speculator:
         for ch in chunks:
             kept = ch.tokens + ch.drafts[: ch.accepted]
             for req in (ch.request, *kids.get(id(ch.request), ())):
+                new = (sampled or {}).get(req.request_id) if req.parent is None or req is ch.request \
+                    else req.output[-1:]
                 if req.state is not None:
-                    items.append(self._context(req, ch.start, self._taps[id(ch)], kept))
+                    items.append((*self._context(req, ch.start, self._taps[id(ch)], kept), new[-1] if new else None))
         self._guarded(self.drafter.context_many, items, "read its context", self._reset_drafter)
 
     def after_step(self, chunks, forked=()) -> None:

@@ -220,7 +220,7 @@ def _rows(data: Sequences, rows: list[int]) -> Sequences:
 
 
 def distill_checkpoint(path: str, seconds: float, method: str | None = None, out: str | None = None,
-                       corpus: Corpus = Corpus(), progress=None) -> DistillReport:
+                       corpus: Corpus = Corpus(), progress=None, max_steps: int | None = None) -> DistillReport:
     """Distill the drafter of the checkpoint at `path` and write the checkpoint back (to `out`, or
     in place: written beside it, then swapped in, so a crash leaves the old one), with
     `distill.json` saying what was trained on and how well it agrees."""
@@ -232,7 +232,7 @@ def distill_checkpoint(path: str, seconds: float, method: str | None = None, out
     from kvcache.engine.checkpoint.writer import save_checkpoint, snap_to_formats
     model, config = load_model(path, progress=False)
     method = method or ("dspark" if "dspark_block_size" in config.extra else "mtp")
-    report = distill(model.eval(), method, seconds, corpus=corpus, progress=progress)
+    report = distill(model.eval(), method, seconds, max_steps=max_steps or 100_000, corpus=corpus, progress=progress)
     snap_to_formats(model, config)
     target = out or path
     tmp = target.rstrip("/") + ".distilling"

@@ -76,29 +76,34 @@ class MTPDrafter(Drafter):
         self.collect = (len(model.layers) - 1,)
         self.max_draft = 16
 
-    def _layer(self, streams, ids, positions: list, states: list, logits: bool = True):
+    def _layer(self, streams, ids, positions: list, states: list, logits: bool | list[int] = True):
         """The MTP layer over a flattened batch: streams [1, N, hc, d], ids [1, N] (the token after
-        each row's position), positions / states per request -> (output streams, logits [N, V])."""
+        each row's position), positions / states per request -> (output streams, logits [N, V],
+        or of the rows listed in `logits`)."""
         layer, m = self.model.mtp[0], self.model
         c = m.config
         h = layer.e_proj(layer.enorm(m.embed(ids))).unsqueeze(2) + layer.h_proj(layer.hnorm(streams))
         h = layer(h, positions, states, m.rope, ids)
-        if not logits:
+        if logits is False or logits == []:
             return h, None
-        hidden = layer.norm(hc_head(h, layer.hc_head_fn, layer.hc_head_base, layer.hc_head_scale, c.hc_eps,
+        picked = h if logits is True else h[:, logits]
+        hidden = layer.norm(hc_head(picked, layer.hc_head_fn, layer.hc_head_base, layer.hc_head_scale, c.hc_eps,
                                     c.rms_norm_eps))
         return h, m.head(hidden).float()[0]
 
-    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int]) -> None:
-        self.context_many([(state, taps, positions, tokens)])
+    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int], anchor: int | None = None) -> None:
+        self.context_many([(state, taps, positions, tokens, anchor)])
 
     def context_many(self, items: list) -> None:
         """The layer's row at t needs token t+1: rows are written one call late. The streams at
         each request's last position wait in state.draft_carry (a snapshot keeps them), written
         with the next call's first token; a gap (context that never came, e.g. a hit on an old
-        snapshot) drops them."""
+        snapshot) drops them. With the anchor (the token after the last position) known, that
+        pending row runs in the same call, unkept: its output is the first draft's, kept in the
+        carry for propose."""
         rows = []
-        for state, taps, positions, tokens in items:
+        for state, taps, positions, tokens, *rest in items:
+            anchor = rest[0] if rest else None
             streams = taps[self.collect[0]]
             pending, first = state.draft_carry, int(positions[0])
             if pending is not None and pending["position"] == first - 1:
@@ -106,11 +111,37 @@ class MTPDrafter(Drafter):
                 positions = torch.cat([positions.new_tensor([first - 1]), positions])
                 tokens = [-1, *tokens]                  # (the pending position's own token is not needed)
             state.draft_carry = {"streams": streams[:, -1:].clone(), "position": int(positions[-1])}
-            if len(tokens) > 1:
-                rows.append((state, streams[:, :-1], tokens[1:], positions[:-1]))
-        if rows:
-            self._layer(torch.cat([r[1] for r in rows], 1), torch.tensor([[t for r in rows for t in r[2]]]),
-                        [r[3] for r in rows], [r[0].drafter[0] for r in rows], logits=False)
+            if anchor is not None and len(tokens) > 1:  # every row, the pending one last (not kept)
+                rows.append((state, streams, [*tokens[1:], anchor], positions, anchor))
+            elif len(tokens) > 1:
+                rows.append((state, streams[:, :-1], tokens[1:], positions[:-1], None))
+        if not rows:
+            return
+        sts = [r[0].drafter[0] for r in rows]
+        before = [None if st.window is None else st.window.clone() for st in sts]
+        for st in sts:
+            st.journal = []
+        ends = torch.tensor([len(r[2]) for r in rows]).cumsum(0).tolist()
+        firsts = [e - 1 for e, r in zip(ends, rows) if r[4] is not None]
+        try:
+            h, logits = self._layer(torch.cat([r[1] for r in rows], 1), torch.tensor([[t for r in rows for t in r[2]]]),
+                                    [r[3] for r in rows], sts, logits=firsts)
+        finally:
+            kvs = [st.journal for st in sts]
+            for st in sts:
+                st.journal = None
+        at = 0
+        for (state, _, ids, _, anchor), st, w, kv, end in zip(rows, sts, before, kvs, ends):
+            if anchor is None:
+                continue
+            if len(kv) != 1:
+                raise RuntimeError("the MTP layer's window rows were not journaled")
+            (rows_kv,) = kv[0]                          # drop the pending row from the window
+            kept = rows_kv[:, :-1] if w is None else torch.cat([w.to(rows_kv), rows_kv[:, :-1]], 1)
+            st.window = kept[:, -(st_window(self.model) - 1):]
+            state.draft_carry["first"] = (h[:, end - 1: end].clone(), logits[at].clone(), anchor,
+                                          rows_kv[:, -1:].clone())      # the pending row's own kv
+            at += 1
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:
         return self.propose_many([(state, anchor, start, k, sample, greedy)])[0]
@@ -129,10 +160,19 @@ class MTPDrafter(Drafter):
         streams = torch.cat([it[0].draft_carry["streams"] for it in live], 1)
         prev = [it[1] for it in live]
         toks, qs = [[] for _ in live], [[] for _ in live]
+        ready = all(it[0].draft_carry.get("first", (None,) * 4)[2] == it[1] for it in live)
         try:
             for i in range(max(it[3] for it in live)):
                 pos = [torch.tensor([it[2] - 1 + i], device=dev) for it in live]
-                streams, logits = self._layer(streams, torch.tensor([prev], device=dev), pos, sts)
+                if i == 0 and ready:                      # context() ran the pending row already:
+                    streams = torch.cat([it[0].draft_carry["first"][0] for it in live], 1)
+                    logits = torch.stack([it[0].draft_carry["first"][1] for it in live])
+                    for it, st in zip(live, sts):         # the chain sees its row, as it would here
+                        row = it[0].draft_carry["first"][3]
+                        rows = row if st.window is None else torch.cat([st.window, row.to(st.window)], 1)
+                        st.window = rows[:, -(st_window(self.model) - 1):]
+                else:
+                    streams, logits = self._layer(streams, torch.tensor([prev], device=dev), pos, sts)
                 for j, it in enumerate(live):
                     if i < it[3]:
                         tok, q = it[4](logits[j], it[2] + 1 + i, toks[j])
@@ -160,7 +200,7 @@ class DSparkDrafter(Drafter):
         self.collect = tuple(x["dspark_target_layer_ids"])
         self.max_draft = int(x["dspark_block_size"])
 
-    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int]) -> None:
+    def context(self, state, taps: dict, positions: torch.Tensor, tokens: list[int], anchor: int | None = None) -> None:
         dspark.write_context(self.model, taps, positions, state.drafter)
 
     def propose(self, state, anchor: int, start: int, k: int, sample: Sample, greedy: bool) -> Proposal:
@@ -194,6 +234,10 @@ class DSparkDrafter(Drafter):
         for j, it in enumerate(live):
             out[id(it)] = Proposal(Draft(tuple(toks[j]), _stack(qs[j], it[5])), tuple(confs[j]))
         return [out[id(it)] for it in items]
+
+
+def st_window(model) -> int:
+    return model.config.sliding_window
 
 
 def make_drafter(model, method: str):

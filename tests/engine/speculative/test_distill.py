@@ -29,7 +29,7 @@ def test_distill_teaches_the_drafter_its_targets_corpus(v4_tiny_checkpoint, tmp_
     shutil.copytree(v4_tiny_checkpoint, d)
     prompts = Corpus().prompts(384)[0:8:2]                        # the corpus's greedy prompts
     before = _accepted(str(d), prompts)
-    r = kv("model", "distill", "--model", str(d), "--seconds", "8")
+    r = kv("model", "distill", "--model", str(d), "--seconds", "600", "--steps", "120")
     assert "first-draft agreement" in r.stdout
     meta = json.loads((d / "distill.json").read_text())
     assert meta["method"] == "mtp" and meta["steps"] > 10 and meta["last_loss"] < meta["first_loss"]
