@@ -168,6 +168,8 @@ def cmd_distill(args) -> int:
     from kvcache.engine.speculative.distill import Corpus, distill_checkpoint
     if args.sequences < 8:
         raise ValueError("--sequences must be at least 8 (4 are held out)")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError("--steps must be at least 1")
     with tqdm(desc="distilling", unit="step", disable=not sys.stderr.isatty()) as bar:
         def progress(step: int, loss: float) -> None:
             bar.update(1)

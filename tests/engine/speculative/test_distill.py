@@ -37,3 +37,5 @@ def test_distill_teaches_the_drafter_its_targets_corpus(v4_tiny_checkpoint, tmp_
     assert after.rates()[0] > max(0.1, 3 * before.rates()[0]), (before.rates(), after.rates())
     bad = kv("model", "distill", "--model", str(d), "--sequences", "4", check=False)
     assert bad.returncode == 2 and "at least 8" in bad.stderr
+    bad = kv("model", "distill", "--model", str(d), "--steps", "0", check=False)
+    assert bad.returncode == 2 and "--steps must be at least 1" in bad.stderr
