@@ -230,9 +230,6 @@ class Speculator:
                 prop = prop if n == len(prop.draft.tokens) else _cut(prop, n)
             req.proposal = prop
 
-    def propose(self, req) -> None:
-        self.propose_all([req])
-
     def _guarded(self, call, items: list, what: str, on_fail) -> list:
         """call(items) for the batch; where it raises, each item alone, and an item that still
         fails gets on_fail(item) (its request decodes without drafts: the drafter is an
@@ -281,10 +278,6 @@ class Speculator:
                 taken.append(tok)
             return tok, q
         return sample
-
-    def forget(self, req) -> None:
-        """`req` lost its state (preempted, finished): its drafts went with it."""
-        req.proposal = None
 
 
 def _cut(prop, n: int):

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcache.engine.layers.hyper import hc_head
 from kvcache.engine.models import dspark
-from kvcache.engine.speculative.drafters import make_drafter
+from kvcache.engine.speculative.drafters import MTPDrafter, make_drafter
 
 
 @dataclass
@@ -102,12 +101,8 @@ def _kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _mtp(model, streams, ids, positions):
-    layer, c = model.mtp[0], model.config
-    h = layer.e_proj(layer.enorm(model.embed(ids))).unsqueeze(2) + layer.h_proj(layer.hnorm(streams))
-    h = layer(h, positions, layer.attn.new_state(), model.rope, ids)
-    hidden = layer.norm(hc_head(h, layer.hc_head_fn, layer.hc_head_base, layer.hc_head_scale, c.hc_eps,
-                                c.rms_norm_eps))
-    return h, model.head(hidden).float()
+    """The drafter's own MTP layer over one whole sequence, from an empty window: (streams, logits [T, V])."""
+    return MTPDrafter(model)._layer(streams, ids, [positions], [model.mtp[0].attn.new_state()])
 
 
 def mtp_loss(model, data: Sequences, rows: list[int], collect) -> torch.Tensor:
@@ -117,9 +112,9 @@ def mtp_loss(model, data: Sequences, rows: list[int], collect) -> torch.Tensor:
         T = tok.shape[0]
         pos = torch.arange(T - 2)
         h, logits = _mtp(model, streams[:, : T - 2], tok[None, 1: T - 1], pos)          # -> token t+2
-        loss = _kl(p[1: T - 1], logits[0]).mean()
+        loss = _kl(p[1: T - 1], logits).mean()
         h2, logits2 = _mtp(model, h[:, : T - 3], tok[None, 2: T - 1], pos[: T - 3] + 1)   # chained -> t+3
-        losses.append(loss + 0.5 * _kl(p[2: T - 1], logits2[0]).mean())
+        losses.append(loss + 0.5 * _kl(p[2: T - 1], logits2).mean())
     return torch.stack(losses).mean()
 
 
@@ -153,7 +148,7 @@ def agreement(model, data: Sequences, method: str, collect) -> float:
             tok, p = data.tokens[r], data.probs[r]
             T = tok.shape[0]
             _, logits = _mtp(model, data.taps[collect[0]][r][None, : T - 2], tok[None, 1: T - 1], torch.arange(T - 2))
-            hits += int((logits[0].argmax(-1) == p[1: T - 1].argmax(-1)).sum())
+            hits += int((logits.argmax(-1) == p[1: T - 1].argmax(-1)).sum())
             total += T - 2
         return hits / total
     size = int(model.config.extra["dspark_block_size"])

@@ -138,7 +138,7 @@ class MTPDrafter(Drafter):
                 raise RuntimeError("the MTP layer's window rows were not journaled")
             (rows_kv,) = kv[0]                          # drop the pending row from the window
             kept = rows_kv[:, :-1] if w is None else torch.cat([w.to(rows_kv), rows_kv[:, :-1]], 1)
-            st.window = kept[:, -(st_window(self.model) - 1):]
+            st.window = kept[:, -(self.model.config.sliding_window - 1):]
             state.draft_carry["first"] = (h[:, end - 1: end].clone(), logits[at].clone(), anchor,
                                           rows_kv[:, -1:].clone())      # the pending row's own kv
             at += 1
@@ -170,7 +170,7 @@ class MTPDrafter(Drafter):
                     for it, st in zip(live, sts):         # the chain sees its row, as it would here
                         row = it[0].draft_carry["first"][3]
                         rows = row if st.window is None else torch.cat([st.window, row.to(st.window)], 1)
-                        st.window = rows[:, -(st_window(self.model) - 1):]
+                        st.window = rows[:, -(self.model.config.sliding_window - 1):]
                 else:
                     streams, logits = self._layer(streams, torch.tensor([prev], device=dev), pos, sts)
                 for j, it in enumerate(live):
@@ -234,10 +234,6 @@ class DSparkDrafter(Drafter):
         for j, it in enumerate(live):
             out[id(it)] = Proposal(Draft(tuple(toks[j]), _stack(qs[j], it[5])), tuple(confs[j]))
         return [out[id(it)] for it in items]
-
-
-def st_window(model) -> int:
-    return model.config.sliding_window
 
 
 def make_drafter(model, method: str):
