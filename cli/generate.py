@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
                    "its confidences choose how many to verify); lossless: greedy output is the same tokens")
     p.add_argument("--num-draft", type=int, metavar="K", help="drafts per step (default: 3 for mtp, the draft "
                    "block for dspark)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each step while the one before it runs (the same outputs; default: on for "
+                        "accelerators, off on the CPU; [engine] async_scheduling in --config)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -206,7 +209,8 @@ def _config(args):
     if args.cache_config and cache is None:
         raise ValueError(f"--cache-config {path}: the file's cache is off (no [cache] section, or enabled = false): "
                          "pass --cache STORE, or set enabled = true in its [cache]")
-    spec = {k: v for k, v in (("speculative", args.speculative), ("num_draft", args.num_draft)) if v is not None}
+    spec = {k: v for k, v in (("speculative", args.speculative), ("num_draft", args.num_draft),
+                              ("async_scheduling", args.async_scheduling)) if v is not None}
     return dataclasses.replace(config, cache=cache, compile=config.compile or args.compile, **spec)
 
 

@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                    "own drafter (lossless; [engine] speculative in --config)")
     m.add_argument("--num-draft", type=_positive_int, metavar="K", help="drafts per step (default: 3 for mtp, "
                    "the draft block for dspark)")
+    m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each step while the one before it runs (the same outputs; default: on for "
+                        "accelerators, off on the CPU; [engine] async_scheduling in --config)")
     m.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     m.add_argument("--access-log", metavar="PATH|-", help="a JSON line per model request to PATH (- : stdout)")
     m.add_argument("--max-waiting", type=_positive_int, default=256, metavar="N",
@@ -88,6 +91,7 @@ def overrides(args):
                      unix_socket=args.unix_socket, gc_interval_s=args.gc_interval, model=args.model,
                      served_model_name=args.served_model_name, cache_url=args.cache_url,
                      cache_mode=args.cache_mode, speculative=args.speculative, num_draft=args.num_draft,
+                     async_scheduling=args.async_scheduling,
                      device=args.device, access_log=args.access_log,
                      max_waiting=args.max_waiting, tenant_max_requests=args.tenant_max_requests,
                      tenant_max_tokens=args.tenant_max_tokens, request_timeout_s=args.request_timeout or None)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcache.engine.llm_engine import LLMEngine, StepOutput
-from kvcache.engine.request import FinishReason, Request
+from kvcache.engine.request import Request
 from kvcache.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -161,9 +161,6 @@ class AsyncEngine:
         self._read_inbox()                         # what was sent before close: the last aborts and forgets
 
     def _fail_all(self, error: str) -> list[StepOutput]:
-        """Finish every unfinished request with this error (their blocks freed), one final output
-        each, so no consumer waits forever on a step that cannot run."""
-        live = [r for r in self.engine.requests.values() if not r.finished]
-        for r in live:
-            self.engine.scheduler.abort(r, FinishReason.ERROR, error=error)
-        return [StepOutput(r, [], True) for r in live]
+        """Finish every unfinished request with this error, so no consumer waits forever on a
+        step that cannot run."""
+        return self.engine.fail_all(error)

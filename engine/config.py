@@ -73,6 +73,10 @@ class EngineConfig:
     # their confidences and the measured step cost); lossless either way
     speculative: str = ""
     num_draft: int = 0               # drafts per request and step; 0: 3 for mtp, the draft block for dspark
+    # overlapped steps (engine/overlap.py): the forward runs on a model thread while the host
+    # plans the next step with placeholders for the tokens in flight; outputs are the same.
+    # None: on for accelerators (the host's time per step hidden), off on the CPU
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.speculative not in ("", "mtp", "dspark"):
@@ -128,7 +132,7 @@ class EngineConfigError(ValueError):
 
 # the daemon's sections: `kvcache serve --model --config FILE` reads one file for both, each its own
 DAEMON_SECTIONS = frozenset({"store", "server", "dram", "nvme", "object", "retention"})
-_AUTO = {"device_experts"}              # `bool | None` settings: "auto" in TOML is None
+_AUTO = {"device_experts", "async_scheduling"}   # `bool | None` settings: "auto" in TOML is None
 _POSITIVE = {"block_size", "num_blocks", "max_tokens_per_step", "max_running"}
 _TIERS = [str(t) for t in STORE_TIERS]  # the tiers a cache's bandwidth guesses name
 _KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),

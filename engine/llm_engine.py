@@ -6,6 +6,9 @@
              sample the chunks that end at a request's last token (seeded per position)
              Scheduler.update ─> outputs; n > 1 samples fork from their parent after its prefill
 
+With async_scheduling the next step is planned on a helper thread while this step's forward
+runs (engine/overlap.py); outputs are the same.
+
 A failing step fails alone: every request of the batch is reset and re-run one by one, and only
 the one that fails again is finished with an error; the others continue (they recompute).
 """
@@ -33,6 +36,7 @@ from kvcache.kvstore.hashing import hash_blocks, salted_root
 from kvcache.engine.speculative.decoding import Speculator
 from kvcache.engine.cache.namespace import engine_namespace
 from kvcache.engine.detokenizer import Detokenizer
+from kvcache.engine.overlap import PlanAhead
 from kvcache.engine.request import FinishReason, Request, check_request, checked_cache_points, prompt_ids
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
@@ -50,6 +54,15 @@ class StepOutput:
     request: Request
     new_tokens: list[int]
     finished: bool
+
+
+@dataclass
+class _Applied:
+    """What applying a step left for its outputs."""
+    before: dict[str, int]            # request id -> its output length before the step
+    finished: set[int]                # id() of the requests the step finished
+    forked: list[Request]             # n > 1 samples forked this step
+    failed: list[StepOutput]          # requests that failed alone
 
 
 class LLMEngine:
@@ -90,14 +103,19 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = next(iter(model.parameters())).device.type != "cpu"
+        self.ahead = PlanAhead(self.scheduler) if overlap else None
         if config.compile and config.compile_warmup:
             self._warm_up_compiled()
 
     def _warm_up_compiled(self) -> None:
         """Run compiled_warmup's requests on a scratch engine (same model, no cache, its own small
         pool): the compiled graphs it leaves behind serve this engine's steps."""
+        # no CUDA graphs: this engine captures its own, on its own pool
         cfg = dataclasses.replace(self.config, cache=None, compile_warmup=False, num_blocks=16, max_running=4,
-                                  cuda_graphs=False)        # this engine captures its own, on its own pool
+                                  cuda_graphs=False, async_scheduling=False)
         t = time.perf_counter()
         scratch = LLMEngine(self.model, None, cfg)
         compiled_warmup(generate_on(scratch), self.config.block_size, self.model.config.vocab_size)
@@ -122,6 +140,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Wait for the cache's pending saves and close a store the engine opened."""
+        if self.ahead is not None:
+            self.ahead.close()
         if self.grammars is not None:
             self.masks.close()
             self.grammars.close()
@@ -214,32 +234,63 @@ class LLMEngine:
         for req in self.family(request_id):
             if not req.finished:
                 self.scheduler.abort(req)
+        if self.ahead is not None and not self.scheduler.has_work():
+            self.ahead.discard()             # nothing left to run the plan for: its blocks go back
+
+    def fail_all(self, error: str) -> list[StepOutput]:
+        """Finish every unfinished request with this error (their blocks freed), one final output
+        each: after a step that raised outside any one request."""
+        if self.ahead is not None:
+            self.ahead.discard()
+        live = [r for r in self.requests.values() if not r.finished]
+        for r in live:
+            self.scheduler.abort(r, FinishReason.ERROR, error=error)
+        return [StepOutput(r, [], True) for r in live]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.ahead is not None and self.ahead.pending)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[StepOutput]:
         if self.cache is not None:
             self.cache.poll()          # start lookups and loads; requests whose blocks arrived become runnable
-        out = self.scheduler.schedule()
+        if self.ahead is None:
+            out = self.scheduler.schedule()
+        else:                          # the plan made during the last forward, or one now
+            plan = self.ahead.take()
+            out = self.scheduler.settle(plan) if plan is not None else self.scheduler.schedule()
         if not out.chunks:
             return []
         t0 = time.perf_counter()
-        if self.spec is not None:
-            self.spec.prepare(out.chunks)
-        masks = self.masks.start(out.chunks) if self.masks is not None else None   # filled during the forward
+        masks = self._prepare(out.chunks)
         try:
-            logits = self._run(out.chunks)
+            logits = self._run(out.chunks, plan_ahead=self.ahead is not None)
         except Exception as e:      # isolate: re-run each request alone, fail only the culprit
             log.warning("a batched step failed (%s); re-running its %d requests one by one", e, len(out.chunks))
             return self._isolate(out)
-        results = self._finish_step(out, logits, masks)
-        if self.cache is not None:
-            self.cache.after_step(out.chunks, time.perf_counter() - t0)
+        results = self._emit(out, self._apply(out, logits, masks, t0))
+        if self.ahead is not None and not self.scheduler.has_work():
+            self.ahead.discard()       # everything finished: the plan's placeholders go
         return results
 
-    def _run(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _run(self, chunks: list[Chunk], plan_ahead: bool = False) -> torch.Tensor:
+        states = self._states(chunks)
+        if plan_ahead:
+            self.ahead.start(SchedulerOutput(chunks))      # the next plan, while this forward runs
+        try:
+            return self._forward(chunks, states)
+        finally:
+            if plan_ahead:
+                self.ahead.finish()
+
+    def _prepare(self, chunks: list[Chunk]):
+        """Before a forward: rollback checkpoints for drafts; the grammar masks start filling."""
+        if self.spec is not None:
+            self.spec.prepare(chunks)
+        return self.masks.start(chunks) if self.masks is not None else None   # filled during the forward
+
+    def _states(self, chunks: list[Chunk]) -> list:
+        """Each chunk's request state, built on first use (a slot taken, a cache hit resumed)."""
         states = []
         for ch in chunks:
             req = ch.request
@@ -247,6 +298,10 @@ class LLMEngine:
                 view = self._view(req)
                 req.state = self.cache.state_for(req, view) if req.resume is not None else self.model.new_state(view)
             states.append(req.state)
+        return states
+
+    def _forward(self, chunks: list[Chunk], states: list) -> torch.Tensor:
+        """The model's step over the chunks: logits of each chunk's last token, on the host."""
         tokens = [torch.tensor(ch.tokens, device="cpu") for ch in chunks]
         with torch.no_grad():
             if self.spec is not None:
@@ -254,8 +309,8 @@ class LLMEngine:
             if self.decode_graphs is not None:
                 logits = self.decode_graphs.logits(tokens, states)
                 if logits is not None:
-                    return logits
-            return self.model.step(tokens, states)
+                    return logits.cpu()
+            return self.model.step(tokens, states).cpu()
 
     def _view(self, req: Request):
         """The request's pool view, taking it a slot for its windows and carry."""
@@ -279,7 +334,9 @@ class LLMEngine:
         if self.cache is not None:
             self.cache.on_finish(req, reason)
 
-    def _finish_step(self, out: SchedulerOutput, logits: torch.Tensor, masks=None) -> list[StepOutput]:
+    def _apply(self, out: SchedulerOutput, logits: torch.Tensor, masks, started: float) -> _Applied:
+        """A step's results: sample (or verify drafts), fork n > 1 samples, key completed blocks,
+        advance the scheduler (stops finish requests), let the cache save and the drafter draft."""
         logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
         sampled, forked, failed, now = {}, [], [], time.perf_counter()
         for i, ch in enumerate(out.chunks):
@@ -318,17 +375,24 @@ class LLMEngine:
         finished = set(id(r) for r in self.scheduler.update(out, sampled, self._stops))
         if self.spec is not None:
             self.spec.after_step(out.chunks, forked)
+        if self.cache is not None:
+            self.cache.after_step(out.chunks, time.perf_counter() - started)
+        return _Applied(before, finished, forked, failed)
+
+    def _emit(self, out: SchedulerOutput, done: _Applied) -> list[StepOutput]:
+        """A step's outputs, texts decoded: reads only the requests' token lists, so it may run
+        while the next step's forward does."""
         results = []
         for ch in out.chunks:
             req = ch.request
-            new = req.output[before[req.request_id]:]
-            if new or id(req) in finished:
+            new = req.output[done.before[req.request_id]:]
+            if new or id(req) in done.finished:
                 self.detokenizer.update(req)
                 results.append(StepOutput(req, new, req.finished))
-        for child in forked:                         # their first token, sampled at the fork
+        for child in done.forked:                    # their first token, sampled at the fork
             self.detokenizer.update(child)
             results.append(StepOutput(child, list(child.output), child.finished))
-        return results + failed
+        return results + done.failed
 
     def _stops(self, req: Request) -> bool:
         """Besides stop tokens and max_tokens: its grammar complete at this token (nothing but EOS
@@ -385,7 +449,9 @@ class LLMEngine:
             chunk = Chunk(req, 0, req.tokens[: ch.start + len(ch.tokens)], ch.samples)
             try:                         # its forward pass and what follows it, for this request alone
                 masks = self.masks.start([chunk]) if self.masks is not None else None
-                results += self._finish_step(SchedulerOutput([chunk]), self._run([chunk]), masks)
+                one = SchedulerOutput([chunk])
+                started = time.perf_counter()
+                results += self._emit(one, self._apply(one, self._run([chunk]), masks, started))
             except Exception as e:
                 log.error("request %s failed: %s", req.request_id, e)
                 self.scheduler.abort(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")

@@ -12,9 +12,23 @@
 Prefill chunks and decode tokens of many requests share one step. Hooks for the cache,
 speculative decoding and overlapped steps, without rewriting this loop: Status.WAITING_FOR_KV
 requests are skipped until their prefix has loaded (`num_computed` then starts past the cached
-tokens); `lookahead` reserves slots for speculative tokens; `schedule()` only reads and
-reserves, so step N+1 can be scheduled while step N runs (the caller applies N's results with
-`update` before N+1's run).
+tokens); `lookahead` reserves slots for speculative tokens.
+
+Overlapped steps (asynchronous scheduling, engine/overlap.py): `schedule(ahead=N)` plans step
+N+1 on a helper thread while step N's forward runs, as if N had already run; `settle` fixes
+the plan once N's results are applied.
+
+    schedule(ahead=N)   a request in N continues after it: past its chunk (a prefill), or, if N
+                        samples its next token, with a placeholder decode chunk (skipped if that
+                        token is its last by max_tokens). Its new blocks wait in the chunk (the
+                        forward reads its block table), with room for all of N's drafts kept.
+                        Nothing in N is preempted (the forward uses its blocks and state)
+    update(N)           N's tokens appended; stops and errors finish requests
+    settle(N+1)         placeholders take N's last token and its position; chunks of requests
+                        that finished since (a stop token, an abort, an error) are dropped before
+                        they run, their blocks given back: a stop seen one step late costs no
+                        compute and emits nothing; requests that arrived since are admitted and
+                        drafts added (they depend on N's tokens) from what the budget has left
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ from dataclasses import dataclass, field
 from kvcache.engine.block_pool import BlockPool
 from kvcache.engine.request import FinishReason, Request, Status
 
+PLACEHOLDER = -1          # a decode chunk's token before the step in flight has sampled it
+
 
 @dataclass
 class Chunk:
@@ -34,6 +50,8 @@ class Chunk:
     samples: bool             # the chunk ends at the request's last known token: sample after it
     drafts: list[int] = field(default_factory=list)   # speculative tokens run after `tokens` (verified)
     accepted: int = 0         # how many of the drafts were kept: their KV stays computed
+    placeholder: bool = False  # scheduled ahead: its token and start are set by Scheduler.settle
+    blocks: list[int] = field(default_factory=list)   # scheduled ahead: blocks settle adds to the request
 
 
 @dataclass
@@ -114,16 +132,26 @@ class Scheduler:
         return own
 
     # ------------------------------------------------------------------ one step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: SchedulerOutput | None = None, drafts: bool = True) -> SchedulerOutput:
+        """The next step's chunks. `ahead`: the step whose forward runs now, its results not
+        applied yet (see the module's diagram); `drafts=False` leaves drafts to `settle`."""
         out, budget = SchedulerOutput(), self.budget
+        flying = {id(ch.request): ch for ch in ahead.chunks} if ahead is not None else {}
         for req in sorted(self.running, key=Request.sort_key):
             if budget <= 0 or req not in self.running:
                 continue
-            n = 1 if not req.is_prefill else self._cut(req, req.num_computed,
-                                                        min(len(req.prompt) - req.num_computed, budget))
-            if self._reserve(req, n, out):
-                out.chunks.append(self._chunk(req, n))
-                budget -= n
+            ch = self._running_chunk(req, flying.get(id(req)), budget, out, flying)
+            if ch is not None:
+                out.chunks.append(ch)
+                budget -= len(ch.tokens)
+        budget = self._admit(out, budget)
+        if drafts:
+            self._add_drafts(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Waiting requests, best first, while budget, `max_running` and blocks last, each with
+        the first chunk of what it has to compute; the budget left."""
         for req in sorted(self.waiting, key=Request.sort_key):
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
@@ -135,10 +163,59 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
-            out.chunks.append(self._chunk(req, n))
+            out.chunks.append(self._chunk(req, req.num_computed, n))
             budget -= n
+        return budget
+
+    def _running_chunk(self, req: Request, flight: Chunk | None, budget: int, out: SchedulerOutput,
+                       flying: dict) -> Chunk | None:
+        """A running request's chunk (None: no blocks for it). `flight`: its chunk in the step
+        running now: it continues after that (a placeholder if that one samples)."""
+        if flight is not None and flight.samples:
+            if len(req.output) + 1 >= req.params.max_tokens:
+                return None                            # the token in flight is its last
+            base, n = flight.start + len(flight.tokens) + len(flight.drafts), 1    # all drafts kept, at most
+            ch = Chunk(req, base, [PLACEHOLDER], True, placeholder=True)
+        else:
+            base = req.num_computed if flight is None else flight.start + len(flight.tokens)
+            n = 1 if base >= len(req.prompt) else self._cut(req, base, min(len(req.prompt) - base, budget))
+            ch = self._chunk(req, base, n)
+        blocks = self._reserve(req, n, out, flying, base)
+        if blocks is None:
+            return None
+        if flight is None:
+            req.block_ids += blocks
+        else:
+            ch.blocks = blocks
+        return ch
+
+    def settle(self, out: SchedulerOutput) -> SchedulerOutput:
+        """A plan made ahead, once the step before it is applied: placeholders take their token,
+        chunks whose request finished or moved (an error's re-run) are dropped, requests that
+        arrived since admitted, drafts added."""
+        kept = []
+        for ch in out.chunks:
+            req, blocks, ch.blocks = ch.request, ch.blocks, []
+            if req.status is Status.RUNNING and (ch.start == req.num_computed if not ch.placeholder
+                                                 else req.num_computed + 1 == req.num_tokens):
+                req.block_ids += blocks
+                if ch.placeholder:
+                    ch.start, ch.tokens, ch.placeholder = req.num_computed, [req.tokens[-1]], False
+                if self._blocks_missing(req, len(ch.tokens)) == 0:
+                    kept.append(ch)
+            elif blocks:
+                self.pool.release(blocks)
+        out.chunks = kept
+        budget = self._admit(out, self.budget - out.num_tokens)
         self._add_drafts(out, budget)
         return out
+
+    def discard(self, out: SchedulerOutput) -> None:
+        """A plan made ahead that will not run: the blocks it set aside go back."""
+        for ch in out.chunks:
+            if ch.blocks:
+                self.pool.release(ch.blocks)
+            ch.blocks = []
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Speculative tokens from what the step has left: every request got its own tokens first,
@@ -171,27 +248,28 @@ class Scheduler:
         req.block_ids += self.pool.allocate(need)
         return True
 
-    def _chunk(self, req: Request, n: int) -> Chunk:
-        toks = req.tokens[req.num_computed: req.num_computed + n]
-        return Chunk(req, req.num_computed, toks, req.num_computed + n == req.num_tokens)
+    def _chunk(self, req: Request, start: int, n: int) -> Chunk:
+        return Chunk(req, start, req.tokens[start: start + n], start + n == req.num_tokens)
 
-    def _blocks_missing(self, req: Request, n: int) -> int:
-        return max(0, self.pool.blocks_for(req.num_computed + n + self.lookahead) - len(req.block_ids))
+    def _blocks_missing(self, req: Request, n: int, base: int | None = None) -> int:
+        base = req.num_computed if base is None else base
+        return max(0, self.pool.blocks_for(base + n + self.lookahead) - len(req.block_ids))
 
-    def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for n more tokens of a running request, preempting the worst others if needed."""
+    def _reserve(self, req: Request, n: int, out: SchedulerOutput, flying: dict, base: int) -> list[int] | None:
+        """Blocks for a running request's tokens base .. base+n-1 (None: none to be had),
+        preempting the worst others if needed, never one in `flying` (the running step uses its
+        blocks and state)."""
         while True:
-            need = self._blocks_missing(req, n)
+            need = self._blocks_missing(req, n, base)
             if need <= self.pool.num_free():
-                req.block_ids += self.pool.allocate(need)
-                return True
-            victim = max((r for r in self.running if r not in (c.request for c in out.chunks)),
-                         key=Request.sort_key, default=None)
+                return self.pool.allocate(need)
+            victim = max((r for r in self.running if r not in (c.request for c in out.chunks)
+                          and id(r) not in flying), key=Request.sort_key, default=None)
             if victim is None:
-                return False
+                return None
             self._preempt(victim, out)
             if victim is req:
-                return False
+                return None
 
     def preempt(self, req: Request) -> None:
         """Send a running request back to wait: its blocks are released and it recomputes later."""

@@ -45,6 +45,7 @@ class Overrides:
     cache_mode: str | None = None        # replay | exact (the engine's [cache].mode)
     speculative: str | None = None       # mtp | dspark (the engine's [engine].speculative)
     num_draft: int | None = None
+    async_scheduling: bool | None = None   # the engine's [engine].async_scheduling
     device: str = "cpu"
     access_log: str | None = None        # a path, or "-" for stdout
     max_waiting: int = 256               # model requests in flight (beyond: 429)
@@ -174,7 +175,8 @@ def attach_model(app, over: Overrides, data_dir: str, store, registry):
     raw = read_config_file(over.config_file) if over.config_file else {}
     sections = {k: v for k, v in raw.items() if k in ENGINE_SECTIONS}
     config = model_host.engine_config(sections, over.cache_url, over.cache_mode)
-    spec = {k: v for k, v in (("speculative", over.speculative), ("num_draft", over.num_draft)) if v is not None}
+    spec = {k: v for k, v in (("speculative", over.speculative), ("num_draft", over.num_draft),
+                              ("async_scheduling", over.async_scheduling)) if v is not None}
     config = dataclasses.replace(config, **spec) if spec else config
     name = model_host.check_model_spec(over.model, over.served_model_name)
     serving = Serving(admission=Admission(over.max_waiting, over.tenant_max_requests, over.tenant_max_tokens),

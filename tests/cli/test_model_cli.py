@@ -113,6 +113,7 @@ def test_generate_speculative_gives_the_same_greedy_tokens(v4_tiny_checkpoint):
     base = ("generate", "--model", str(d), "--prompt", "A prefix cache", "--max-tokens", "10", "--ignore-eos")
     plain, spec = kv(*base), kv(*base, "--speculative", "mtp", "--num-draft", "2")
     assert spec.stdout == plain.stdout and "[speculative mtp:" in spec.stderr and "10 generated" in spec.stderr
+    assert kv(*base, "--async-scheduling").stdout == plain.stdout
     r = kv(*base, "--speculative", "dspark", check=False)                 # V4-tiny has MTP, not DSpark
     assert r.returncode == 2 and "DSpark speculation needs" in r.stderr
     r = kv(*base, "--speculative", "mtp", "--num-draft", "-1", check=False)

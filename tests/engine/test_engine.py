@@ -126,14 +126,16 @@ def test_uniform_is_a_pure_function_of_its_keys():
     assert len(draws) == 600 and all(0 <= u < 1 for u in draws)
 
 
-async def test_async_engine_streams_concurrently_and_aborts(model):
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_async_engine_streams_concurrently_and_aborts(model, overlap):
     import asyncio
+    import dataclasses
     from kvcache.engine.async_engine import AsyncEngine
     from kvcache.engine.llm_engine import LLMEngine
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ps = prompts(3)
     want = tokens(LLM(model=model, config=CFG).generate(ps, greedy))
-    engine = LLMEngine(model, None, CFG)
+    engine = LLMEngine(model, None, dataclasses.replace(CFG, async_scheduling=overlap))
     async with AsyncEngine(engine) as aeng:
         async def collect(p):
             got = []

@@ -117,6 +117,21 @@ def test_speculation_survives_preemption_and_forks(case):
         outputs(LLM(model=model, config=CFG), ps[:2], two)
 
 
+def test_overlapped_steps_with_speculation_equal_plain_decoding(case):
+    """Async scheduling plans each step with placeholders; drafts join when it settles."""
+    model, method = case
+    ps = prompts(6)
+    tight = dataclasses.replace(CFG, num_blocks=8, max_tokens_per_step=32, max_running=6)
+    plain = outputs(LLM(model=model, config=tight), ps)
+    llm = LLM(model=model, config=dataclasses.replace(tight, speculative=method, num_draft=4, async_scheduling=True))
+    _with_oracle(llm, ps, plain)
+    assert outputs(llm, ps) == plain
+    rates = llm.engine.spec.stats.rates()
+    assert llm.engine.spec.stats.mean_accepted_tokens > 1.5 and 0 < rates[0] < 1
+    assert sum(r.metrics.preemptions for r in llm.engine.requests.values()) > 0
+    llm.engine.check_idle()
+
+
 def test_max_tokens_and_stop_tokens_cut_a_verified_draft(case):
     model, method = case
     ps = prompts(3)

@@ -1,5 +1,6 @@
-"""`kvcache serve --model demo:v41-tiny --speculative dspark` through the openai SDK: greedy answers
-(chat and streamed completions) are the plain server's, and /metrics counts the verify rounds."""
+"""`kvcache serve --model demo:v41-tiny --speculative dspark --async-scheduling` through the openai
+SDK: greedy answers (chat and streamed completions) are the plain server's (steps in series, no
+drafts), and /metrics counts the verify rounds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 def servers(tmp_path_factory):
     plain = start_server(tmp_path_factory)
     try:
-        spec = start_server(tmp_path_factory, "--speculative", "dspark", "--num-draft", "3")
+        spec = start_server(tmp_path_factory, "--speculative", "dspark", "--num-draft", "3", "--async-scheduling")
     except BaseException:
         plain.kill()
         raise
