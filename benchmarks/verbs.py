@@ -328,12 +328,13 @@ def add_structured_arguments(p: argparse.ArgumentParser, default_out_dir: str = 
 SPEC_EPILOG = """\
 per model (v4-small: MTP, v41-small: DSpark), demo checkpoints with distilled drafters:
   distill   `kvcache model distill` for --distill-seconds, once (kept under --models-dir)
-  rounds    per batch, --repeats times: the plain engine then the speculative one, greedy, on the
-            distillation corpus's greedy prompts; decode tok/s, the median round's ratio; the
-            outputs must be the same tokens
+  rounds    per batch, --repeats times: the plain engine, the speculative one, then both again
+            with async_scheduling on, greedy, on the distillation corpus's greedy prompts; decode
+            tok/s, the median round's ratios; the outputs must be the same tokens
   accepted  mean tokens per verify step (the bonus included), acceptance by draft position
 
-targets (reported, never enforced): spec_decode_speedup_b1 >= 2.0, _b8 >= 1.3.
+targets (reported, never enforced): spec_decode_speedup_b1 >= 2.0, _b8 >= 1.3,
+async_sched_speedup >= 1.0 (the worst on / off ratio).
 The JSON report goes to OUT_DIR/spec-<UTC time>.json and ...-latest.json.
 
 examples:

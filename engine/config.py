@@ -62,9 +62,11 @@ class EngineConfig:
     device_experts: bool | None = None
     # a decode step (one token per request, every state in the pool) as tensor ops only, with
     # no per-request Python (engine/decode_plan.py, layers/decode_step.py; compiled: one graph
-    # for the whole step); False: the general path (Attention.core) for every step. Set on the
-    # model, like device_experts
-    planned_decode: bool = True
+    # for the whole step); False: the general path (Attention.core) for every step. None: on when
+    # compiled or on accelerators; off for eager steps on the CPU, where the general path is
+    # faster (v4-small eager: 55 / 152 / 249 tok/s at batch 1 / 4 / 8 against 48 / 128 / 190
+    # planned). Set on the model, like device_experts
+    planned_decode: bool | None = None
     # CUDA: replay planned decode steps as CUDA graphs, one per (batch, blocks) bucket
     # (engine/decode_graphs.py); needs planned_decode and device_experts
     cuda_graphs: bool = False
@@ -132,7 +134,7 @@ class EngineConfigError(ValueError):
 
 # the daemon's sections: `kvcache serve --model --config FILE` reads one file for both, each its own
 DAEMON_SECTIONS = frozenset({"store", "server", "dram", "nvme", "object", "retention"})
-_AUTO = {"device_experts", "async_scheduling"}   # `bool | None` settings: "auto" in TOML is None
+_AUTO = {"device_experts", "async_scheduling", "planned_decode"}   # `bool | None` settings: "auto" in TOML is None
 _POSITIVE = {"block_size", "num_blocks", "max_tokens_per_step", "max_running"}
 _TIERS = [str(t) for t in STORE_TIERS]  # the tiers a cache's bandwidth guesses name
 _KINDS = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),

@@ -78,10 +78,12 @@ class LLMEngine:
         compile_layers(model, config.compile)
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
-        model.planned_decode = config.planned_decode
+        on_cpu = next(iter(model.parameters())).device.type == "cpu"
+        planned = config.planned_decode if config.planned_decode is not None else config.compile or not on_cpu
+        model.planned_decode = planned
         self.decode_graphs = None
         if config.cuda_graphs:
-            if not config.planned_decode:
+            if not planned:
                 raise ValueError("cuda_graphs replays planned decode steps: set planned_decode = true")
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
         self.pool = BlockPool(config.num_blocks, config.block_size)
@@ -103,9 +105,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
-        overlap = config.async_scheduling
-        if overlap is None:
-            overlap = next(iter(model.parameters())).device.type != "cpu"
+        overlap = config.async_scheduling if config.async_scheduling is not None else not on_cpu
         self.ahead = PlanAhead(self.scheduler) if overlap else None
         if config.compile and config.compile_warmup:
             self._warm_up_compiled()

@@ -13,6 +13,7 @@ def test_spec_bench_smoke(tmp_path):
     doc = json.loads((tmp_path / "spec-latest.json").read_text())
     for key in ("spec_decode_speedup_b1", "spec_decode_speedup_b2", "mean_accepted_tokens", "machine"):
         assert key in doc, key
+    assert doc["async_sched_speedup"] > 0
     for m in doc["models"].values():
         assert m["b1"]["same_tokens"] and m["b2"]["same_tokens"] and m["b1"]["mean_accepted_tokens"] >= 1.0
     assert "spec_decode_speedup_b1" in r.stdout and doc["models"]["v41-tiny"]["method"] == "dspark"
