@@ -79,7 +79,9 @@ class LLMEngine:
         # stack_experts refuses expert parallelism (device_experts=True under --ep) with a ValueError
         stack_experts(model, device_experts_pay(model) if config.device_experts is None else config.device_experts)
         on_cpu = next(iter(model.parameters())).device.type == "cpu"
-        planned = config.planned_decode if config.planned_decode is not None else config.compile or not on_cpu
+        planned = config.planned_decode
+        if planned is None:             # what compiled steps and CUDA graphs replay; eager CPU: the faster general path
+            planned = config.compile or config.cuda_graphs or not on_cpu
         model.planned_decode = planned
         self.decode_graphs = None
         if config.cuda_graphs:

@@ -47,6 +47,7 @@ class SpecStats:
     accepted: list[int] = field(default_factory=list)
     steps: int = 0                       # verify rounds (one per drafted chunk)
     emitted: int = 0                     # tokens those rounds produced (accepted + one each)
+    draft_seconds: float = 0.0           # in the drafter: reading its context and proposing
 
     def count(self, verified: int, accepted: int) -> None:
         for i in range(verified):
@@ -183,7 +184,9 @@ class Speculator:
                     else req.output[-1:]
                 if req.state is not None:
                     items.append((*self._context(req, ch.start, self._taps[id(ch)], kept), new[-1] if new else None))
+        t = time.perf_counter()
         self._guarded(self.drafter.context_many, items, "read its context", self._reset_drafter)
+        self.stats.draft_seconds += time.perf_counter() - t
 
     def after_step(self, chunks, forked=()) -> None:
         """After the scheduler's update: every request still running drafts its next tokens."""
@@ -221,7 +224,9 @@ class Speculator:
                     if req.guide is not None:
                         req.guide.rollback(len(taken[id(req)]))
                         taken[id(req)].clear()
+        t = time.perf_counter()
         props = self._guarded(run, items, "draft", lambda item: None)
+        self.stats.draft_seconds += time.perf_counter() - t
         for (req, _), prop in zip(items, props):
             if prop is None:
                 continue

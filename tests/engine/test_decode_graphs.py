@@ -22,7 +22,8 @@ from kvcache.engine.models import build_model
 from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config
 
-CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4, device_experts=True)
+CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=4, device_experts=True,
+                    planned_decode=True)
 # different lengths: decode batches shrink 4 -> 2 -> 1 and the longest request outgrows 4 blocks
 STAGGERED = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (70, 30, 12, 45)]
 

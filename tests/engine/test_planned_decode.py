@@ -14,7 +14,7 @@ from kvcache.engine.sampling import SamplingParams
 from tests.engine.tiny import randomize, v4_config
 
 # window 8, compress ratios 4 (CSA, with the indexer) and 16 (HCA), blocks of 16 tokens
-CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=6)
+CFG = EngineConfig(block_size=16, num_blocks=64, max_tokens_per_step=48, max_running=6, planned_decode=True)
 GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
 
