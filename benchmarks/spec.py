@@ -8,7 +8,7 @@
         trained drafter; acceptance below says how well)
       3 per batch b, --repeats rounds, each: the plain engine (speculation off, the default
         decode path) then the speculative engine, greedy, the same prompts b at a time
-        decode tok/s = sum of (n_i - 1) / (last finish - first token) of the batch
+        decode tok/s = tokens of the steps that decode all b requests / those steps' time
         speedup = the median round's speculative / plain; the outputs must be the same tokens
       4 mean accepted tokens per verify step (the bonus included) and acceptance per position
       5 asynchronous scheduling: each round also runs both engines with async_scheduling on;
@@ -61,21 +61,23 @@ def ensure_distilled(models_dir: str, name: str, seconds: float, progress) -> tu
         return path, json.load(f)
 
 
-def decode_rate(reqs) -> float:
-    """Decode tokens/s of a batch that ran together: (n_i - 1) summed over last finish - first token."""
-    first = min(r.metrics.first_token for r in reqs)
-    last = max(r.metrics.finished for r in reqs)
-    return sum(len(r.output) - 1 for r in reqs) / max(last - first, 1e-9)
-
-
 def run_batch(llm, prompts, params) -> tuple[float, list[list[int]]]:
+    """(decode tokens/s at the full batch, the outputs): the tokens emitted by the steps that
+    run every request of the batch, all of them decoding, over those steps' time. Requests that
+    finish at different steps (speculation accepts more for some) would otherwise leave a tail
+    run at a smaller batch in the figure."""
     engine = llm.engine
     reqs = [engine.add_request(p, params) for p in prompts]
+    tokens, seconds = 0, 0.0
     while engine.has_work():
-        engine.step()
+        full = all(r.output and not r.finished for r in reqs)      # every one past its prefill, none done
+        t = time.perf_counter()
+        outs = engine.step()
+        if full:
+            tokens, seconds = tokens + sum(len(o.new_tokens) for o in outs), seconds + time.perf_counter() - t
     for r in reqs:
         engine.forget(r.request_id)
-    return decode_rate(reqs), [list(r.output) for r in reqs]
+    return tokens / max(seconds, 1e-9), [list(r.output) for r in reqs]
 
 
 def measure(model, method: str, prompts, s: Settings, bar=None) -> dict:
