@@ -122,7 +122,7 @@ def measure(model, method: str, prompts, s: Settings, bar=None) -> dict:
                         "tokens_per_s": {name: statistics.median(r) for name, r in rates.items()},
                         "same_tokens": same, "mean_accepted_tokens": emitted / steps if steps else 0.0,
                         "mean_drafts": sum(prop) / steps if steps else 0.0,       # verified per round
-                        "draft_s_per_step": drafting * b / steps if steps else 0.0,    # b chunks a step
+                        "draft_s_per_step": drafting / max(1, stats.draft_steps - before.draft_steps),
                         "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(acc, prop)]}
     for llm in engines.values():
         llm.close()

@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-draft", type=int, metavar="K", help="drafts per step (default: 3 for mtp, the draft "
                    "block for dspark)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan each step while the one before it runs (the same outputs; default: on for "
+                   help="plan each step while the one before it runs (the same draws; default: on for "
                         "accelerators, off on the CPU; [engine] async_scheduling in --config)")
     p.set_defaults(func=cmd_generate)
 

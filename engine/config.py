@@ -75,9 +75,11 @@ class EngineConfig:
     # their confidences and the measured step cost); lossless either way
     speculative: str = ""
     num_draft: int = 0               # drafts per request and step; 0: 3 for mtp, the draft block for dspark
-    # overlapped steps (engine/overlap.py): the forward runs on a model thread while the host
-    # plans the next step with placeholders for the tokens in flight; outputs are the same.
-    # None: on for accelerators (the host's time per step hidden), off on the CPU
+    # overlapped steps (engine/overlap.py): the next step is planned on a helper thread while
+    # this one's forward runs, with placeholders for the tokens not sampled yet; the same
+    # tokens wherever the model's numerics do not depend on which requests share a step (the
+    # sampling draws never do). None: on for accelerators (the host's planning hidden), off on
+    # the CPU
     async_scheduling: bool | None = None
 
     def __post_init__(self):

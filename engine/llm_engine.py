@@ -7,7 +7,8 @@
              Scheduler.update ─> outputs; n > 1 samples fork from their parent after its prefill
 
 With async_scheduling the next step is planned on a helper thread while this step's forward
-runs (engine/overlap.py); outputs are the same.
+runs (engine/overlap.py); the sampling draws are the same, so are the outputs wherever the
+model's numerics do not depend on which requests share a step.
 
 A failing step fails alone: every request of the batch is reset and re-run one by one, and only
 the one that fails again is finished with an error; the others continue (they recompute).
@@ -268,8 +269,12 @@ class LLMEngine:
         try:
             logits = self._run(out.chunks, plan_ahead=self.ahead is not None)
         except Exception as e:      # isolate: re-run each request alone, fail only the culprit
+            if self.ahead is not None:
+                self.ahead.discard()   # planned for a batch that did not run
             log.warning("a batched step failed (%s); re-running its %d requests one by one", e, len(out.chunks))
             return self._isolate(out)
+        if self.ahead is not None:
+            self.ahead.finish()        # an error in planning is the engine's, not a request's: it raises
         results = self._emit(out, self._apply(out, logits, masks, t0))
         if self.ahead is not None and not self.scheduler.has_work():
             self.ahead.discard()       # everything finished: the plan's placeholders go
@@ -283,7 +288,7 @@ class LLMEngine:
             return self._forward(chunks, states)
         finally:
             if plan_ahead:
-                self.ahead.finish()
+                self.ahead.wait()
 
     def _prepare(self, chunks: list[Chunk]):
         """Before a forward: rollback checkpoints for drafts; the grammar masks start filling."""
@@ -303,7 +308,8 @@ class LLMEngine:
         return states
 
     def _forward(self, chunks: list[Chunk], states: list) -> torch.Tensor:
-        """The model's step over the chunks: logits of each chunk's last token, on the host."""
+        """The model's step over the chunks: logits of each chunk's last token, on the host
+        (sampling runs there: one copy a step, the same draws on any device)."""
         tokens = [torch.tensor(ch.tokens, device="cpu") for ch in chunks]
         with torch.no_grad():
             if self.spec is not None:
@@ -339,7 +345,6 @@ class LLMEngine:
     def _apply(self, out: SchedulerOutput, logits: torch.Tensor, masks, started: float) -> _Applied:
         """A step's results: sample (or verify drafts), fork n > 1 samples, key completed blocks,
         advance the scheduler (stops finish requests), let the cache save and the drafter draft."""
-        logits = logits.cpu()           # sampling runs on the host: one copy a step, the same draws anywhere
         sampled, forked, failed, now = {}, [], [], time.perf_counter()
         for i, ch in enumerate(out.chunks):
             req = ch.request
@@ -382,8 +387,7 @@ class LLMEngine:
         return _Applied(before, finished, forked, failed)
 
     def _emit(self, out: SchedulerOutput, done: _Applied) -> list[StepOutput]:
-        """A step's outputs, texts decoded: reads only the requests' token lists, so it may run
-        while the next step's forward does."""
+        """A step's outputs, their texts decoded."""
         results = []
         for ch in out.chunks:
             req = ch.request

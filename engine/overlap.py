@@ -5,7 +5,8 @@ this step's forward runs, with placeholders for the tokens the forward has not s
     plan thread                           └ schedule N+1 (ahead of N) ┘
 
 Every tensor op stays on the engine's own thread: the plan thread runs only the scheduler's
-bookkeeping (queues, the pool's free lists, token lists), which the forward never reads. Blocks
+bookkeeping (queues, the pool's free lists, the KV pool's free slots and the prefix cache's
+per-request flags of requests it preempts, token lists), which the forward never reads. Blocks
 the plan takes for a request in the forward wait in its chunk until `settle` (the forward reads
 the request's block table). Sampling runs after the forward as without overlap: every draw is
 the same, so outputs are too. Two threads running torch ops would cost more than the plan
@@ -17,6 +18,8 @@ a wake-up (v4-small decode at batch 8 ran 2x slower with the forward on a second
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvcache.engine.scheduler import SchedulerOutput
 
 
 class PlanAhead:
@@ -34,10 +37,25 @@ class PlanAhead:
 
     def start(self, running) -> None:
         """Plan the step after `running` (a SchedulerOutput whose forward is about to run)."""
-        self._future = self._thread.submit(self.scheduler.schedule, running, False)
+        if self.pending:
+            raise RuntimeError("a plan is already pending: take or discard it first")
+        self._future = self._thread.submit(self._plan_after, running)
+
+    def _plan_after(self, running):
+        out = SchedulerOutput()
+        try:
+            return self.scheduler.schedule(running, drafts=False, out=out)
+        except BaseException:
+            self.scheduler.discard(out)               # what it had set aside goes back
+            raise
+
+    def wait(self) -> None:
+        """Until the plan is made (an error in it stays for `finish`)."""
+        if self._future is not None:
+            self._future.exception()
 
     def finish(self) -> None:
-        """Wait for the plan (after the forward): an error in planning raises here."""
+        """After the forward: the plan made, or the planner's error raised (its blocks given back)."""
         future, self._future = self._future, None
         if future is not None:
             self._plan = future.result()
@@ -48,8 +66,11 @@ class PlanAhead:
         return plan
 
     def discard(self) -> None:
-        """Drop a plan that will not run, giving back the blocks it set aside."""
-        self.finish()
+        """Drop a plan that will not run, giving back the blocks it set aside (a planner error
+        is dropped with it: its own blocks went back when it raised)."""
+        future, self._future = self._future, None
+        if future is not None and future.exception() is None:
+            self._plan = future.result()
         plan = self.take()
         if plan is not None:
             self.scheduler.discard(plan)

@@ -132,10 +132,12 @@ class Scheduler:
         return own
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, ahead: SchedulerOutput | None = None, drafts: bool = True) -> SchedulerOutput:
-        """The next step's chunks. `ahead`: the step whose forward runs now, its results not
-        applied yet (see the module's diagram); `drafts=False` leaves drafts to `settle`."""
-        out, budget = SchedulerOutput(), self.budget
+    def schedule(self, ahead: SchedulerOutput | None = None, drafts: bool = True,
+                 out: SchedulerOutput | None = None) -> SchedulerOutput:
+        """The next step's chunks (into `out`, if given). `ahead`: the step whose forward runs
+        now, its results not applied yet (see the module's diagram); `drafts=False` leaves
+        drafts to `settle`."""
+        out, budget = out if out is not None else SchedulerOutput(), self.budget
         flying = {id(ch.request): ch for ch in ahead.chunks} if ahead is not None else {}
         for req in sorted(self.running, key=Request.sort_key):
             if budget <= 0 or req not in self.running:
@@ -190,9 +192,11 @@ class Scheduler:
         return ch
 
     def settle(self, out: SchedulerOutput) -> SchedulerOutput:
-        """A plan made ahead, once the step before it is applied: placeholders take their token,
-        chunks whose request finished or moved (an error's re-run) are dropped, requests that
-        arrived since admitted, drafts added."""
+        """A plan made ahead, once the step before it is applied: placeholders take their token;
+        chunks whose request finished, was preempted or is not where the plan thought (an
+        error's re-run that ended elsewhere) are dropped; running requests the plan could not
+        place (n > 1 samples forked since, ones it could not preempt for) and requests that
+        arrived since get the budget left; drafts added."""
         kept = []
         for ch in out.chunks:
             req, blocks, ch.blocks = ch.request, ch.blocks, []
@@ -206,8 +210,14 @@ class Scheduler:
             elif blocks:
                 self.pool.release(blocks)
         out.chunks = kept
-        budget = self._admit(out, self.budget - out.num_tokens)
-        self._add_drafts(out, budget)
+        budget, placed = self.budget - out.num_tokens, {id(ch.request) for ch in kept}
+        for req in sorted(self.running, key=Request.sort_key):
+            if budget > 0 and id(req) not in placed and req in self.running:
+                ch = self._running_chunk(req, None, budget, out, {})    # nothing in flight now
+                if ch is not None:
+                    out.chunks.append(ch)
+                    budget -= len(ch.tokens)
+        self._add_drafts(out, self._admit(out, budget))
         return out
 
     def discard(self, out: SchedulerOutput) -> None:

@@ -48,6 +48,7 @@ class SpecStats:
     steps: int = 0                       # verify rounds (one per drafted chunk)
     emitted: int = 0                     # tokens those rounds produced (accepted + one each)
     draft_seconds: float = 0.0           # in the drafter: reading its context and proposing
+    draft_steps: int = 0                 # engine steps whose requests proposed drafts
 
     def count(self, verified: int, accepted: int) -> None:
         for i in range(verified):
@@ -227,6 +228,7 @@ class Speculator:
         t = time.perf_counter()
         props = self._guarded(run, items, "draft", lambda item: None)
         self.stats.draft_seconds += time.perf_counter() - t
+        self.stats.draft_steps += bool(items)
         for (req, _), prop in zip(items, props):
             if prop is None:
                 continue

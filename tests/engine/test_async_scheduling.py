@@ -170,3 +170,33 @@ def test_overlapped_steps_with_prefix_hits_in_both_cache_modes(model, mode):
         llm.engine.check_idle()
     assert seen[True] == seen[False]
     assert all(u >= 80 for u in seen[True][1]), seen[True][1]       # the document's blocks from the pool
+
+
+def test_a_planner_error_raises_and_gives_its_blocks_back(model, monkeypatch):
+    llm = LLM(model=model, config=dataclasses.replace(CFG, async_scheduling=True))
+    eng = llm.engine
+    eng.add_request(prompts(1, seed=10)[0], SamplingParams(max_tokens=20, temperature=0))
+    eng.step()
+    real = eng.scheduler._running_chunk
+
+    def broken(req, flight, *a):
+        real(req, flight, *a)                        # takes its blocks, then fails
+        raise RuntimeError("planner bug")
+    monkeypatch.setattr(eng.scheduler, "_running_chunk", broken)
+    with pytest.raises(RuntimeError, match="planner bug"):
+        eng.step()
+    monkeypatch.undo()
+    assert not eng.ahead.pending
+    eng.fail_all("planner bug")
+    eng.check_idle()
+
+
+def test_samples_forked_while_a_plan_was_made_join_the_next_step(model):
+    llm = LLM(model=model, config=dataclasses.replace(CFG, async_scheduling=True))
+    eng = llm.engine
+    parent = eng.add_request(prompts(1, seed=11)[0], SamplingParams(max_tokens=6, temperature=0.8, n=3, seed=1))
+    eng.step()                                          # prefill: the samples fork after the plan was made
+    kids = [r for r in eng.requests.values() if r.parent is parent]
+    assert len(kids) == 2 and all(len(k.output) == 1 for k in kids)
+    eng.step()
+    assert all(len(r.output) == 2 for r in [parent, *kids])   # every sample decoded in this step
