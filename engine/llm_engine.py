@@ -32,18 +32,18 @@ from kvcache.engine.config import CacheConfig, EngineConfig
 from kvcache.engine.decode_graphs import DecodeGraphs
 from kvcache.engine.kv_pool import KVPool
 from kvcache.engine.layers.moe import device_experts_pay, stack_experts
-from kvcache.engine.cache.prefix_cache import CacheUsage, PrefixCache, QueueView, snapshot_cut
-from kvcache.kvstore.hashing import hash_blocks, salted_root
+from kvcache.engine.cache.prefix_cache import PrefixCache, QueueView, snapshot_cut
 from kvcache.engine.speculative.decoding import Speculator
 from kvcache.engine.cache.namespace import engine_namespace
 from kvcache.engine.detokenizer import Detokenizer
+from kvcache.engine.fork import Forker
 from kvcache.engine.overlap import PlanAhead
-from kvcache.engine.request import FinishReason, Request, check_request, checked_cache_points, prompt_ids
+from kvcache.engine.request import FinishReason, Request
+from kvcache.engine.request_builder import RequestBuilder
 from kvcache.engine.sampling import SamplingParams, sample
 from kvcache.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from kvcache.engine.cache.weights_id import weights_id
 from kvcache.engine.structured.batch_masks import BatchMasks
-from kvcache.engine.structured.guide import Guide
 from kvcache.engine.structured.compiler import engine_compiler
 from kvcache.engine.structured.grammar import GrammarError
 
@@ -105,6 +105,10 @@ class LLMEngine:
         self.detokenizer = Detokenizer(tokenizer, self.scheduler.is_stop_token)
         self.grammars = engine_compiler(tokenizer, mc)     # structured outputs (None: no tokenizer)
         self.masks = BatchMasks(self.grammars, mc.vocab_size) if self.grammars is not None else None
+        self.forker = Forker(self.scheduler, self.kv, config.block_size, self._view, self._stops,
+                             lambda req: self.requests.__setitem__(req.request_id, req))
+        self.builder = RequestBuilder(mc, tokenizer, self.namespace, self.grammars, self.scheduler.check_fits,
+                                      config.cache is not None)
         self.requests: dict[str, Request] = {}
         self.logits_hook = None    # (request, position, logits) after each sampling chunk: for numerics checks
         self.cache = self._open_cache(config.cache, store)
@@ -170,34 +174,9 @@ class LLMEngine:
 
     def new_request(self, prompt, params: SamplingParams, priority: int = 0, request_id: str = "",
                     cache_salt: str = "", cache_points=()) -> Request:
-        """add_request's request, validated and keyed but not queued (`add` queues it). It reads
-        only the engine's configuration, never its queues or pool, so another thread may build
-        one while a step runs."""
-        ids = self.validate(prompt, params)
-        if "/" in request_id:
-            raise ValueError(f"request id {request_id!r} has a '/': it names an n > 1 request's samples (id/1 ...)")
-        if not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        req = Request(ids, params.with_seed(), priority, request_id, cache_salt=cache_salt,
-                      chain_root=salted_root(self.namespace, cache_salt),
-                      cache_points=checked_cache_points(cache_points, len(ids)), guide=self._guide(params))
-        # once: the pool's keys and the store lookup
-        req.prompt_keys = hash_blocks(self.namespace, ids, parent=req.chain_root)
-        if self.cache is not None:
-            req.usage = CacheUsage(prompt_tokens=len(ids))
-        return req
-
-    def _guide(self, params: SamplingParams) -> Guide | None:
-        """A new request's constraint state; a GrammarError (a ValueError) if it does not compile."""
-        c = params.constraint
-        if c is None:
-            return None
-        if self.grammars is None:
-            raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
-        think_end = self.tokenizer.token_id("</think>") if c.after_thinking else None
-        if c.after_thinking and think_end is None:
-            raise ValueError("an after_thinking constraint needs a tokenizer with a </think> token")
-        return Guide.for_request(self.grammars.matcher(c), think_end)
+        """add_request's request, validated and keyed but not queued (`add` queues it); any
+        thread may build one while a step runs (engine/request_builder.py)."""
+        return self.builder.build(prompt, params, priority, request_id, cache_salt, cache_points)
 
     def add(self, req: Request) -> Request:
         """Queue a request from new_request (a ValueError if its id is in use)."""
@@ -210,10 +189,7 @@ class LLMEngine:
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, or a ValueError saying what is wrong with the request: nothing
         is queued (LLM.generate checks a whole batch before it queues any of it)."""
-        ids = prompt_ids(prompt, self.tokenizer)
-        check_request(ids, params, self.model.config, self.tokenizer)
-        self.scheduler.check_fits(ids, params)
-        return ids
+        return self.builder.validate(prompt, params)
 
     def family(self, request_id: str) -> list[Request]:
         """A request and, for n > 1, its forked samples (those that exist yet: forks happen when the
@@ -364,7 +340,7 @@ class LLMEngine:
             if problem is None and req.metrics.first_token is None:
                 req.metrics.first_token = now
                 if req.params.n > 1 and req.parent is None:
-                    forked += self._fork(req, logits[i], pos)        # each sample forks the grammar first
+                    forked += self.forker.fork(req, logits[i], pos)        # each sample forks the grammar first
             if problem is None and req.guide is not None and not ch.drafts:    # (verify committed its own)
                 problem = req.guide.commit(toks[0])
             if problem is not None:                  # it fails alone
@@ -405,38 +381,6 @@ class LLMEngine:
         could follow, whatever ignore_eos), or a stop string ended its text."""
         g = req.guide
         return (g is not None and g.done and g.seen == len(req.output)) or self.detokenizer.stop_string(req)
-
-    def _fork(self, parent: Request, logits: torch.Tensor, pos: int) -> list[Request]:
-        """n > 1: children share the parent's prompt blocks and KV state; each samples its own
-        first token (stream i) from the same logits, then runs on its own. They keep the parent's
-        place in the queue (its arrival), ahead of requests that came after it."""
-        full = len(parent.prompt) // self.pool.block_size
-        children = []
-        for i in range(1, parent.params.n):
-            child = Request(list(parent.prompt), parent.params, parent.priority, f"{parent.request_id}/{i}",
-                            stream=i, parent=parent, arrival_seq=parent.arrival_seq, prompt_keys=parent.prompt_keys,
-                            cache_salt=parent.cache_salt, chain_root=parent.chain_root,
-                            cache_points=parent.cache_points)
-            children.append(child)
-            child.output.append(sample(logits, child.params, pos, i, child.tokens, child.output))
-            if parent.guide is not None:             # the parent's grammar before its own token
-                child.guide = parent.guide.fork()
-                problem = child.guide.commit(child.output[-1])
-                if problem is not None:
-                    self.scheduler.abort(child, FinishReason.ERROR, error=problem)
-                    continue
-            child.metrics.arrival, child.metrics.first_token = parent.metrics.arrival, parent.metrics.first_token
-            if parent.usage is not None:            # its prompt came the parent's way (a hit or not)
-                child.usage = dataclasses.replace(parent.usage, cached_tokens=dict(parent.usage.cached_tokens))
-            self.requests[child.request_id] = child
-            own = self.scheduler.fork(child, parent, slot_free=bool(self.kv.free_slots))
-            if own is not None:                                         # it runs now (else: recomputes later)
-                self.kv.copy_blocks(parent.block_ids[full:], own)      # its own copy of the partial block
-                child.state = parent.state.clone(self._view(child))
-            reason = self.scheduler.stop_reason(child, child.output[-1], self._stops)
-            if reason is not None:                                      # a stop, or max_tokens 1
-                self.scheduler.abort(child, reason)
-        return children
 
     def _isolate(self, out: SchedulerOutput) -> list[StepOutput]:
         results = []

@@ -170,14 +170,14 @@ def test_prefix_cache_hits_give_the_same_constrained_output(model, tok, tmp_path
 
 def test_a_matcher_that_fails_fails_its_request_alone(model, tok, monkeypatch):
     llm = LLM(model=model, tokenizer=tok, config=CFG)
-    real = llm.engine._guide
+    real = llm.engine.builder.guide
 
     def sabotaged(params):
         guide = real(params)
         if guide is not None and params.seed == 666:
             guide.matcher.consume = lambda token: False          # the grammar refuses its first token
         return guide
-    monkeypatch.setattr(llm.engine, "_guide", sabotaged)
+    monkeypatch.setattr(llm.engine.builder, "guide", sabotaged)
     outs = run(llm, ["a", "b"], [json_params(seed=666), json_params(seed=1)])
     assert outs[0].finish_reason == "error" and "constraint" in outs[0].error
     assert outs[1].finish_reason == "stop" and valid(outs[1].text)
