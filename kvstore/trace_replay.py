@@ -15,8 +15,11 @@
 The collector is handed in (`maintenance=kvcache.gc.collector.Collector`, as to BlockStore): the
 replay studies the store's eviction, and kvstore never imports GC.
 
-Baselines computed on the same trace: the unlimited-capacity hit rate (no eviction, no expiry)
-and a plain LRU cache of the same capacity. Rates are token-weighted prefix hit rates.
+Baselines computed on the same trace: the unlimited-capacity hit rate (no eviction, no expiry),
+a plain LRU cache of the same capacity and the offline optimum's rule (Belady: evict the block
+used farthest in the future), both simulated (kvstore/policy_sim.py, about a second a capacity);
+`bounds` runs the simulated policies alone on a grid of capacities. Rates are token-weighted
+prefix hit rates.
 """
 
 from __future__ import annotations
@@ -102,6 +105,46 @@ def lru_hit_rate(trace: list[TraceRequest], capacity_blocks: int) -> float:
     return hit_tok / total_tok
 
 
+def trace_stream(trace: list[TraceRequest]):
+    from kvcache.kvstore.policy_sim import Stream
+    return Stream.of((r.hash_ids, r.block_tokens()) for r in trace)
+
+
+def bounds(trace: list[TraceRequest], capacity_tokens: list[int], names=None, stream=None) -> dict:
+    """The simulated policies (policy_sim.POLICIES, LRU and Belady among them) at each capacity:
+    token hit rates, each policy against LRU and Belady, and LRU against Belady; the worst ratio
+    to LRU of each policy over the grid, and the capacities where LRU is at most half of Belady."""
+    from kvcache.kvstore.policy_sim import POLICIES, simulate
+    names = list(names or POLICIES)
+    for must in ("lru", "belady"):
+        if must not in names:
+            names.append(must)
+    stream = stream or trace_stream(trace)
+    rows = []
+    for tokens in capacity_tokens:
+        cap = max(1, tokens // TRACE_BLOCK_TOKENS)
+        rates = {n: simulate(stream, POLICIES[n](cap, stream))["token_hit_rate"] for n in names}
+        row = {"capacity_tokens": tokens, "capacity_blocks": cap, "rates": rates,
+               "lru_vs_belady": _ratio(rates["lru"], rates["belady"])}
+        for n in names:
+            if n not in ("lru", "belady"):
+                row[f"{n}_vs_lru"], row[f"{n}_vs_belady"] = _ratio(rates[n], rates["lru"]), _ratio(rates[n],
+                                                                                                    rates["belady"])
+        rows.append(row)
+    worst = {n: min(r[f"{n}_vs_lru"] for r in rows) for n in names if n not in ("lru", "belady")}
+    return {"policies": names, "capacities": rows, "worst_vs_lru": worst,
+            "scarce_capacity_tokens": [r["capacity_tokens"] for r in rows if r["lru_vs_belady"] <= 0.5]}
+
+
+def _belady(stream, blocks: int) -> float:
+    from kvcache.kvstore.policy_sim import Belady, simulate
+    return simulate(stream, Belady(blocks, stream.next_use))["token_hit_rate"]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 1.0
+
+
 def _key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little") + b"mooncake"
 
@@ -183,6 +226,7 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     `progress`: a tqdm bar (True), none (False), or a factory given the number of request
     replays that returns a context manager with tqdm's update(n). `maintenance`: the stores' collector."""
     trace = load_trace(trace_path, limit)
+    stream = trace_stream(trace)
     block_real = kv_bytes_per_token * TRACE_BLOCK_TOKENS
     block_bytes = max(64, int(round(block_real / scale)))
     per_block = block_bytes / TRACE_BLOCK_TOKENS                # scaled bytes per token
@@ -193,14 +237,23 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
             runs = {a: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
                                     retention_hours, progress=bar, admission=a, maintenance=maintenance)
                     for a in admissions}
-            results.append({"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]],
-                            "policies": runs,
-                            "lru_dram_only_hit_rate": lru_hit_rate(trace, max(1, dram // TRACE_BLOCK_TOKENS)),
-                            "lru_same_total_hit_rate": lru_hit_rate(trace, max(1, max(dram, nvme_tokens)
-                                                                                // TRACE_BLOCK_TOKENS))})
+            dram_blocks = max(1, dram // TRACE_BLOCK_TOKENS)
+            total_blocks = max(1, max(dram, nvme_tokens) // TRACE_BLOCK_TOKENS)    # NVMe holds DRAM's too
+            row = {"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]], "policies": runs,
+                   "lru_dram_only_hit_rate": lru_hit_rate(trace, dram_blocks),
+                   "lru_same_total_hit_rate": lru_hit_rate(trace, total_blocks),
+                   "belady_dram_only_hit_rate": _belady(stream, dram_blocks),
+                   "belady_same_total_hit_rate": _belady(stream, total_blocks)}
+            store = row["policy"]["token_hit_rate"]
+            row.update(policy_vs_lru=_ratio(store, row["lru_same_total_hit_rate"]),
+                       policy_vs_belady=_ratio(store, row["belady_same_total_hit_rate"]),
+                       lru_vs_belady=_ratio(row["lru_same_total_hit_rate"], row["belady_same_total_hit_rate"]),
+                       dram_policy_vs_lru=_ratio(row["policy"]["dram_hit_rate"], row["lru_dram_only_hit_rate"]))
+            results.append(row)
     return {"trace": os.path.abspath(trace_path), "requests": len(trace), "kv_bytes_per_token": kv_bytes_per_token,
             "block_bytes_real": block_real, "scale": scale, "block_bytes_replayed": block_bytes,
-            "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results}
+            "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results,
+            "worst_policy_vs_lru": min((r["policy_vs_lru"] for r in results), default=None)}
 
 
 def _progress_bar(progress: bool | Callable[[int], Any], total: int):

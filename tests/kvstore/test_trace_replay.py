@@ -57,6 +57,27 @@ def test_mooncake_trace_facts_and_cli(tmp_path):
     for c in doc["capacities"]:
         assert 0 <= c["policy"]["token_hit_rate"] <= doc["unlimited_hit_rate"] + 1e-9
         assert c["lru_dram_only_hit_rate"] <= c["lru_same_total_hit_rate"] + 1e-9
+        assert c["lru_same_total_hit_rate"] <= c["belady_same_total_hit_rate"] + 1e-9
+        assert c["policy_vs_belady"] == pytest.approx(c["policy"]["token_hit_rate"] / c["belady_same_total_hit_rate"])
+    assert doc["worst_policy_vs_lru"] == min(c["policy_vs_lru"] for c in doc["capacities"])
+    assert len(doc["bounds"]["capacities"]) == 5 and "simulated policies" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not in ../shared/traces")
+def test_bounds_only_replays_the_whole_trace_in_seconds_with_a_plot(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "replay", TRACE, "--bounds-only", "--grid", "1M,3M",
+                        "--plot", str(png), "--json", str(out)], capture_output=True, text=True, check=True)
+    b = json.loads(out.read_text())["bounds"]
+    rows = {row["capacity_tokens"]: row for row in b["capacities"]}
+    # the published shape of this trace: LRU far below the optimum where capacity is scarce
+    assert rows[3_000_000]["rates"]["lru"] == pytest.approx(0.138, abs=0.005)
+    assert rows[3_000_000]["rates"]["belady"] == pytest.approx(0.360, abs=0.005)
+    assert b["scarce_capacity_tokens"] == [1_000_000, 3_000_000]
+    assert png.stat().st_size > 10_000 and "worst against LRU" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvcache.cli.main", "replay", TRACE, "--bounds-only", "--policies",
+                          "lfu"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown --policies" in bad.stderr
 
 
 def test_cli_progress_is_lines_on_a_stderr_that_is_not_a_terminal(tmp_path):
