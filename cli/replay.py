@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--scale", type=int, default=64, help="divide block bytes and capacities by this (default 64)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--grid", default="300K,1M,3M,10M,30M", help="capacities for the simulated policies, in tokens")
-    p.add_argument("--policies", default="lru,belady,s3fifo,arc",
+    p.add_argument("--policies", default="lru,belady,s3fifo,arc,duel",
                    help="simulated policies to compare (kvstore/policy_sim.py; LRU and Belady always run)")
     p.add_argument("--bounds-only", action="store_true", help="only the simulated policies (no store replay)")
     p.add_argument("--plot", metavar="PNG", help="hit rate against capacity: each policy a line, the store a point")

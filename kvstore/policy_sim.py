@@ -6,7 +6,8 @@
               the cache: the engine saves the blocks it computed), in prompt order
 
 A policy is one narrow interface: `contains(key)`, `access(key, at)` (at: the index of this
-access in the stream, for the offline optimum's next-use table) and `size`. Capacities are in
+access in the stream, for the offline optimum's next-use table), `size`, and `begin(keys,
+tokens)` before each request's lookup (a policy that learns from requests). Capacities are in
 blocks; the simulator never lets a policy hold more. Every policy here is O(1) or O(log n) an
 access, so a capacity of the Mooncake conversation trace (288,500 accesses) takes about a second.
 
@@ -20,12 +21,17 @@ access, so a capacity of the Mooncake conversation trace (288,500 accesses) take
                 2-bit frequency lasts), and a ghost list of keys evicted from the small one
     arc         ARC (Megiddo & Modha, FAST'03): recency and frequency lists whose split adapts
                 to hits in either list's ghost
+    duel        follow the leader between LRU and S3-FIFO with a 50 % small queue: both run as
+                shadows (keys only) at the full capacity, each scored on every request's prefix
+                hit (decayed: the last ~1,000 requests); the cache admits what the leader admits
+                and evicts what the leader no longer holds, oldest first. Where one policy wins
+                at a capacity it follows that one; the shadows cost 2 keys a block of capacity
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -40,6 +46,11 @@ class Policy:
             raise ValueError(f"a cache holds at least one block, got capacity {capacity}")
         self.capacity = capacity
         self._d: OrderedDict = OrderedDict()
+        self.on_evict: Callable | None = None            # told each key the policy drops
+
+    def _dropped(self, key) -> None:
+        if self.on_evict is not None:
+            self.on_evict(self, key)
 
     @property
     def size(self) -> int:
@@ -48,13 +59,16 @@ class Policy:
     def contains(self, key) -> bool:
         return key in self._d
 
+    def begin(self, keys: Sequence, tokens: Sequence[int]) -> None:
+        """A request's blocks, before its lookup (most policies need nothing)."""
+
     def access(self, key, at: int) -> None:
         if key in self._d:
             self._d.move_to_end(key)
             return
         self._d[key] = None
         if len(self._d) > self.capacity:
-            self._d.popitem(last=False)
+            self._dropped(self._d.popitem(last=False)[0])
 
 
 class LRU(Policy):
@@ -87,6 +101,7 @@ class Belady(Policy):
             neg, _, victim = heapq.heappop(self._heap)
             if self._next.get(victim) == -neg:          # not a stale entry
                 del self._next[victim]
+                self._dropped(victim)
         if len(self._heap) > 4 * self.capacity + 64:    # bound the lazy heap
             self._heap = [(-n, i, k) for i, (k, n) in enumerate(self._next.items())]
             heapq.heapify(self._heap)
@@ -129,6 +144,7 @@ class S3FIFO(Policy):
             self.main[key] = 0
         else:
             self.ghost[key] = None
+            self._dropped(key)
             if len(self.ghost) > self.capacity:
                 self.ghost.popitem(last=False)
 
@@ -136,6 +152,7 @@ class S3FIFO(Policy):
         while True:
             key, freq = self.main.popitem(last=False)
             if freq == 0:
+                self._dropped(key)
                 return
             self.main[key] = freq - 1                    # reinserted at the tail, one use spent
 
@@ -179,7 +196,7 @@ class ARC(Policy):
                 self.b1.popitem(last=False)
                 self._replace(False)
             else:
-                self.t1.popitem(last=False)
+                self._dropped(self.t1.popitem(last=False)[0])
         elif self.size + len(self.b1) + len(self.b2) >= c:
             if self.size + len(self.b1) + len(self.b2) >= 2 * c:
                 self.b2.popitem(last=False)
@@ -198,6 +215,63 @@ class ARC(Policy):
         else:
             key, _ = self.t1.popitem(last=False)
             self.b1[key] = None
+        self._dropped(key)
+
+
+class Duel(Policy):
+    def __init__(self, capacity: int, a: Callable[[int], Policy], b: Callable[[int], Policy], decay: float = 0.999):
+        super().__init__(capacity)
+        self.shadows = [a(capacity), b(capacity)]
+        self.scores = [0.0, 0.0]
+        self.decay, self.leader = decay, 0
+        self._held: OrderedDict = OrderedDict()          # oldest first
+        self._doomed: deque = deque()                    # held keys the leader dropped (maybe stale)
+        for s in self.shadows:
+            s.on_evict = self._shadow_dropped
+
+    def _shadow_dropped(self, shadow: Policy, key) -> None:
+        if shadow is self.shadows[self.leader] and key in self._held:
+            self._doomed.append(key)
+
+    @property
+    def size(self) -> int:
+        return len(self._held)
+
+    def contains(self, key) -> bool:
+        return key in self._held
+
+    def begin(self, keys: Sequence, tokens: Sequence[int]) -> None:
+        for i, s in enumerate(self.shadows):
+            n = 0
+            while n < len(keys) and s.contains(keys[n]):
+                n += 1
+            self.scores[i] = self.scores[i] * self.decay + sum(tokens[:n])
+        leader = 0 if self.scores[0] >= self.scores[1] else 1
+        if leader != self.leader:                        # what the new leader does not hold, oldest first
+            self.leader = leader
+            lead = self.shadows[leader]
+            self._doomed = deque(k for k in self._held if not lead.contains(k))
+
+    def access(self, key, at: int) -> None:
+        for s in self.shadows:
+            s.access(key, at)
+        lead = self.shadows[self.leader]
+        if key in self._held:
+            self._held.move_to_end(key)
+        elif lead.contains(key):
+            self._held[key] = None
+        while len(self._held) > self.capacity:           # what the leader dropped goes first
+            while self._doomed:
+                k = self._doomed.popleft()
+                if k in self._held and not lead.contains(k):
+                    del self._held[k]
+                    break
+            else:                                        # none known (the leader changed): the oldest
+                old = next(iter(self._held))             # it does not hold (it holds <= capacity)
+                if lead.contains(old):
+                    self._held.move_to_end(old)
+                else:
+                    del self._held[old]
 
 
 @dataclass(frozen=True)
@@ -230,6 +304,7 @@ def simulate(stream: Stream, policy: Policy, on_request: Callable[[int, int], No
     keys, tokens, hit, total = stream.keys, stream.tokens, 0, 0
     for r in range(len(stream.starts) - 1):
         a, b = stream.starts[r], stream.starts[r + 1]
+        policy.begin(keys[a:b], tokens[a:b])
         i = a
         while i < b and policy.contains(keys[i]):
             i += 1
@@ -250,6 +325,7 @@ POLICIES: dict[str, Callable[[int, Stream], Policy]] = {
     "belady": lambda c, s: Belady(c, s.next_use),
     "s3fifo": lambda c, s: S3FIFO(c),
     "arc": lambda c, s: ARC(c),
+    "duel": lambda c, s: Duel(c, LRU, lambda n: S3FIFO(n, 0.5)),
 }
 
 

@@ -76,3 +76,37 @@ def test_mooncake_trace_lru_matches_the_store_replays_baseline():
     rows = compare(s, [2000], ("lru", "belady"))
     assert rows[0]["rates"]["lru"] == pytest.approx(lru_hit_rate(trace, 2000))
     assert rows[0]["rates"]["belady"] > rows[0]["rates"]["lru"] and 0 < rows[0]["lru_vs_belady"] < 1
+
+
+def test_duel_follows_whichever_policy_wins_and_holds_only_the_leaders_blocks():
+    from kvcache.kvstore.policy_sim import Duel
+    scan = []                                   # a reused block between one-off scans: S3-FIFO's case
+    for i in range(200):
+        scan += [[1], [10 ** 6 + 3 * i], [10 ** 6 + 3 * i + 1], [10 ** 6 + 3 * i + 2]]
+    loop = [[k % 5] for k in range(400)] + [[100 + k % 4] for k in range(400)]   # recency: LRU's case
+    for reqs in (scan, loop):
+        s = stream(*reqs)
+        lru, s3 = (simulate(s, p)["hit_tokens"] for p in (LRU(4), S3FIFO(4, 0.5)))
+        duel = Duel(4, LRU, lambda n: S3FIFO(n, 0.5))
+        got = simulate(s, duel)["hit_tokens"]
+        assert got >= 0.95 * max(lru, s3) and got >= lru, (got, lru, s3)
+
+
+def test_policy_state_is_bounded_by_its_capacity():
+    from kvcache.kvstore.policy_sim import Duel
+    s = stream(*[[i, i + 10 ** 6] for i in range(5000)])     # nothing reused: ghosts and heaps fill up
+    for p in (S3FIFO(64), ARC(64), Belady(64, s.next_use), Duel(64, LRU, lambda n: S3FIFO(n, 0.5))):
+        simulate(s, p)
+        parts = [len(getattr(p, a)) for a in ("ghost", "b1", "b2", "_heap", "_next", "_held", "_doomed")
+                 if hasattr(p, a)]
+        parts += [len(x.ghost) for x in getattr(p, "shadows", []) if hasattr(x, "ghost")]
+        assert max(parts) <= 4 * 64 + 64, (type(p).__name__, parts)
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not in ../shared/traces")
+def test_duel_is_never_below_lru_on_the_mooncake_trace():
+    from kvcache.kvstore.trace_replay import bounds, load_trace
+    b = bounds(load_trace(TRACE), [300_000, 1_000_000, 3_000_000, 10_000_000, 30_000_000], ["duel"])
+    assert b["worst_vs_lru"]["duel"] >= 1.0, b["worst_vs_lru"]
+    best = max(r["duel_vs_lru"] for r in b["capacities"])
+    assert best > 1.4                          # where capacity is scarce it keeps what LRU flushes
