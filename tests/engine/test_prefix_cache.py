@@ -228,9 +228,9 @@ def test_exact_and_replay_engines_key_their_blocks_apart(tmp_path):
 def test_each_prompt_is_hashed_once(model, tmp_path, monkeypatch):
     """A prompt's block keys are computed once, when it is added: the pool's keys and the store
     lookup (here a miss, then a pool hit, then a store hit in a new engine) both use them."""
-    from kvcache.engine import llm_engine
-    hashed, real = [], llm_engine.hash_blocks
-    monkeypatch.setattr(llm_engine, "hash_blocks", lambda ns, toks, *a, **k: hashed.append(len(toks)) or
+    from kvcache.engine import request_builder
+    hashed, real = [], request_builder.hash_blocks
+    monkeypatch.setattr(request_builder, "hash_blocks", lambda ns, toks, *a, **k: hashed.append(len(toks)) or
                         real(ns, toks, *a, **k))
     P, Qs = prompts(43)
     short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)   # no generated block fills up
