@@ -85,16 +85,15 @@ def cmd_replay(args) -> int:
     if args.bounds_only:
         trace = load_trace(args.trace, args.limit)
         doc = {"trace": args.trace, "requests": len(trace), "unlimited_hit_rate": unlimited_hit_rate(trace)[
-            "token_hit_rate"], "capacities": []}
+            "token_hit_rate"], "capacities": [], "bounds": bounds(trace, grid, names)}
     else:
         bpt, source = _bytes_per_token(args)
         doc = run(args.trace, bpt, [_tokens(t) for t in args.dram_tokens.split(",")], _tokens(args.nvme_tokens),
-                  args.scale, args.limit, args.retention_hours, progress=_progress(), maintenance=Collector)
+                  args.scale, args.limit, args.retention_hours, progress=_progress(), grid=grid, policies=names,
+                  maintenance=Collector)
         doc["kv_bytes_source"] = source
-        trace = load_trace(args.trace, args.limit)
         print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
               f"({source}): a 512-token block is {doc['block_bytes_real'] / 1024:.0f} KiB (replayed at 1/{args.scale})")
-    doc["bounds"] = bounds(trace, grid, names)
     print(f"unlimited capacity, no expiry: {doc['unlimited_hit_rate']:.1%} of prompt tokens hit")
     if doc["capacities"]:
         _store_table(doc)

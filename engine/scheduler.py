@@ -27,8 +27,9 @@ the plan once N's results are applied.
     settle(N+1)         placeholders take N's last token and its position; chunks of requests
                         that finished since (a stop token, an abort, an error) are dropped before
                         they run, their blocks given back: a stop seen one step late costs no
-                        compute and emits nothing; requests that arrived since are admitted and
-                        drafts added (they depend on N's tokens) from what the budget has left
+                        compute and emits nothing; running requests the plan could not place
+                        (samples forked since) and requests that arrived since get what the
+                        budget has left, then drafts (they depend on N's tokens)
 """
 
 from __future__ import annotations
@@ -137,19 +138,24 @@ class Scheduler:
         """The next step's chunks (into `out`, if given). `ahead`: the step whose forward runs
         now, its results not applied yet (see the module's diagram); `drafts=False` leaves
         drafts to `settle`."""
-        out, budget = out if out is not None else SchedulerOutput(), self.budget
+        out = out if out is not None else SchedulerOutput()
         flying = {id(ch.request): ch for ch in ahead.chunks} if ahead is not None else {}
+        budget = self._admit(out, self._place_running(out, self.budget, flying))
+        if drafts:
+            self._add_drafts(out, budget)
+        return out
+
+    def _place_running(self, out: SchedulerOutput, budget: int, flying: dict, placed: set = frozenset()) -> int:
+        """Running requests, best first (but those `placed` already), each with its next chunk
+        while the budget lasts; the budget left."""
         for req in sorted(self.running, key=Request.sort_key):
-            if budget <= 0 or req not in self.running:
+            if budget <= 0 or req not in self.running or id(req) in placed:
                 continue
             ch = self._running_chunk(req, flying.get(id(req)), budget, out, flying)
             if ch is not None:
                 out.chunks.append(ch)
                 budget -= len(ch.tokens)
-        budget = self._admit(out, budget)
-        if drafts:
-            self._add_drafts(out, budget)
-        return out
+        return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Waiting requests, best first, while budget, `max_running` and blocks last, each with
@@ -210,13 +216,7 @@ class Scheduler:
             elif blocks:
                 self.pool.release(blocks)
         out.chunks = kept
-        budget, placed = self.budget - out.num_tokens, {id(ch.request) for ch in kept}
-        for req in sorted(self.running, key=Request.sort_key):
-            if budget > 0 and id(req) not in placed and req in self.running:
-                ch = self._running_chunk(req, None, budget, out, {})    # nothing in flight now
-                if ch is not None:
-                    out.chunks.append(ch)
-                    budget -= len(ch.tokens)
+        budget = self._place_running(out, self.budget - out.num_tokens, {}, {id(ch.request) for ch in kept})
         self._add_drafts(out, self._admit(out, budget))
         return out
 

@@ -298,9 +298,8 @@ class Stream:
         return Stream(keys, tokens, starts, nxt)
 
 
-def simulate(stream: Stream, policy: Policy, on_request: Callable[[int, int], None] | None = None) -> dict:
-    """Token-weighted prefix hit rate of `policy` over the stream; `on_request(request index,
-    hit tokens)` after each request (hit rates over time)."""
+def simulate(stream: Stream, policy: Policy) -> dict:
+    """Token-weighted prefix hit rate of `policy` over the stream."""
     keys, tokens, hit, total = stream.keys, stream.tokens, 0, 0
     for r in range(len(stream.starts) - 1):
         a, b = stream.starts[r], stream.starts[r + 1]
@@ -308,15 +307,12 @@ def simulate(stream: Stream, policy: Policy, on_request: Callable[[int, int], No
         i = a
         while i < b and policy.contains(keys[i]):
             i += 1
-        got = sum(tokens[a:i])
-        hit += got
+        hit += sum(tokens[a:i])
         total += sum(tokens[a:b])
         for j in range(a, b):
             policy.access(keys[j], j)
         if policy.size > policy.capacity:
             raise AssertionError(f"{type(policy).__name__} holds {policy.size} blocks over its {policy.capacity}")
-        if on_request is not None:
-            on_request(r, got)
     return {"token_hit_rate": hit / total if total else 0.0, "hit_tokens": hit, "tokens": total}
 
 
@@ -327,15 +323,3 @@ POLICIES: dict[str, Callable[[int, Stream], Policy]] = {
     "arc": lambda c, s: ARC(c),
     "duel": lambda c, s: Duel(c, LRU, lambda n: S3FIFO(n, 0.5)),
 }
-
-
-def compare(stream: Stream, capacities: Sequence[int], names: Sequence[str] = tuple(POLICIES)) -> list[dict]:
-    """Per capacity (blocks): each policy's token hit rate, and the ratios the bounds give."""
-    out = []
-    for cap in capacities:
-        rates = {n: simulate(stream, POLICIES[n](cap, stream))["token_hit_rate"] for n in names}
-        row = {"capacity_blocks": cap, "rates": rates}
-        if "belady" in rates and "lru" in rates and rates["belady"]:
-            row["lru_vs_belady"] = rates["lru"] / rates["belady"]
-        out.append(row)
-    return out

@@ -29,7 +29,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -88,21 +87,11 @@ def unlimited_hit_rate(trace: list[TraceRequest]) -> dict:
             "blocks": sum(len(r.hash_ids) for r in trace), "distinct_blocks": len(seen), "tokens": total_tok}
 
 
-def lru_hit_rate(trace: list[TraceRequest], capacity_blocks: int) -> float:
-    """A plain LRU cache of `capacity_blocks` blocks: prefix hits refresh, misses are inserted."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    hit_tok = total_tok = 0
-    for req in trace:
-        toks = req.block_tokens()
-        n = _prefix_hits(req, cache.__contains__)
-        hit_tok += sum(toks[:n])
-        total_tok += sum(toks)
-        for h in req.hash_ids:
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-    return hit_tok / total_tok
+def lru_hit_rate(trace: list[TraceRequest], capacity_blocks: int, stream=None) -> float:
+    """A plain LRU cache of `capacity_blocks` blocks: prefix hits refresh, misses are inserted
+    (policy_sim's LRU; `stream`: the trace's, if already built)."""
+    from kvcache.kvstore.policy_sim import LRU, simulate
+    return simulate(stream or trace_stream(trace), LRU(capacity_blocks))["token_hit_rate"]
 
 
 def trace_stream(trace: list[TraceRequest]):
@@ -221,8 +210,10 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
 
 def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
         limit: int | None = None, retention_hours: float = 72.0, progress: bool | Callable[[int], Any] = True,
-        admissions: tuple[str, ...] = ("always", "second-hit"), *, maintenance: MaintenanceFactory) -> dict:
-    """The whole study: unlimited rate, then per DRAM capacity our store and LRU baselines.
+        admissions: tuple[str, ...] = ("always", "second-hit"), grid: list[int] = (), policies=None, *,
+        maintenance: MaintenanceFactory) -> dict:
+    """The whole study: unlimited rate, then per DRAM capacity our store, LRU and Belady, and the
+    simulated `policies` on the `grid` of capacities (tokens; `bounds`).
     `progress`: a tqdm bar (True), none (False), or a factory given the number of request
     replays that returns a context manager with tqdm's update(n). `maintenance`: the stores' collector."""
     trace = load_trace(trace_path, limit)
@@ -240,8 +231,8 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
             dram_blocks = max(1, dram // TRACE_BLOCK_TOKENS)
             total_blocks = max(1, max(dram, nvme_tokens) // TRACE_BLOCK_TOKENS)    # NVMe holds DRAM's too
             row = {"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]], "policies": runs,
-                   "lru_dram_only_hit_rate": lru_hit_rate(trace, dram_blocks),
-                   "lru_same_total_hit_rate": lru_hit_rate(trace, total_blocks),
+                   "lru_dram_only_hit_rate": lru_hit_rate(trace, dram_blocks, stream),
+                   "lru_same_total_hit_rate": lru_hit_rate(trace, total_blocks, stream),
                    "belady_dram_only_hit_rate": _belady(stream, dram_blocks),
                    "belady_same_total_hit_rate": _belady(stream, total_blocks)}
             store = row["policy"]["token_hit_rate"]
@@ -253,7 +244,8 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     return {"trace": os.path.abspath(trace_path), "requests": len(trace), "kv_bytes_per_token": kv_bytes_per_token,
             "block_bytes_real": block_real, "scale": scale, "block_bytes_replayed": block_bytes,
             "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results,
-            "worst_policy_vs_lru": min((r["policy_vs_lru"] for r in results), default=None)}
+            "worst_policy_vs_lru": min((r["policy_vs_lru"] for r in results), default=None),
+            "bounds": bounds(trace, list(grid), policies, stream) if grid else None}
 
 
 def _progress_bar(progress: bool | Callable[[int], Any], total: int):
