@@ -11,6 +11,10 @@ tokens)` before each request's lookup (a policy that learns from requests). Capa
 blocks; the simulator never lets a policy hold more. Every policy here is O(1) or O(log n) an
 access, so a capacity of the Mooncake conversation trace (288,500 accesses) takes about a second.
 
+LRU, S3-FIFO and the duel are the eviction orders the caches run (kvcache/policy), each in a
+BoundedCache of the capacity; Belady and ARC are the simulator's own (the one is offline, the
+other was tried and lost: benchmarks/README).
+
     lru         least recently used
     belady      the offline optimum's rule (MIN): evict the block whose next use is farthest in
                 the future, and do not admit a block used later than everything held (bypass).
@@ -31,9 +35,12 @@ access, so a capacity of the Mooncake conversation trace (288,500 accesses) take
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
+
+from kvcache import policy as order
+from kvcache.policy.bounded import BoundedCache
 
 NEVER = 1 << 62        # the next use of a block that is not used again
 
@@ -71,8 +78,16 @@ class Policy:
             self._dropped(self._d.popitem(last=False)[0])
 
 
-class LRU(Policy):
-    pass
+def LRU(capacity: int) -> BoundedCache:
+    return BoundedCache(capacity, order.LRU())
+
+
+def S3FIFO(capacity: int, small_fraction: float = 0.1) -> BoundedCache:
+    return BoundedCache(capacity, order.S3FIFO(small_fraction))
+
+
+def Duel(capacity: int, small_fraction: float = 0.5, decay: float = 0.999) -> BoundedCache:
+    return BoundedCache(capacity, order.make_order("duel", small_fraction, decay, capacity))
 
 
 class Belady(Policy):
@@ -105,56 +120,6 @@ class Belady(Policy):
         if len(self._heap) > 4 * self.capacity + 64:    # bound the lazy heap
             self._heap = [(-n, i, k) for i, (k, n) in enumerate(self._next.items())]
             heapq.heapify(self._heap)
-
-
-class S3FIFO(Policy):
-    def __init__(self, capacity: int, small_fraction: float = 0.1):
-        super().__init__(capacity)
-        self.small_cap = max(1, int(capacity * small_fraction))
-        self.small: OrderedDict = OrderedDict()          # key -> frequency
-        self.main: OrderedDict = OrderedDict()
-        self.ghost: OrderedDict = OrderedDict()
-
-    @property
-    def size(self) -> int:
-        return len(self.small) + len(self.main)
-
-    def contains(self, key) -> bool:
-        return key in self.small or key in self.main
-
-    def access(self, key, at: int) -> None:
-        for q in (self.small, self.main):
-            if key in q:
-                q[key] = min(q[key] + 1, 3)
-                return
-        if key in self.ghost:
-            del self.ghost[key]
-            self.main[key] = 0
-        else:
-            self.small[key] = 0
-        while self.size > self.capacity:
-            if len(self.small) > self.small_cap or not self.main:
-                self._evict_small()
-            else:
-                self._evict_main()
-
-    def _evict_small(self) -> None:
-        key, freq = self.small.popitem(last=False)
-        if freq > 0:                                     # seen again while young: it earned main
-            self.main[key] = 0
-        else:
-            self.ghost[key] = None
-            self._dropped(key)
-            if len(self.ghost) > self.capacity:
-                self.ghost.popitem(last=False)
-
-    def _evict_main(self) -> None:
-        while True:
-            key, freq = self.main.popitem(last=False)
-            if freq == 0:
-                self._dropped(key)
-                return
-            self.main[key] = freq - 1                    # reinserted at the tail, one use spent
 
 
 class ARC(Policy):
@@ -218,62 +183,6 @@ class ARC(Policy):
         self._dropped(key)
 
 
-class Duel(Policy):
-    def __init__(self, capacity: int, a: Callable[[int], Policy], b: Callable[[int], Policy], decay: float = 0.999):
-        super().__init__(capacity)
-        self.shadows = [a(capacity), b(capacity)]
-        self.scores = [0.0, 0.0]
-        self.decay, self.leader = decay, 0
-        self._held: OrderedDict = OrderedDict()          # oldest first
-        self._doomed: deque = deque()                    # held keys the leader dropped (maybe stale)
-        for s in self.shadows:
-            s.on_evict = self._shadow_dropped
-
-    def _shadow_dropped(self, shadow: Policy, key) -> None:
-        if shadow is self.shadows[self.leader] and key in self._held:
-            self._doomed.append(key)
-
-    @property
-    def size(self) -> int:
-        return len(self._held)
-
-    def contains(self, key) -> bool:
-        return key in self._held
-
-    def begin(self, keys: Sequence, tokens: Sequence[int]) -> None:
-        for i, s in enumerate(self.shadows):
-            n = 0
-            while n < len(keys) and s.contains(keys[n]):
-                n += 1
-            self.scores[i] = self.scores[i] * self.decay + sum(tokens[:n])
-        leader = 0 if self.scores[0] >= self.scores[1] else 1
-        if leader != self.leader:                        # what the new leader does not hold, oldest first
-            self.leader = leader
-            lead = self.shadows[leader]
-            self._doomed = deque(k for k in self._held if not lead.contains(k))
-
-    def access(self, key, at: int) -> None:
-        for s in self.shadows:
-            s.access(key, at)
-        lead = self.shadows[self.leader]
-        if key in self._held:
-            self._held.move_to_end(key)
-        elif lead.contains(key):
-            self._held[key] = None
-        while len(self._held) > self.capacity:           # what the leader dropped goes first
-            while self._doomed:
-                k = self._doomed.popleft()
-                if k in self._held and not lead.contains(k):
-                    del self._held[k]
-                    break
-            else:                                        # none known (the leader changed): the oldest
-                old = next(iter(self._held))             # it does not hold (it holds <= capacity)
-                if lead.contains(old):
-                    self._held.move_to_end(old)
-                else:
-                    del self._held[old]
-
-
 @dataclass(frozen=True)
 class Stream:
     """A trace as one access stream: keys in order, tokens per access, request boundaries."""
@@ -321,5 +230,5 @@ POLICIES: dict[str, Callable[[int, Stream], Policy]] = {
     "belady": lambda c, s: Belady(c, s.next_use),
     "s3fifo": lambda c, s: S3FIFO(c),
     "arc": lambda c, s: ARC(c),
-    "duel": lambda c, s: Duel(c, LRU, lambda n: S3FIFO(n, 0.5)),
+    "duel": lambda c, s: Duel(c),
 }

@@ -49,7 +49,7 @@ class SeamRule:
 
 
 LOAD_RULES = (
-    LoadRule(("kvstore", "tiering", "gc"), ("torch", "aiohttp"),
+    LoadRule(("kvstore", "tiering", "gc", "policy"), ("torch", "aiohttp"),
              "the store core, the tiers and GC stay free of torch and aiohttp: move the code that needs "
              "them to engine/, server/ or client/, or hand the store a callable at construction"),
 )
@@ -64,6 +64,9 @@ SEAM_RULES = (
              "built on them; pass a callable or a value in instead"),
     SeamRule(("kernels",), ("kvstore", "tiering", "gc", "client", "server", "cli", "engine", "benchmarks"), (),
              "kernels import torch only: take tensors and shapes as arguments"),
+    SeamRule(("policy",), ("kvstore", "tiering", "gc", "client", "server", "cli", "engine", "benchmarks",
+                           "kernels"), (),
+             "an eviction order is a leaf: it sees block keys as opaque hashables, never a tier or a store"),
 )
 # Packages that form one layer for the cycle rule: the store and its tiers call each other.
 LAYERS = {"tiering": "kvstore"}

@@ -1,0 +1,119 @@
+"""A duel: follow whichever of two policies would have hit more lately.
+
+    lookup(keys) ──> each shadow scores the prefix it would have hit (decayed: ~1/(1-decay)
+                     requests); the higher score leads
+    insert / hit ──> both shadows see it (keys only, each a BoundedCache at the cache's size);
+                     the cache holds the block
+    victims()    ──> first what the leader has dropped since (oldest first), then the oldest
+                     block the leader does not hold, then the oldest of all
+
+                   held by the cache      ┌ shadow A (LRU)      ┐ scores
+    insert(k) ──>  ─────────────────  ──> ┤                     ├ ──────> leader
+                   evict: leader's drops  └ shadow B (S3-FIFO)  ┘
+
+Where one policy wins at a cache's size and workload the duel behaves as that one; measured on
+the Mooncake conversation trace it is never below LRU, at any capacity (benchmarks/README). The
+shadows' size is the most blocks the cache has held at once (a tier's capacity is in bytes).
+State: the held keys, both shadows' keys (S3-FIFO's ghosts too): about four keys a block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Callable, Iterator, Sequence
+
+from kvcache.policy.bounded import BoundedCache
+from kvcache.policy.order import EvictionOrder
+
+
+class Duel(EvictionOrder):
+    name = "duel"
+
+    def __init__(self, a: Callable[[], EvictionOrder], b: Callable[[], EvictionOrder], decay: float = 0.999,
+                 capacity: int | None = None):
+        if not 0 < decay < 1:
+            raise ValueError(f"duel decay must be in (0, 1), got {decay}")
+        self.fixed = capacity                        # None: the shadows grow with the cache
+        self.shadows = [BoundedCache(capacity or 1, a()), BoundedCache(capacity or 1, b())]
+        self.scores = [0.0, 0.0]
+        self.decay, self.leader = decay, 0
+        self._held: OrderedDict = OrderedDict()      # oldest first
+        self._doomed: deque = deque()                # held keys the leader dropped (maybe stale)
+        for s in self.shadows:
+            s.on_evict = self._shadow_dropped
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, key) -> bool:
+        return key in self._held
+
+    def _shadow_dropped(self, shadow: BoundedCache, key) -> None:
+        if shadow is self.shadows[self.leader] and key in self._held:
+            self._doomed.append(key)
+            if len(self._doomed) > 2 * len(self._held) + 64:     # stale entries bounded
+                lead = self.shadows[self.leader]
+                self._doomed = deque(k for k in self._doomed if k in self._held and not lead.contains(k))
+
+    def begin(self, keys: Sequence, tokens: Sequence[int] | None = None) -> None:
+        for i, s in enumerate(self.shadows):
+            n = 0
+            while n < len(keys) and s.contains(keys[n]):
+                n += 1
+            self.scores[i] = self.scores[i] * self.decay + (sum(tokens[:n]) if tokens is not None else n)
+        leader = 0 if self.scores[0] >= self.scores[1] else 1
+        if leader != self.leader:                    # what the new leader does not hold, oldest first
+            self.leader = leader
+            lead = self.shadows[leader]
+            self._doomed = deque(k for k in self._held if not lead.contains(k))
+
+    def insert(self, key) -> None:
+        if key == self._offered:
+            self._offered = None
+        self._held[key] = None
+        self._held.move_to_end(key)
+        if self.fixed is None and len(self._held) > self.shadows[0].capacity:
+            for s in self.shadows:
+                s.capacity = len(self._held)
+        for s in self.shadows:
+            s.access(key)
+
+    def hit(self, key) -> None:
+        if key in self._held:
+            self.insert(key)
+
+    def remove(self, key) -> None:
+        evicted, self._offered = key == self._offered, None
+        held = key in self._held
+        self._held.pop(key, None)
+        if held and not evicted:                     # a delete: no policy could hit it now
+            for s in self.shadows:
+                s.order.remove(key)
+
+    def victims(self) -> Iterator:
+        held = self._held
+        while held:
+            lead = self.shadows[self.leader]
+            key = None
+            while self._doomed and key is None:
+                k = self._doomed.popleft()
+                if k in held and not lead.contains(k):
+                    key = k
+            for _ in range(len(held) if key is None else 0):   # the oldest the leader lacks
+                k = next(iter(held))
+                if not lead.contains(k):
+                    key = k
+                    break
+                held.move_to_end(k)
+            if key is None:                          # the leader holds them all: the oldest
+                key = next(iter(held))
+            self._offered = key
+            yield key
+            if key == self._offered:                 # skipped: counts as used
+                self._offered = None
+                if key in held:
+                    held.move_to_end(key)
+
+    def state(self) -> dict:
+        return {"held": len(self._held), "doomed": len(self._doomed), "leader": self.leader,
+                "shadows": [s.order.state() for s in self.shadows]}

@@ -1,0 +1,97 @@
+"""S3-FIFO (Yang et al., SOSP'23) as an eviction order.
+
+    insert ──> small FIFO ───────────── head: read since it came? ──yes──> main FIFO (tail)
+       │      (small_fraction of held)                              no──> evicted, key to ghost
+       └─ key in ghost ──> main FIFO ── head: read since (2-bit freq)? yes: freq-1, to the tail
+                                                                    no:  evicted
+
+One-off blocks (a prompt nobody repeats) pass through the small queue and leave without
+touching the main one, where reused prefixes live; a block evicted young but asked for again
+(its key still in the ghost list) goes straight to main. The ghost list holds keys only, as
+many as the cache has ever held at once.
+
+A skipped victim (pinned, being read) is treated as used: it goes to the main queue's tail.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator
+
+from kvcache.policy.order import EvictionOrder
+
+MAX_FREQ = 3
+
+
+class S3FIFO(EvictionOrder):
+    name = "s3fifo"
+
+    def __init__(self, small_fraction: float = 0.1):
+        if not 0 < small_fraction < 1:
+            raise ValueError(f"s3fifo small_fraction must be in (0, 1), got {small_fraction}")
+        self.small_fraction = small_fraction
+        self.small: OrderedDict = OrderedDict()      # key -> reads since insert (capped), oldest first
+        self.main: OrderedDict = OrderedDict()
+        self.ghost: OrderedDict = OrderedDict()      # keys evicted from small, oldest first
+        self._peak = 0                               # most keys held at once: the ghost list's bound
+
+    def __len__(self) -> int:
+        return len(self.small) + len(self.main)
+
+    def __contains__(self, key) -> bool:
+        return key in self.small or key in self.main
+
+    def insert(self, key) -> None:
+        if key in self:
+            self.hit(key)
+            return
+        if key == self._offered:
+            self._offered = None
+        if key in self.ghost:
+            del self.ghost[key]
+            self.main[key] = 0
+        else:
+            self.small[key] = 0
+        self._peak = max(self._peak, len(self))
+
+    def hit(self, key) -> None:
+        for q in (self.small, self.main):
+            if key in q:
+                q[key] = min(q[key] + 1, MAX_FREQ)
+                return
+
+    def remove(self, key) -> None:
+        evicted, self._offered = key == self._offered, None
+        if self.small.pop(key, None) is not None and evicted:
+            self.ghost[key] = None
+            while len(self.ghost) > max(1, self._peak):
+                self.ghost.popitem(last=False)
+        else:
+            self.main.pop(key, None)
+
+    def victims(self) -> Iterator:
+        small, main = self.small, self.main
+        while small or main:
+            if small and (len(small) > self.small_fraction * len(self) or not main):
+                key, freq = next(iter(small.items()))
+                if freq > 0:                         # read while young: it earned main
+                    del small[key]
+                    main[key] = 0
+                    continue
+            else:
+                key, freq = next(iter(main.items()))
+                if freq > 0:                         # reinserted, one read spent
+                    main[key] = freq - 1
+                    main.move_to_end(key)
+                    continue
+            self._offered = key
+            yield key
+            if key == self._offered:                 # skipped: counts as used
+                self._offered = None
+                if key in small or key in main:
+                    small.pop(key, None)
+                    main[key] = main.get(key, 0)
+                    main.move_to_end(key)
+
+    def state(self) -> dict:
+        return {"held": len(self), "small": len(self.small), "main": len(self.main), "ghost": len(self.ghost)}
