@@ -14,6 +14,7 @@ EPILOG = """examples:
   kvcache replay conversation_trace.jsonl
   kvcache replay trace.jsonl --model v41-flash --dram-tokens 1M,3M,10M --nvme-tokens 30M --json out.json
   kvcache replay trace.jsonl --kv-bytes-per-token 3850 --limit 2000
+  kvcache replay trace.jsonl --dram-tokens 1M --policy duel,lru,s3fifo+second-hit   # DRAM orders compared
   kvcache replay trace.jsonl --bounds-only --grid 300K,1M,3M,10M,30M --plot bounds.png   # seconds
 
 Block sizes come from the model's KV layout (history bytes per token x 512 tokens per trace block),
@@ -23,6 +24,9 @@ have this format; the store's replay of the whole conversation trace takes minut
 (--limit for a first look), the simulated policies about a second each.
 Progress goes to stderr: a bar on a terminal, a line every 10 s otherwise (a log, CI).
 """
+
+
+DEFAULT_STORE_POLICIES = "lru,lru+second-hit"
 
 
 def _tokens(text: str) -> int:
@@ -44,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--retention-hours", type=float, default=72.0)
     p.add_argument("--scale", type=int, default=64, help="divide block bytes and capacities by this (default 64)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--policy", default=DEFAULT_STORE_POLICIES,
+                   help="the store's DRAM policies to replay, each EVICTION[+second-hit] with EVICTION one of "
+                        "lru, fifo, s3fifo, duel (dram.eviction; +second-hit is dram.admission); the first is "
+                        "the one measured against the bounds (default: %(default)s)")
     p.add_argument("--grid", default="300K,1M,3M,10M,30M", help="capacities for the simulated policies, in tokens")
     p.add_argument("--policies", default="lru,belady,s3fifo,arc,duel",
                    help="simulated policies to compare (kvstore/policy_sim.py; LRU and Belady always run)")
@@ -76,8 +84,11 @@ def _progress():
 def cmd_replay(args) -> int:
     from kvcache.gc.collector import Collector
     from kvcache.kvstore.policy_sim import POLICIES
-    from kvcache.kvstore.trace_replay import bounds, load_trace, run, unlimited_hit_rate
+    from kvcache.kvstore.trace_replay import bounds, load_trace, run, store_variant, unlimited_hit_rate
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    variants = tuple(v.strip() for v in args.policy.split(",") if v.strip())
+    for v in variants:
+        store_variant(v)
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise ValueError(f"unknown --policies {unknown}; known: {sorted(POLICIES)}")
@@ -90,6 +101,7 @@ def cmd_replay(args) -> int:
         bpt, source = _bytes_per_token(args)
         doc = run(args.trace, bpt, [_tokens(t) for t in args.dram_tokens.split(",")], _tokens(args.nvme_tokens),
                   args.scale, args.limit, args.retention_hours, progress=_progress(), grid=grid, policies=names,
+                  variants=variants,
                   maintenance=Collector)
         doc["kv_bytes_source"] = source
         print(f"{doc['requests']:,} requests, {doc['unlimited']['tokens']:,} prompt tokens, KV {bpt:.0f} B/token "
@@ -109,11 +121,11 @@ def cmd_replay(args) -> int:
 
 
 def _store_table(doc: dict) -> None:
-    print(f"{'DRAM':>8} {'NVMe':>8}  {'admission':<10}  {'store':>6} {'(DRAM':>6} {'NVMe)':>6}   "
+    print(f"{'DRAM':>8} {'NVMe':>8}  {'DRAM policy':<18}  {'store':>6} {'(DRAM':>6} {'NVMe)':>6}   "
           f"{'LRU DRAM':>8} {'LRU total':>9} {'Belady total':>12}")
     for c in doc["capacities"]:
         for name, pol in c["policies"].items():
-            print(f"{c['dram_tokens'] / 1e6:>7.1f}M {c['nvme_tokens'] / 1e6:>7.1f}M  {name:<10}  "
+            print(f"{c['dram_tokens'] / 1e6:>7.1f}M {c['nvme_tokens'] / 1e6:>7.1f}M  {name:<18}  "
                   f"{pol['token_hit_rate']:>6.1%} {pol['dram_hit_rate']:>6.1%} {pol['nvme_hit_rate']:>6.1%}   "
                   f"{c['lru_dram_only_hit_rate']:>8.1%} {c['lru_same_total_hit_rate']:>9.1%} "
                   f"{c['belady_same_total_hit_rate']:>12.1%}")

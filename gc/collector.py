@@ -3,8 +3,10 @@
 One `Collector.step()` does at most:
   1. expiry:      scan `batch` index entries from a cursor that walks the key space round
                   robin; delete expired ones, clear lapsed soft pins; also DRAM-only blocks
-  2. capacity:    while NVMe live bytes exceed the high watermark, evict approximately-LRU
-                  victims (oldest of random samples, Redis-style; pinned blocks skipped)
+  2. capacity:    over the high watermark, by nvme.eviction: "segment-lru" drops the oldest
+                  segments' cold blocks and then the segments (gc/segment_eviction.py);
+                  "sampled-lru" evicts approximately-LRU victims (oldest of random samples,
+                  Redis-style) while live bytes exceed it. Pinned blocks are skipped.
   3. compaction:  one sealed segment whose live fraction is below `compact_below`: copy its
                   live records forward, commit the new places, then unlink it
   4. object packs: the same for one object-tier pack (gc/pack_collector.py)
@@ -22,6 +24,7 @@ import os
 import random
 from dataclasses import dataclass
 
+from kvcache.gc import segment_eviction
 from kvcache.gc.pack_collector import compact_one_pack
 from kvcache.kvstore.errors import CorruptBlockError, TierFullError
 from kvcache.kvstore.events import Event
@@ -64,7 +67,7 @@ class Collector:
         r = GcReport()
         self._expire(r)
         if self.store.nvme is not None:
-            self._evict_for_capacity(r)
+            self._evict(r)
             self._compact_one(r)
         if self.store.object is not None:
             compact_one_pack(self.store, r)
@@ -86,8 +89,8 @@ class Collector:
         checked before anything is evicted (see _full_disk_victim).
         """
         r = GcReport()
-        self._evict_for_capacity(r)
-        self._compact_one(r, force=True)
+        if not self._evict(r):
+            self._compact_one(r, force=True)
         return r
 
     def run(self, max_steps: int = 1_000_000) -> GcReport:
@@ -143,6 +146,23 @@ class Collector:
                                       mean_age_s=sum(ages) / max(1, len(ages))))
 
     # ---------------------------------------------------------------- 2. capacity
+    def _evict(self, r: GcReport) -> bool:
+        """Capacity eviction by the configured rule; whether it dropped segments itself. When
+        segment-lru drops none (no sealed segment yet, a disk too full to copy), the sampled
+        rule evicts: lookups miss the blocks over capacity even before their room comes back."""
+        if self.store.nvme.config.eviction == "segment-lru" and self._evict_segments(r):
+            return True
+        self._evict_for_capacity(r)
+        return False
+
+    def _evict_segments(self, r: GcReport) -> bool:
+        def drop(sid: int, evicted: int) -> None:
+            r.evicted += evicted
+            self._compact_one(r, force=True, sid=sid)
+        removed = r.segments_removed
+        segment_eviction.evict_segments(self.store, self._rng, drop)
+        return r.segments_removed > removed
+
     def _evict_for_capacity(self, r: GcReport, max_victims: int = 10_000) -> None:
         """Free NVMe space: a victim with an object-tier copy only loses its NVMe copy."""
         store, cfg = self.store, self.store.nvme.config
@@ -200,10 +220,11 @@ class Collector:
         return min(cands, key=lambda km: max(km[1].last_access, km[1].created), default=None)
 
     # ---------------------------------------------------------------- 3. compaction
-    def _compact_one(self, r: GcReport, force: bool = False) -> None:
+    def _compact_one(self, r: GcReport, force: bool = False, sid: int | None = None) -> None:
+        """Compact the sparsest sealed segment (or segment `sid`, whatever its live share)."""
         store, nvme = self.store, self.store.nvme
         usage = store.index.segments()
-        ranked = self._ranked(usage)
+        ranked = self._ranked(usage) if sid is None else [(0.0, sid)]
         if not ranked:
             return
         ratio, best = ranked[0]

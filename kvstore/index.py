@@ -154,16 +154,16 @@ class Index:
 
     def sample(self, n: int, rng) -> list[tuple[bytes, BlockMeta]]:
         """About `n` entries at uniformly random places: keys are hashes, so a random
-        16-byte probe lands uniformly in the key space (approximate-LRU eviction input)."""
-        out = {}
+        16-byte probe lands uniformly in the key space (approximate-LRU eviction input). Read
+        through get_many, so access times not yet flushed count: a block read a moment ago is
+        not the oldest of its sample."""
+        keys: dict[bytes, None] = {}
         with self._read(db=self._blocks) as txn:
             cur = txn.cursor()
             for _ in range(n):
                 if cur.set_range(rng.randbytes(16)) or cur.first():
-                    meta = unpack_meta(cur.key(), cur.value())
-                    if meta is not None:
-                        out[cur.key()] = meta
-        return list(out.items())
+                    keys[cur.key()] = None
+        return [(k, m) for k, m in zip(keys, self.get_many(keys)) if m is not None]
 
     def count(self) -> int:
         with self._read() as txn:

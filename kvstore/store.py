@@ -160,6 +160,8 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         """`tenant` and `namespace_id` only label the event for hit-rate reports (the namespace
         gives a lookup that misses entirely its token count)."""
         t0, tiers, first, remote = time.perf_counter(), [], None, []
+        if self.dram is not None:
+            self.dram.begin(keys)
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
                 break

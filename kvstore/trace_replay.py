@@ -24,6 +24,7 @@ prefix hit rates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -140,9 +141,11 @@ def _key(hash_id: int) -> bytes:
 
 def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, nvme_bytes: int,
                  retention_hours: float = 72.0, bucket_s: float = 300.0, progress=None,
-                 admission: str = "always", *, maintenance: MaintenanceFactory) -> dict:
-    """Hit rates per tier (token-weighted) of the real store over the trace, and over time;
-    `maintenance` is the store's collector (see the module docstring)."""
+                 admission: str = "always", eviction: str = "lru", *, maintenance: MaintenanceFactory,
+                 restart_at: int | None = None) -> dict:
+    """Hit rates per tier (token-weighted) of the real store over the trace, and over time, with
+    the DRAM tier's `eviction` order and `admission`; `maintenance` is the store's collector (see
+    the module docstring). `restart_at`: close and reopen the store before that request."""
     from kvcache.kvstore.retention import RetentionPolicy, RetentionRule
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.hashing import Namespace
@@ -160,9 +163,10 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     clock = Clock()
     root = tempfile.mkdtemp(prefix="kvcache-replay-")
     page = max(1 << 20, 1 << (block_bytes - 1).bit_length())
+    segment = max(1 << 20, 8 * block_bytes, min(16 << 20, nvme_bytes // 16))   # 16+ segments: some sealed
     cfg = StoreConfig(root, dram=DramConfig(capacity_bytes=max(dram_bytes, 2 * page), page_bytes=page, prefault=False,
-                                            pin_memory="off", admission=admission),
-                      nvme=NvmeConfig(capacity_bytes=nvme_bytes, segment_bytes=max(16 << 20, 8 * block_bytes),
+                                            pin_memory="off", admission=admission, eviction=eviction),
+                      nvme=NvmeConfig(capacity_bytes=nvme_bytes, segment_bytes=segment,
                                       fsync="never"),
                       retention=RetentionPolicy(RetentionRule(ttl_s=retention_hours * 3600)), event_log=False)
     ns = Namespace("trace-replay", f"synthetic/{block_bytes}", TRACE_BLOCK_TOKENS, name="replay")
@@ -173,10 +177,15 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
     buckets: dict[int, dict] = {}
     started = time.perf_counter()
     try:
-        with BlockStore(cfg, clock=clock, maintenance=maintenance) as store:
-            store.register_namespace(ns)
+        store = BlockStore(cfg, clock=clock, maintenance=maintenance)
+        store.register_namespace(ns)
+        with contextlib.ExitStack() as open_store:
+            open_store.callback(lambda: store.close())
             t0 = trace[0].time_s if trace else 0.0
-            for req in trace:
+            for i, req in enumerate(trace):
+                if i == restart_at:                  # a daemon restart: DRAM empties, the index stays
+                    store.close()
+                    store = BlockStore(cfg, clock=clock, maintenance=maintenance)
                 clock.t = 1_700_000_000.0 + req.time_s
                 keys = [_key(h) for h in req.hash_ids]
                 toks = req.block_tokens()
@@ -197,6 +206,7 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
                     progress.update(1)
             usage = {t.tier: {"blocks": t.blocks, "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
                      for t in store.stats().tiers}
+            policy_state = store.dram.policy_state()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     over_time = [{"start_s": k * bucket_s, "tokens": v["tokens"],
@@ -205,15 +215,27 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
                  for k, v in sorted(buckets.items())]
     return {"token_hit_rate": (hits["dram"] + hits["nvme"]) / total_tok, "dram_hit_rate": hits["dram"] / total_tok,
             "nvme_hit_rate": hits["nvme"] / total_tok, "over_time": over_time, "tier_usage_at_end": usage,
-            "replay_s": time.perf_counter() - started}
+            "dram_policy_state": policy_state, "replay_s": time.perf_counter() - started}
+
+
+def store_variant(spec: str) -> tuple[str, str]:
+    """A store run's DRAM policy, written EVICTION[+second-hit] (`lru`, `duel+second-hit`):
+    (eviction, admission)."""
+    from kvcache.policy import NAMES
+    eviction, _, admission = spec.partition("+")
+    if eviction not in NAMES or admission not in ("", "second-hit"):
+        raise ValueError(f"unknown store policy {spec!r}: write EVICTION[+second-hit], EVICTION one of "
+                         f"{', '.join(NAMES)}")
+    return eviction, admission or "always"
 
 
 def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme_tokens: int, scale: int = 64,
         limit: int | None = None, retention_hours: float = 72.0, progress: bool | Callable[[int], Any] = True,
-        admissions: tuple[str, ...] = ("always", "second-hit"), grid: list[int] = (), policies=None, *,
+        variants: tuple[str, ...] = ("lru", "lru+second-hit"), grid: list[int] = (), policies=None, *,
         maintenance: MaintenanceFactory) -> dict:
-    """The whole study: unlimited rate, then per DRAM capacity our store, LRU and Belady, and the
-    simulated `policies` on the `grid` of capacities (tokens; `bounds`).
+    """The whole study: unlimited rate, then per DRAM capacity the store with each DRAM policy of
+    `variants` (`store_variant`; the first is "the policy"), LRU and Belady, and the simulated
+    `policies` on the `grid` of capacities (tokens; `bounds`).
     `progress`: a tqdm bar (True), none (False), or a factory given the number of request
     replays that returns a context manager with tqdm's update(n). `maintenance`: the stores' collector."""
     trace = load_trace(trace_path, limit)
@@ -223,14 +245,15 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
     per_block = block_bytes / TRACE_BLOCK_TOKENS                # scaled bytes per token
     unlimited = unlimited_hit_rate(trace)
     results = []
-    with _progress_bar(progress, len(trace) * len(dram_tokens) * len(admissions)) as bar:
+    parsed = {v: store_variant(v) for v in variants}
+    with _progress_bar(progress, len(trace) * len(dram_tokens) * len(variants)) as bar:
         for dram in dram_tokens:
-            runs = {a: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
-                                    retention_hours, progress=bar, admission=a, maintenance=maintenance)
-                    for a in admissions}
+            runs = {v: store_replay(trace, block_bytes, int(dram * per_block), int(nvme_tokens * per_block),
+                                    retention_hours, progress=bar, admission=a, eviction=e, maintenance=maintenance)
+                    for v, (e, a) in parsed.items()}
             dram_blocks = max(1, dram // TRACE_BLOCK_TOKENS)
             total_blocks = max(1, max(dram, nvme_tokens) // TRACE_BLOCK_TOKENS)    # NVMe holds DRAM's too
-            row = {"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[admissions[0]], "policies": runs,
+            row = {"dram_tokens": dram, "nvme_tokens": nvme_tokens, "policy": runs[variants[0]], "policies": runs,
                    "lru_dram_only_hit_rate": lru_hit_rate(trace, dram_blocks, stream),
                    "lru_same_total_hit_rate": lru_hit_rate(trace, total_blocks, stream),
                    "belady_dram_only_hit_rate": _belady(stream, dram_blocks),

@@ -109,10 +109,10 @@ class Duel(EvictionOrder):
                 key = next(iter(held))
             self._offered = key
             yield key
-            if key == self._offered:                 # skipped: counts as used
-                self._offered = None
+            if key == self._offered:                 # skipped: counts as used, by the shadows too
+                self._offered = None                 # (else the leader's lack of it offers it again)
                 if key in held:
-                    held.move_to_end(key)
+                    self.insert(key)
 
     def state(self) -> dict:
         return {"held": len(self._held), "doomed": len(self._doomed), "leader": self.leader,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.policy import NAMES as POLICY_NAMES
 from kvcache.tiering.object_codec import CODEC_NAMES
 
 _CODECS = (*CODEC_NAMES, "auto")
@@ -34,7 +35,9 @@ class DramConfig:
     page_bytes: int = 16 << 20
     high_watermark: float = 0.95
     low_watermark: float = 0.90
-    eviction: str = "lru"          # "lru": reads refresh recency; "fifo": insertion order only
+    eviction: str = "lru"          # an eviction order of kvcache/policy: "lru", "fifo", "s3fifo" or "duel"
+    eviction_small_fraction: float | None = None  # s3fifo/duel: S3-FIFO's small queue (None: the default)
+    eviction_decay: float = 0.999  # duel: how fast old wins fade (~1/(1-decay) lookups of memory)
     pin_memory: str = "auto"       # "auto" | "on" | "off"
     prefault: bool = True          # touch the arena at start-up, not on the first puts
     shared_memory: bool | None = None  # local clients map the arena (None: on in `kvcache serve`)
@@ -48,8 +51,12 @@ class DramConfig:
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < dram.low_watermark <= dram.high_watermark <= 1")
-        if self.eviction not in ("lru", "fifo"):
-            raise ValueError(f"dram.eviction must be 'lru' or 'fifo', got {self.eviction!r}")
+        if self.eviction not in POLICY_NAMES:
+            raise ValueError(f"dram.eviction must be one of {', '.join(POLICY_NAMES)}, got {self.eviction!r}")
+        if self.eviction_small_fraction is not None and not 0 < self.eviction_small_fraction < 1:
+            raise ValueError(f"dram.eviction_small_fraction must be in (0, 1), got {self.eviction_small_fraction}")
+        if not 0 < self.eviction_decay < 1:
+            raise ValueError(f"dram.eviction_decay must be in (0, 1), got {self.eviction_decay}")
         if self.pin_memory not in ("auto", "on", "off"):
             raise ValueError(f"dram.pin_memory must be auto, on or off, got {self.pin_memory!r}")
         if self.admission not in ("always", "second-hit") or self.admission_memory < 1:
@@ -64,9 +71,11 @@ class NvmeConfig:
     fsync: str = "always"          # "always": durable on return; "interval": every fsync_interval_s; "never"
     fsync_interval_s: float = 1.0
     o_direct: bool = False
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
+    high_watermark: float = 0.98   # segment files over this share of capacity_bytes: evict ...
+    low_watermark: float = 0.95    # ... down to this (sampled-lru wants more room: 0.95 / 0.85)
     compact_below: float = 0.5     # compact a sealed segment whose live fraction drops below this
+    eviction: str = "segment-lru"  # "segment-lru": the oldest segments drop their cold blocks, then go;
+                                   # "sampled-lru": oldest of random samples (gc/segment_eviction.py)
     reserve_bytes: int = 4 << 20   # kept free for deletes on a full disk (tiering/space_reserve.py)
 
     def __post_init__(self) -> None:
@@ -76,6 +85,8 @@ class NvmeConfig:
             raise ValueError("need 0 < nvme.low_watermark <= nvme.high_watermark <= 1")
         if self.segment_bytes < 1 << 20:
             raise ValueError("nvme.segment_bytes must be at least 1 MiB")
+        if self.eviction not in ("segment-lru", "sampled-lru"):
+            raise ValueError(f"nvme.eviction must be segment-lru or sampled-lru, got {self.eviction!r}")
         if self.reserve_bytes < 0:
             raise ValueError("nvme.reserve_bytes must be >= 0")
 

@@ -1,9 +1,9 @@
 """The DRAM tier: block payloads in one preallocated host arena.
 
-    put ──> slab chunk in the arena ──> LRU list (tail = most recent)
+    put ──> slab chunk in the arena ──> eviction order (kvcache/policy: LRU, S3-FIFO, duel...)
                                            │ fill > high watermark, or no free chunk
                                            v
-                        evict from the head (skipping pinned and leased blocks)
+                        evict its victims (skipping pinned and leased blocks)
                         └─> on_evict(dirty blocks): the store demotes them to NVMe
                             *before* their chunk is reused (write-back)
     (the eviction policy: dram_eviction.py)
@@ -29,12 +29,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.policy import EvictionOrder, make_order
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
 from kvcache.tiering.config import DramConfig
@@ -81,10 +81,11 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             self.directory_arena = Arena(table_bytes(self._slab.capacity), shared=True)
             self.directory = Directory(self.directory_arena.view)
         self._mv = self.arena.view
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: dict[bytes, _Entry] = {}
+        self._order = self._new_order()   # which entry goes first: told every put, read and removal
+        self._learns = type(self._order).begin is not EvictionOrder.begin   # else begin() costs no lock
         self._lock = threading.Lock()
         self._on_evict = on_evict
-        self._lru = config.eviction == "lru"
         self._doomed_offsets: list[int] = []
         self.evictions = 0
         self._base = address(self.arena.buf)
@@ -93,6 +94,10 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         self.adopted = 0                       # payloads put without a copy (they landed in a reserved chunk)
         self.max_reserved_bytes = self._slab.capacity // 8   # concurrent uploads cannot crowd out blocks
 
+    def _new_order(self) -> EvictionOrder:
+        c = self.config
+        return make_order(c.eviction, c.eviction_small_fraction, c.eviction_decay)
+
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
         evicted: list[EvictedBlock] = []
@@ -100,6 +105,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             for w in writes:
                 if w.key in self._entries:
                     self._entries[w.key].dirty |= dirty
+                    self._order.hit(w.key)
                     continue
                 n = memoryview(w.payload).nbytes
                 off = self._adopt(w.payload, n)
@@ -107,6 +113,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                     off = self._alloc(n, evicted)
                     self._mv[off: off + n] = memoryview(w.payload).cast("B")
                 self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty, w.tenant)
+                self._order.insert(w.key)
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
         return [Placement(payload_len=memoryview(w.payload).nbytes) for w in writes]
@@ -126,8 +133,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             if e is None:
                 return None
             e.leases += 1
-            if self._lru:
-                self._entries.move_to_end(key)
+            self._order.hit(key)
         try:
             dst = memoryview(out).cast("B")
             if dst.nbytes < e.nbytes:
@@ -169,8 +175,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             for k, e in zip(keys, held):
                 if e is not None:
                     e.leases += 1
-                    if self._lru:
-                        self._entries.move_to_end(k)
+                    self._order.hit(k)
         return held
 
     def release(self, held: Sequence["_Entry | None"]) -> None:
@@ -216,10 +221,9 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         """A read that needed no lease (the directory): refresh recency; each block's size or None."""
         with self._lock:
             held = [self._entries.get(k) for k in keys]
-            if self._lru:
-                for k, e in zip(keys, held):
-                    if e is not None:
-                        self._entries.move_to_end(k)
+            for k, e in zip(keys, held):
+                if e is not None:
+                    self._order.hit(k)
         return [None if e is None else e.nbytes for e in held]
 
     def _unpublish(self, key: bytes) -> None:
@@ -234,8 +238,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             e = self._entries.get(key)
             if e is not None:
                 e.leases += 1
-                if self.config.eviction == "lru":
-                    self._entries.move_to_end(key)
+                self._order.hit(key)
         if e is None:
             yield None
             return
@@ -262,6 +265,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             e = self._entries.pop(key, None)
             if e is None:
                 return
+            self._order.remove(key)
             self._unpublish(key)
             if e.leases:
                 e.doomed = True  # freed when the last lease ends
@@ -292,6 +296,18 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 if e is not None:
                     e.dirty = False
 
+    def begin(self, keys: Sequence[bytes]) -> None:
+        """A request's blocks, in prefix order, before it reads them: orders that learn from
+        requests (the duel scores its two policies' prefix hits) see it."""
+        if self._learns:
+            with self._lock:
+                self._order.begin(keys)
+
+    def policy_state(self) -> dict:
+        """What the eviction order holds (sizes), for stats and its memory bound."""
+        with self._lock:
+            return {"policy": self._order.name, **self._order.state()}
+
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._entries)
@@ -302,6 +318,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._order = self._new_order()
             self._reserved.clear()
             if self.directory is not None:
                 self.directory.clear()

@@ -1,17 +1,19 @@
 """DRAM eviction: which blocks leave the arena to make room, and when their chunks are freed.
 
     put needs a chunk ──> a free chunk of its size class (or a larger one: tiering/slab.py)
-                      └─> none: evict one LRU-near block whose chunk fits (same class first)
-                          └─> none: evict from the LRU head in batches until a page empties
-    after each put: above the high watermark, evict from the LRU head down to the low one
+                      └─> none: evict one of the first victims whose chunk fits (same class first)
+                          └─> none: evict victims in batches until a page empties
+    after each put: above the high watermark, evict victims down to the low one
 
-Pinned blocks (hard or soft) and leased ones (a reader holds them) are skipped. An evicted
+The victims come from the tier's eviction order (kvcache/policy: `victims()`, first to go
+first); which order is `dram.eviction`. Pinned blocks (hard or soft) and leased ones (a reader
+holds them) are skipped, which the order counts as a use of them. An evicted
 block is unlinked at once (and leaves the read directory), but its chunk is freed only after
 `on_evict` has seen it: dirty blocks are demoted to NVMe from the arena before it is reused.
 
 `DramEviction` is a mixin of `DramTier` (tiering/dram.py), whose lock the caller holds and
-which provides `_entries`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets` and
-`_unpublish`; it is not meant to be used on its own.
+which provides `_entries`, `_order`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets`
+and `_unpublish`; it is not meant to be used on its own.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ class DramEviction:
     MAX_EVICT_PER_ALLOC = 256
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
-        """A chunk for `nbytes`, evicting if needed: first the least recently used block whose
-        chunk this one fits in (of its own size class if one is near the LRU head: one eviction
-        then suffices), else from the LRU head in small batches until a page empties.
+        """A chunk for `nbytes`, evicting if needed: first one of the order's first victims whose
+        chunk this one fits in (of its own size class if there is one: one eviction then
+        suffices), else the victims in small batches until a page empties.
 
         Evicted chunks are freed only after `on_evict` has demoted them, so a batch is
         finished before each retry. At most MAX_EVICT_PER_ALLOC blocks go for one put.
@@ -57,7 +59,7 @@ class DramEviction:
         now = self._clock() if off is None else 0.0     # one clock read for all the candidates
         if off is None:
             off = self._evict_fitting(nbytes, evicted, now)
-        candidates = iter(list(self._entries)) if off is None else iter(())
+        candidates = self._order.victims() if off is None else iter(())
         budget, freed = self.MAX_EVICT_PER_ALLOC, 0
         while off is None and budget > 0:
             key = next(candidates, None)
@@ -77,24 +79,26 @@ class DramEviction:
         return off
 
     def _evict_fitting(self, nbytes: int, evicted: list[EvictedBlock], now: float) -> int | None:
-        """Evict one block near the LRU head whose chunk would hold `nbytes` and allocate there.
-        Evicting from the LRU head instead (of any class) until a whole page empties would cost
-        a small arena of mixed sizes most of its blocks for each block of a new size."""
-        need, window = self._slab.chunk_size(nbytes), self.MAX_EVICT_PER_ALLOC
-        same = larger = None
-        for key in itertools.islice(self._entries, window):
+        """Evict one of the first victims whose chunk would hold `nbytes` and allocate there.
+        Evicting victims of any class until a whole page empties would cost a small arena of
+        mixed sizes most of its blocks for each block of a new size. The victims of other
+        classes this passes over count as used (the order's skip rule); with one block size,
+        as one model gives, the first evictable victim fits."""
+        need, window = self._slab.chunk_size(nbytes), min(self.MAX_EVICT_PER_ALLOC, len(self._entries))
+        larger = None
+        for key in itertools.islice(self._order.victims(), window):
             e = self._entries[key]
             if not _evictable(e, now):
                 continue
             chunk = self._slab.chunk_at(e.offset)
             if chunk == need:
-                same = key
+                self._evict_one(key, evicted, now)
                 break
             if chunk > need and larger is None:
                 larger = key
-        victim = same or larger
-        if victim is None or not self._evict_one(victim, evicted, now):
-            return None
+        else:
+            if larger is None or not self._evict_one(larger, evicted, now):
+                return None
         self._finish_evictions(evicted)
         return self._slab.alloc(nbytes)
 
@@ -103,10 +107,10 @@ class DramEviction:
         if self._slab.used_bytes <= self.config.high_watermark * cap:
             return
         used, now = self._slab.used_bytes, self._clock()
-        for key in list(self._entries):
+        for key in itertools.islice(self._order.victims(), len(self._entries)):   # one pass at most
+            used -= self._evict_one(key, evicted, now)
             if used <= self.config.low_watermark * cap:
                 break
-            used -= self._evict_one(key, evicted, now)
 
     def _evict_one(self, key: bytes, evicted: list[EvictedBlock], now: float) -> int:
         """Unlink one block unless it is pinned or being read at `now`; its chunk is freed by
@@ -115,6 +119,7 @@ class DramEviction:
         if e is None or not _evictable(e, now):
             return 0
         del self._entries[key]
+        self._order.remove(key)
         self._unpublish(key)
         write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created,
                                e.tenant)

@@ -31,9 +31,9 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _config(data_dir, reserve: int = 512 << 10) -> StoreConfig:
+def _config(data_dir, reserve: int = 512 << 10, eviction: str = "segment-lru") -> StoreConfig:
     return StoreConfig(str(data_dir), dram=None, index_map_bytes=1 << 30,
-                       nvme=NvmeConfig(segment_bytes=1 << 20, reserve_bytes=reserve))
+                       nvme=NvmeConfig(segment_bytes=1 << 20, reserve_bytes=reserve, eviction=eviction))
 
 
 def _open(data_dir, **kw) -> BlockStore:
@@ -207,8 +207,9 @@ def test_puts_find_room_again_on_a_full_disk_whose_segments_are_partly_dead(smal
 def test_a_full_disk_drops_an_unpinned_segment_rather_than_a_mostly_pinned_sparser_one(small_fs):
     """The sparsest segment is mostly pinned, and its pinned blocks do not fit in the free space:
     GC leaves it alone (evicting its unpinned blocks would lose them and gain nothing) and drops
-    the next candidate, whose blocks are all unpinned."""
-    s = _open(small_fs / "d")
+    the next candidate, whose blocks are all unpinned (the sampled rule: segment-lru would
+    evict the first segment's two old unpinned blocks too)."""
+    s = _open(small_fs / "d", eviction="sampled-lru")
     _put(s, range(100))
     by_segment: dict[int, list[int]] = {}
     for i in range(100):

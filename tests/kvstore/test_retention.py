@@ -208,7 +208,8 @@ def test_expiry_never_writes_back_a_stale_scan(make_store, clock, monkeypatch):
 def test_capacity_eviction_skips_a_victim_pinned_after_sampling(make_store, clock, monkeypatch):
     import dataclasses
     from kvcache.tiering.config import NvmeConfig
-    cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6)
+    cfg = NvmeConfig(segment_bytes=1 << 20, capacity_bytes=4 << 20, high_watermark=0.9, low_watermark=0.6,
+                     eviction="sampled-lru")
     s = make_store(dram_mib=None, nvme_config=cfg)
     keys = make_keys(100)
     put_blocks(s, keys, n=16384)                    # 1.6 MiB: under the watermark while putting
