@@ -2,14 +2,21 @@
 
     used    ref_count > 0: held by one or more running requests (n > 1 children share prompt blocks)
     cached  ref_count == 0 but still holding the content of a full block (it has a key): reusable
-            by a request with the same prefix until reallocated; it sits in the free queue
+            by a request with the same prefix until reallocated
     free    ref_count == 0, no content
 
-    free queue (eviction order):  head = reallocated first ... tail = freed last
-    a request frees its blocks in reverse order, so a prefix's tail blocks go before its head
+    allocate ──> a free block (the oldest freed first) ──none──> the eviction order's first
+                 victim that no request holds (its key dropped)
 
-Invariant, checked by `check()`: free + cached + used == total, every free-queue block has
-ref_count 0, and every key maps to the block that holds it.
+The eviction order is one of kvcache/policy's (`eviction`, LRU by default) over the content keys
+of every keyed block: keyed blocks are inserted, a prefix hit (`share`) and each release count as
+uses, blocks in use are skipped (the order counts that as a use too). A request releases its
+blocks last first, so under LRU a prefix's tail goes before its head. Content is never dropped
+while a block without any is free.
+
+Invariant, checked by `check()`: free + cached + used == total, the free list holds exactly the
+blocks with neither holders nor content, the order exactly the keyed blocks, and every key maps
+to the block that holds it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvcache.kvstore.hashing import hash_blocks
+from kvcache.policy import make_order
 
 
 class PoolExhausted(RuntimeError):
@@ -32,12 +40,14 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, eviction: str = "lru"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one token")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._order = make_order(eviction, capacity=num_blocks)
+        self._cached = 0                     # blocks with a key and no holder
         self._by_key: dict[bytes, int] = {}
 
     @property
@@ -46,32 +56,48 @@ class BlockPool:
 
     def num_free(self) -> int:
         """Blocks that can be handed out now (free or cached)."""
-        return len(self._free)
+        return len(self._free) + self._cached
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        """n blocks from the head of the free queue (cached content there is dropped)."""
-        if n > len(self._free):
-            raise PoolExhausted(f"need {n} blocks, {len(self._free)} free")
+        """n blocks: free ones first, then the eviction order's victims (their content dropped)."""
+        if n > self.num_free():
+            raise PoolExhausted(f"need {n} blocks, {self.num_free()} free")
         out = []
         for _ in range(n):
-            bid, _ = self._free.popitem(last=False)
-            blk = self.blocks[bid]
-            if blk.key is not None:
-                del self._by_key[blk.key]
-                blk.key = None
-            blk.ref_count = 1
+            bid = self._free.popitem(last=False)[0] if self._free else self._evict()
+            self.blocks[bid].ref_count = 1
             out.append(bid)
         return out
+
+    def _evict(self) -> int:
+        """The first victim no request holds; a cached block exists (num_free), so the pass ends."""
+        for key in self._order.victims():
+            blk = self.blocks[self._by_key[key]]
+            if blk.ref_count == 0:
+                self._drop_key(blk)
+                self._cached -= 1
+                return blk.block_id
+        raise AssertionError("the eviction order holds no cached block although the pool counts one")
+
+    def _drop_key(self, blk: Block) -> None:
+        self._order.remove(blk.key)
+        del self._by_key[blk.key]
+        blk.key = None
 
     def share(self, block_ids: list[int]) -> None:
         """Another holder for these blocks (a forked sample, or a prefix hit)."""
         for bid in block_ids:
             blk = self.blocks[bid]
             if blk.ref_count == 0:
-                self._free.pop(bid)
+                if blk.key is None:
+                    self._free.pop(bid)
+                else:
+                    self._cached -= 1
+            if blk.key is not None:
+                self._order.hit(blk.key)
             blk.ref_count += 1
 
     def release(self, block_ids: list[int]) -> None:
@@ -82,7 +108,11 @@ class BlockPool:
                 raise RuntimeError(f"block {bid} released more often than held")
             blk.ref_count -= 1
             if blk.ref_count == 0:
-                self._free[bid] = None
+                if blk.key is None:
+                    self._free[bid] = None
+                else:
+                    self._cached += 1
+                    self._order.hit(blk.key)
 
     def set_key(self, block_id: int, key: bytes) -> None:
         """Record the content key of a full block (kept after release until reallocated)."""
@@ -90,10 +120,21 @@ class BlockPool:
         old = self._by_key.get(key)
         if old is not None and old != block_id:
             return                     # the same content already has a block; keep the first
-        if blk.key is not None and blk.key != key:
-            self._by_key.pop(blk.key, None)
+        if blk.key == key:
+            return
+        if blk.key is not None:
+            self._drop_key(blk)
+        elif blk.ref_count == 0:       # a free block gains content: it is cached now
+            self._free.pop(block_id)
+            self._cached += 1
         blk.key = key
         self._by_key[key] = block_id
+        self._order.insert(key)
+
+    def begin(self, keys: list[bytes]) -> None:
+        """A request's prompt block keys before its prefix is matched (the duel scores its two
+        orders' prefix hits on it; the others ignore it)."""
+        self._order.begin(keys)
 
     def lookup(self, key: bytes) -> int | None:
         return self._by_key.get(key)
@@ -104,9 +145,10 @@ class BlockPool:
         dropped = 0
         for blk in self.blocks:
             if blk.ref_count == 0 and blk.key is not None:
-                self._by_key.pop(blk.key, None)
-                blk.key = None
+                self._drop_key(blk)
+                self._free[blk.block_id] = None
                 dropped += 1
+        self._cached -= dropped
         return dropped
 
     def counts(self) -> dict[str, int]:
@@ -120,12 +162,16 @@ class BlockPool:
         if c["free"] + c["cached"] + c["used"] != c["total"]:
             raise AssertionError(f"block pool counts do not add up: {c}")
         for bid in self._free:
-            if self.blocks[bid].ref_count != 0:
-                raise AssertionError(f"block {bid} is in the free queue with ref_count {self.blocks[bid].ref_count}")
-        if len(self._free) != c["free"] + c["cached"]:
-            raise AssertionError(f"free queue holds {len(self._free)} blocks, expected {c['free'] + c['cached']}")
+            b = self.blocks[bid]
+            if b.ref_count != 0 or b.key is not None:
+                raise AssertionError(f"block {bid} is on the free list with ref_count {b.ref_count}, key {b.key}")
+        if len(self._free) != c["free"] or self._cached != c["cached"]:
+            raise AssertionError(f"free list {len(self._free)} / cached {self._cached}, expected {c}")
+        keyed = sum(1 for b in self.blocks if b.key is not None)
+        if len(self._order) != keyed or len(self._by_key) != keyed:
+            raise AssertionError(f"eviction order holds {len(self._order)} keys, {keyed} blocks have one")
         for key, bid in self._by_key.items():
-            if self.blocks[bid].key != key:
+            if self.blocks[bid].key != key or key not in self._order:
                 raise AssertionError(f"key index points at block {bid}, which holds another key")
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from kvcache.kvstore.types import STORE_TIERS, TierName
+from kvcache.policy import NAMES as POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class EngineConfig:
     """The engine's `[engine]` section, and its cache (configs/engine.toml documents each field)."""
     block_size: int = 128            # tokens per KV block: a multiple of every compress ratio the model uses
     num_blocks: int = 512
+    pool_eviction: str = "lru"       # which cached pool block is reused first: a kvcache/policy order
     max_tokens_per_step: int = 512   # the step's token budget (chunked prefill + decodes)
     max_running: int = 32
     cache: CacheConfig | None = None  # prefix reuse (pool blocks, and a block store when cache.store is set)
@@ -83,6 +85,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self):
+        if self.pool_eviction not in POLICY_NAMES:
+            raise ValueError(f"pool_eviction must be one of {', '.join(POLICY_NAMES)}, got {self.pool_eviction!r}")
         if self.speculative not in ("", "mtp", "dspark"):
             raise ValueError(f"speculative must be '', 'mtp' or 'dspark', got {self.speculative!r}")
         if self.speculative and self.cuda_graphs:

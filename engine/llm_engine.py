@@ -89,7 +89,7 @@ class LLMEngine:
             if not planned:
                 raise ValueError("cuda_graphs replays planned decode steps: set planned_decode = true")
             self.decode_graphs = DecodeGraphs(model, config.block_size, config.max_running, config.num_blocks)
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.pool_eviction)
         self.kv = KVPool(model, config.num_blocks, config.block_size, slots=2 * config.max_running)
         # exact mode keys its blocks apart: a replay-mode engine's blocks after a bounded replay are
         # approximate, and an exact engine sharing the store would resume from them, not bit for bit

@@ -262,12 +262,16 @@ def run(trace_path: str, kv_bytes_per_token: float, dram_tokens: list[int], nvme
             row.update(policy_vs_lru=_ratio(store, row["lru_same_total_hit_rate"]),
                        policy_vs_belady=_ratio(store, row["belady_same_total_hit_rate"]),
                        lru_vs_belady=_ratio(row["lru_same_total_hit_rate"], row["belady_same_total_hit_rate"]),
-                       dram_policy_vs_lru=_ratio(row["policy"]["dram_hit_rate"], row["lru_dram_only_hit_rate"]))
+                       dram_policy_vs_lru=_ratio(row["policy"]["dram_hit_rate"], row["lru_dram_only_hit_rate"]),
+                       dram_policy_vs_belady=_ratio(row["policy"]["dram_hit_rate"], row["belady_dram_only_hit_rate"]),
+                       dram_vs_lru={v: _ratio(r["dram_hit_rate"], row["lru_dram_only_hit_rate"])
+                                    for v, r in runs.items()})
             results.append(row)
     return {"trace": os.path.abspath(trace_path), "requests": len(trace), "kv_bytes_per_token": kv_bytes_per_token,
             "block_bytes_real": block_real, "scale": scale, "block_bytes_replayed": block_bytes,
             "unlimited_hit_rate": unlimited["token_hit_rate"], "unlimited": unlimited, "capacities": results,
             "worst_policy_vs_lru": min((r["policy_vs_lru"] for r in results), default=None),
+            "worst_dram_policy_vs_lru": min((r["dram_policy_vs_lru"] for r in results), default=None),
             "bounds": bounds(trace, list(grid), policies, stream) if grid else None}
 
 

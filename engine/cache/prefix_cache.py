@@ -146,6 +146,7 @@ class PrefixCache:
         req.usage.prompt_tokens = len(req.prompt)
         req.usage.cached_tokens = {}                     # a re-plan (after a preemption) reports its own hit
         keys = req.prompt_keys[:n_full]
+        pool.begin(keys)                                 # an order that learns from requests sees it
         hbm = 0
         while hbm < len(keys) and pool.lookup(keys[hbm]) is not None:
             hbm += 1

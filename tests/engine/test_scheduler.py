@@ -25,13 +25,14 @@ def test_pool_eviction_order_keys_and_invariant():
     assert a == [0, 1, 2] and pool.num_free() == 1
     pool.set_key(0, b"k0")
     pool.set_key(1, b"k1")
-    pool.release(a)                       # last block first: 2, 1, 0 join the free tail after 3
-    assert list(pool._free) == [3, 2, 1, 0]
+    pool.release(a)                       # last block first: 2 (no content) is free, 1 then 0 cached
+    assert list(pool._free) == [3, 2]
     assert pool.counts() == {"used": 0, "cached": 2, "free": 2, "total": 4}
     assert pool.lookup(b"k1") == 1
-    pool.share([1])                       # a prefix hit takes a cached block back out of the queue
-    assert pool.blocks[1].ref_count == 1 and 1 not in pool._free
-    b = pool.allocate(3)                  # reallocating a cached block drops its key
+    pool.share([1])                       # a prefix hit takes a cached block back
+    assert pool.blocks[1].ref_count == 1 and pool.num_free() == 3
+    pool.check()
+    b = pool.allocate(3)                  # empty blocks first, then a cached one: its key dropped
     assert b == [3, 2, 0] and pool.lookup(b"k0") is None
     with pytest.raises(PoolExhausted):
         pool.allocate(1)
@@ -39,6 +40,54 @@ def test_pool_eviction_order_keys_and_invariant():
     pool.check()
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([1])
+
+
+def test_pool_lru_evicts_a_prefix_tail_first_and_skips_held_blocks():
+    pool = BlockPool(6, 16)
+    a = pool.allocate(3)
+    for i, bid in enumerate(a):
+        pool.set_key(bid, b"a%d" % i)
+    b = pool.allocate(3)
+    for i, bid in enumerate(b):
+        pool.set_key(bid, b"b%d" % i)
+    pool.release(a)
+    pool.share([a[0]])                    # a's head is hit again, and held
+    pool.release(b)
+    got = pool.allocate(3)
+    assert got == [a[2], a[1], b[2]]      # a's tail, then b's tail; the held head is skipped
+    assert pool.lookup(b"a0") == a[0] and pool.lookup(b"b0") == b[0]
+    pool.check()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "s3fifo", "duel"])
+def test_pool_bookkeeping_holds_under_every_order(eviction):
+    import random
+    rng, pool, held = random.Random(0), BlockPool(32, 16, eviction), []
+    for step in range(2000):
+        if held and (rng.random() < 0.45 or pool.num_free() < 4):
+            pool.release(held.pop(rng.randrange(len(held))))
+            continue
+        keys = [b"p%d-%d" % (rng.randrange(6), j) for j in range(rng.randrange(1, 4))]
+        pool.begin(keys)
+        hit = []
+        for k in keys:
+            bid = pool.lookup(k)
+            if bid is None:
+                break
+            hit.append(bid)
+        pool.share(hit)
+        new = pool.allocate(len(keys) - len(hit))
+        for k, bid in zip(keys[len(hit):], new):
+            pool.set_key(bid, k)
+        held.append(hit + new)
+    pool.check()
+    assert pool.counts()["used"] + pool.num_free() == 32
+
+
+def test_an_unknown_pool_eviction_is_a_clear_error():
+    from kvcache.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="pool_eviction must be one of lru"):
+        EngineConfig(pool_eviction="mru")
 
 
 def test_admission_fcfs_chunked_prefill_and_mixed_steps():
