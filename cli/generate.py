@@ -8,6 +8,8 @@ import pathlib
 import sys
 import time
 
+from kvcache.cli.model import add_async_scheduling
+
 EPILOG = """examples:
   kvcache model init --config v4-tiny --out /tmp/v4-tiny
   kvcache generate --model /tmp/v4-tiny --prompt "A prefix cache" --max-tokens 32
@@ -56,9 +58,7 @@ def add_parser(sub) -> None:
                    "its confidences choose how many to verify); lossless: greedy output is the same tokens")
     p.add_argument("--num-draft", type=int, metavar="K", help="drafts per step (default: 3 for mtp, the draft "
                    "block for dspark)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan each step while the one before it runs (the same draws; default: on for "
-                        "accelerators, off on the CPU; [engine] async_scheduling in --config)")
+    add_async_scheduling(p)
     p.set_defaults(func=cmd_generate)
 
 

@@ -17,6 +17,13 @@ EPILOG = """examples:
 """
 
 
+def add_async_scheduling(parser) -> None:
+    """--async-scheduling, as `generate` and `serve --model` take it."""
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan each step while the one before it runs (the same draws; default: on for "
+                             "accelerators, off on the CPU; [engine] async_scheduling in --config)")
+
+
 def resolve_config(name: str) -> str:
     """A config name under configs/models/, a config.json path, or a checkpoint directory."""
     for cand in (name, os.path.join(CONFIG_DIR, f"{name}.json")):

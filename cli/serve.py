@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvcache.cli.model import add_async_scheduling
 from kvcache.server.config import default_data_dir
 
 EPILOG = """examples:
@@ -66,9 +67,7 @@ def add_parser(sub) -> None:
                    "own drafter (lossless; [engine] speculative in --config)")
     m.add_argument("--num-draft", type=_positive_int, metavar="K", help="drafts per step (default: 3 for mtp, "
                    "the draft block for dspark)")
-    m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan each step while the one before it runs (the same draws; default: on for "
-                        "accelerators, off on the CPU; [engine] async_scheduling in --config)")
+    add_async_scheduling(m)
     m.add_argument("--device", default="cpu", help="cpu (default), cuda[:i], npu[:i] or auto")
     m.add_argument("--access-log", metavar="PATH|-", help="a JSON line per model request to PATH (- : stdout)")
     m.add_argument("--max-waiting", type=_positive_int, default=256, metavar="N",

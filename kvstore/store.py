@@ -157,11 +157,12 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
 
     # ---------------------------------------------------------------- lookup / get
     def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
-        """`tenant` and `namespace_id` only label the event for hit-rate reports (the namespace
-        gives a lookup that misses entirely its token count)."""
+        """`tenant` and `namespace_id` label the event for hit-rate reports (the namespace gives a
+        lookup that misses entirely its token count); `tenant` also picks the DRAM eviction order
+        that learns from the lookup, where [dram.tenants] gives it its own."""
         t0, tiers, first, remote = time.perf_counter(), [], None, []
         if self.dram is not None:
-            self.dram.begin(keys)
+            self.dram.begin(keys, tenant)
         for key, meta in zip(keys, self._metas(list(keys))):
             if meta is None:
                 break

@@ -116,4 +116,5 @@ class Duel(EvictionOrder):
 
     def state(self) -> dict:
         return {"held": len(self._held), "doomed": len(self._doomed), "leader": self.leader,
+                "scores": [round(x, 6) for x in self.scores],
                 "shadows": [s.order.state() for s in self.shadows]}

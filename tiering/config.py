@@ -47,6 +47,8 @@ class DramConfig:
     admission_memory: int = 262144  # "second-hit": how many recently refused keys are remembered
     read_directory: bool = True    # with shared_memory: publish where put and leased blocks sit so local
                                    # clients read them without a round trip (kvstore/shm_directory.py)
+    tenants: dict = field(default_factory=dict)  # [dram.tenants.<name>] share = 0.3, eviction = "duel": the
+                                   # arena share a tenant keeps from the others' puts (tiering/dram_shares.py)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
@@ -62,6 +64,30 @@ class DramConfig:
         if self.admission not in ("always", "second-hit") or self.admission_memory < 1:
             raise ValueError(f"dram.admission must be always or second-hit (with admission_memory >= 1), "
                              f"got {self.admission!r}")
+        self.tenant_shares()
+
+    def tenant_shares(self) -> dict[str, tuple[float, str]]:
+        """[dram.tenants]: each listed tenant's (share, eviction order), checked; the other tenants
+        share what is left, under dram.eviction."""
+        out: dict[str, tuple[float, str]] = {}
+        for name, t in self.tenants.items():
+            where = f"dram.tenants.{str(name)[:40]}"
+            if not isinstance(t, dict) or not name or not isinstance(name, str):
+                raise ValueError(f"{where} must be a table (share = 0.3, eviction = \"duel\") named by a tenant")
+            unknown = sorted(set(t) - {"share", "eviction"})
+            if unknown:
+                raise ValueError(f"{where}: unknown settings {unknown}; known: share, eviction")
+            share, eviction = t.get("share"), t.get("eviction", self.eviction)
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+                raise ValueError(f"{where}.share must be a fraction of the arena in (0, 1], got {share!r}"[:160])
+            if eviction not in POLICY_NAMES:
+                raise ValueError(f"{where}.eviction must be one of {', '.join(POLICY_NAMES)}, got {eviction!r}"[:160])
+            out[name] = (float(share), eviction)
+        total = sum(s for s, _ in out.values())
+        if total > 1 + 1e-9:
+            raise ValueError(f"the dram.tenants shares add up to {total:.3g}: they are fractions of one arena, "
+                             "at most 1 together")
+        return out
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
 from kvcache.tiering.config import DramConfig
 from kvcache.tiering.dram_eviction import DramEviction, EvictCallback, EvictedBlock
 from kvcache.tiering.dram_landings import DramLandings, address
+from kvcache.tiering.dram_shares import REST, SharedOrder
 from kvcache.tiering.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         self._mv = self.arena.view
         self._entries: dict[bytes, _Entry] = {}
         self._order = self._new_order()   # which entry goes first: told every put, read and removal
-        self._learns = type(self._order).begin is not EvictionOrder.begin   # else begin() costs no lock
+        self._learns = any(type(o).begin is not EvictionOrder.begin            # else begin() costs no lock
+                           for o in getattr(self._order, "orders", {"": self._order}).values())
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self._doomed_offsets: list[int] = []
@@ -95,8 +97,17 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         self.max_reserved_bytes = self._slab.capacity // 8   # concurrent uploads cannot crowd out blocks
 
     def _new_order(self) -> EvictionOrder:
+        """dram.eviction's order; with [dram.tenants], one per listed tenant and one for the rest,
+        under the shares (tiering/dram_shares.py)."""
         c = self.config
-        return make_order(c.eviction, c.eviction_small_fraction, c.eviction_decay)
+        shares = c.tenant_shares()
+        if not shares:
+            return make_order(c.eviction, c.eviction_small_fraction, c.eviction_decay)
+        orders = {t: make_order(ev, c.eviction_small_fraction, c.eviction_decay) for t, (_, ev) in shares.items()}
+        orders[REST] = make_order(c.eviction, c.eviction_small_fraction, c.eviction_decay)
+        fractions = {t: s for t, (s, _) in shares.items()}
+        fractions[REST] = max(0.0, 1.0 - sum(fractions.values()))
+        return SharedOrder(orders, fractions, self._slab.capacity, self._entries)
 
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
@@ -110,6 +121,8 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 n = memoryview(w.payload).nbytes
                 off = self._adopt(w.payload, n)
                 if off is None:
+                    if isinstance(self._order, SharedOrder):
+                        self._order.expect(w.tenant, n)
                     off = self._alloc(n, evicted)
                     self._mv[off: off + n] = memoryview(w.payload).cast("B")
                 self._entries[w.key] = _Entry(off, n, w.namespace_id, w.layout, w.created, dirty, w.tenant)
@@ -296,12 +309,16 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 if e is not None:
                     e.dirty = False
 
-    def begin(self, keys: Sequence[bytes]) -> None:
+    def begin(self, keys: Sequence[bytes], tenant: str = "") -> None:
         """A request's blocks, in prefix order, before it reads them: orders that learn from
-        requests (the duel scores its two policies' prefix hits) see it."""
+        requests (the duel scores its two policies' prefix hits) see it; with tenant shares,
+        only the order of `tenant`'s partition."""
         if self._learns:
             with self._lock:
-                self._order.begin(keys)
+                if isinstance(self._order, SharedOrder):
+                    self._order.begin_for(tenant, keys)
+                else:
+                    self._order.begin(keys)
 
     def policy_state(self) -> dict:
         """What the eviction order holds (sizes), for stats and its memory bound."""

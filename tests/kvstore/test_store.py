@@ -219,3 +219,23 @@ def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
         assert store.dram.contains(keys[1]) and not store.dram.contains(keys[0])
     with pytest.raises(ValueError, match="admission"):
         DramConfig(admission="sometimes")
+
+
+@pytest.mark.parametrize("shares", [{}, {"acme": {"share": 0.5}}])
+def test_a_tenants_dram_share_keeps_its_prefixes_in_dram_through_a_neighbours_flood(tmp_path, clock, shares):
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.tiering.config import DramConfig, NvmeConfig
+    cfg = StoreConfig(str(tmp_path / "s"), dram=DramConfig(capacity_bytes=4 << 20, page_bytes=64 << 10, prefault=False,
+                                                          tenants=shares),
+                      nvme=NvmeConfig(segment_bytes=4 << 20))
+    with BlockStore(cfg, clock=clock) as store:                  # 64 blocks of 64 KiB
+        store.register_namespace(NS)
+        ours, flood = make_keys(24), make_keys(200, start=10_000)
+        put_blocks(store, ours, n=64 << 10, tenant="acme")
+        for i in range(0, 200, 20):
+            put_blocks(store, flood[i: i + 20], n=64 << 10, tenant="noisy")
+        tiers = store.lookup(ours, tenant="acme").tiers
+        assert len(tiers) == 24                                  # NVMe holds every block either way
+        in_dram = sum(t == Tier.DRAM for t in tiers)
+        assert in_dram == (24 if shares else 0)
