@@ -25,11 +25,12 @@ other was tried and lost: benchmarks/README).
                 2-bit frequency lasts), and a ghost list of keys evicted from the small one
     arc         ARC (Megiddo & Modha, FAST'03): recency and frequency lists whose split adapts
                 to hits in either list's ghost
-    duel        follow the leader between LRU and S3-FIFO with a 50 % small queue: both run as
-                shadows (keys only) at the full capacity, each scored on every request's prefix
-                hit (decayed: the last ~1,000 requests); the cache admits what the leader admits
-                and evicts what the leader no longer holds, oldest first. Where one policy wins
-                at a capacity it follows that one; the shadows cost 2 keys a block of capacity
+    duel        follow the leader among LRU, S3-FIFO with a 50 % small queue and S3-FIFO with
+                a 10 % one and four times the ghosts: all run as shadows (keys only) at the
+                full capacity, each scored on every request's prefix hit (decayed: the last
+                ~1,000 requests); the cache admits what the leader admits and evicts what the
+                leader no longer holds, oldest first. Where one policy wins at a capacity it
+                follows that one; the shadows cost about 8 keys a block of capacity
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ alike by the DRAM tier (`dram.eviction`), the engine's block pool and the trace 
     lru     least recently used                                  order.py
     fifo    insertion order                                      order.py
     s3fifo  small + main FIFO queues, ghost keys (SOSP'23)       s3fifo.py
-    duel    follows whichever of LRU and S3-FIFO hits more       duel.py
+    duel    follows whichever of LRU and two S3-FIFOs hits most  duel.py
 
 A leaf package: it imports nothing of kvcache's but itself, and no third-party code.
 """
@@ -36,7 +36,13 @@ def make_order(name: str, small_fraction: float | None = None, decay: float = 0.
         return FIFO()
     if name == "s3fifo":
         return S3FIFO(small)
-    return Duel(LRU, lambda: S3FIFO(small), decay, capacity)
+    return Duel(DUEL_CONTENDERS(small), decay, capacity)
+
+
+def DUEL_CONTENDERS(small: float):
+    """The duel's policies: LRU; S3-FIFO with a `small` small queue; S3-FIFO with a 10 % small
+    queue and four times the ghost keys (second uses minutes apart still reach main)."""
+    return [LRU, lambda: S3FIFO(small), lambda: S3FIFO(0.1, ghost_factor=4)]
 
 
 __all__ = ["EvictionOrder", "LRU", "FIFO", "S3FIFO", "Duel", "NAMES", "make_order"]

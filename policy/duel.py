@@ -1,20 +1,22 @@
-"""A duel: follow whichever of two policies would have hit more lately.
+"""A duel: follow whichever of several policies would have hit most lately.
 
     lookup(keys) ──> each shadow scores the prefix it would have hit (decayed: ~1/(1-decay)
-                     requests); the higher score leads
-    insert / hit ──> both shadows see it (keys only, each a BoundedCache at the cache's size);
+                     requests); the highest score leads (ties: the first listed)
+    insert / hit ──> every shadow sees it (keys only, each a BoundedCache at the cache's size);
                      the cache holds the block
     victims()    ──> first what the leader has dropped since (oldest first), then the oldest
                      block the leader does not hold, then the oldest of all
 
-                   held by the cache      ┌ shadow A (LRU)      ┐ scores
-    insert(k) ──>  ─────────────────  ──> ┤                     ├ ──────> leader
-                   evict: leader's drops  └ shadow B (S3-FIFO)  ┘
+                   held by the cache      ┌ shadow 0 (LRU)                    ┐ scores
+    insert(k) ──>  ─────────────────  ──> ┤ shadow 1 (S3-FIFO, 50 % small)    ├ ──────> leader
+                   evict: leader's drops  └ shadow 2 (S3-FIFO, 4x the ghosts) ┘
+                                            (the contenders of make_order("duel"))
 
 Where one policy wins at a cache's size and workload the duel behaves as that one; measured on
 the Mooncake conversation trace it is never below LRU, at any capacity (benchmarks/README). The
 shadows' size is the most blocks the cache has held at once (a tier's capacity is in bytes).
-State: the held keys, both shadows' keys (S3-FIFO's ghosts too): about four keys a block.
+State: the held keys and every shadow's keys (S3-FIFO's ghosts too): with the three
+contenders, about nine keys a block (1 + 1 + 2 + 5).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from kvcache.policy.order import EvictionOrder
 class Duel(EvictionOrder):
     name = "duel"
 
-    def __init__(self, a: Callable[[], EvictionOrder], b: Callable[[], EvictionOrder], decay: float = 0.999,
+    def __init__(self, contenders: Sequence[Callable[[], EvictionOrder]], decay: float = 0.999,
                  capacity: int | None = None):
         if not 0 < decay < 1:
             raise ValueError(f"duel decay must be in (0, 1), got {decay}")
+        if len(contenders) < 2:
+            raise ValueError("a duel needs at least two policies")
         self.fixed = capacity                        # None: the shadows grow with the cache
-        self.shadows = [BoundedCache(capacity or 1, a()), BoundedCache(capacity or 1, b())]
-        self.scores = [0.0, 0.0]
+        self.shadows = [BoundedCache(capacity or 1, make()) for make in contenders]
+        self.scores = [0.0] * len(self.shadows)
         self.decay, self.leader = decay, 0
         self._held: OrderedDict = OrderedDict()      # oldest first
         self._doomed: deque = deque()                # held keys the leader dropped (maybe stale)
@@ -61,7 +65,7 @@ class Duel(EvictionOrder):
             while n < len(keys) and s.contains(keys[n]):
                 n += 1
             self.scores[i] = self.scores[i] * self.decay + (sum(tokens[:n]) if tokens is not None else n)
-        leader = 0 if self.scores[0] >= self.scores[1] else 1
+        leader = max(range(len(self.scores)), key=lambda i: (self.scores[i], -i))    # ties: the first
         if leader != self.leader:                    # what the new leader does not hold, oldest first
             self.leader = leader
             lead = self.shadows[leader]

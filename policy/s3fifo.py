@@ -7,8 +7,10 @@
 
 One-off blocks (a prompt nobody repeats) pass through the small queue and leave without
 touching the main one, where reused prefixes live; a block evicted young but asked for again
-(its key still in the ghost list) goes straight to main. The ghost list holds keys only, as
-many as the cache has ever held at once.
+(its key still in the ghost list) goes straight to main. The ghost list holds keys only,
+`ghost_factor` times as many as the cache has ever held at once: a longer memory lets a block
+whose reuse comes after the small queue has turned over many times (the next turn of a
+conversation, minutes later) into main on its second use.
 
 A skipped victim (pinned, being read) is treated as used: it goes to the main queue's tail.
 """
@@ -26,10 +28,12 @@ MAX_FREQ = 3
 class S3FIFO(EvictionOrder):
     name = "s3fifo"
 
-    def __init__(self, small_fraction: float = 0.1):
+    def __init__(self, small_fraction: float = 0.1, ghost_factor: float = 1.0):
         if not 0 < small_fraction < 1:
             raise ValueError(f"s3fifo small_fraction must be in (0, 1), got {small_fraction}")
-        self.small_fraction = small_fraction
+        if not 0 < ghost_factor <= 64:
+            raise ValueError(f"s3fifo ghost_factor must be in (0, 64], got {ghost_factor}")
+        self.small_fraction, self.ghost_factor = small_fraction, ghost_factor
         self.small: OrderedDict = OrderedDict()      # key -> reads since insert (capped), oldest first
         self.main: OrderedDict = OrderedDict()
         self.ghost: OrderedDict = OrderedDict()      # keys evicted from small, oldest first
@@ -64,7 +68,7 @@ class S3FIFO(EvictionOrder):
         evicted, self._offered = key == self._offered, None
         if self.small.pop(key, None) is not None and evicted:
             self.ghost[key] = None
-            while len(self.ghost) > max(1, self._peak):
+            while len(self.ghost) > max(1, int(self.ghost_factor * self._peak)):
                 self.ghost.popitem(last=False)
         else:
             self.main.pop(key, None)

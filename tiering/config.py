@@ -33,8 +33,8 @@ _FSYNC_POLICIES = ("always", "interval", "never")
 class DramConfig:
     capacity_bytes: int = 1 << 30
     page_bytes: int = 16 << 20
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
+    high_watermark: float = 0.98   # above this share of the arena, evict ...
+    low_watermark: float = 0.95    # ... down to this (what is held on average sets the hit rate)
     eviction: str = "lru"          # an eviction order of kvcache/policy: "lru", "fifo", "s3fifo" or "duel"
     eviction_small_fraction: float | None = None  # s3fifo/duel: S3-FIFO's small queue (None: the default)
     eviction_decay: float = 0.999  # duel: how fast old wins fade (~1/(1-decay) lookups of memory)

@@ -311,7 +311,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
 
     def begin(self, keys: Sequence[bytes], tenant: str = "") -> None:
         """A request's blocks, in prefix order, before it reads them: orders that learn from
-        requests (the duel scores its two policies' prefix hits) see it; with tenant shares,
+        requests (the duel scores its policies' prefix hits) see it; with tenant shares,
         only the order of `tenant`'s partition."""
         if self._learns:
             with self._lock:

@@ -47,6 +47,22 @@ def test_s3fifo_keeps_a_reused_block_through_a_scan():
     assert lru == 0 and s3 >= 37 * 512          # from its second use on, it stays in the main queue
 
 
+def test_a_longer_ghost_list_catches_a_reuse_that_comes_after_many_others():
+    from kvcache.policy import S3FIFO as Order
+    from kvcache.policy.bounded import BoundedCache
+    # block 1 comes back after 30 one-off blocks, three times: the ghosts of a 10-block cache
+    # forget it after 10, four times as many remember it, and its second use earns main
+    reqs, n = [], 1000
+    for _ in range(4):
+        reqs += [[1]] + [[k] for k in range(n, n + 30)]
+        n += 30
+    s = stream(*reqs)
+    short, long = (simulate(s, BoundedCache(10, Order(0.1, g)))["hit_tokens"] for g in (1, 4))
+    assert short == 0 and long == 2 * 512
+    with pytest.raises(ValueError, match="ghost_factor"):
+        Order(0.1, 0)
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_stays_within_capacity_and_below_min(name):
     rng = random.Random(3)
@@ -129,4 +145,4 @@ def test_duel_is_never_below_lru_on_the_mooncake_trace():
     b = bounds(load_trace(TRACE), [300_000, 1_000_000, 3_000_000, 10_000_000, 30_000_000], ["duel"])
     assert b["worst_vs_lru"]["duel"] >= 1.0, b["worst_vs_lru"]
     best = max(r["duel_vs_lru"] for r in b["capacities"])
-    assert best > 1.4                          # where capacity is scarce it keeps what LRU flushes
+    assert best > 1.8                          # where capacity is scarce it keeps what LRU flushes

@@ -61,13 +61,15 @@ def test_the_duel_follows_the_order_that_would_hit_and_its_state_is_bounded():
     # that S3-FIFO alone would keep, never all of them as LRU does
     assert _scan_workload(t, rounds=30) >= 3 > _scan_workload(lru, rounds=30)
     state = t.policy_state()
-    assert state["policy"] == "duel" and state["leader"] == 1       # S3-FIFO's shadow led
+    assert state["policy"] == "duel" and state["leader"] in (1, 2)  # an S3-FIFO shadow led
     for i in range(5000):
         t.put([_w(1000 + i)])
     state = t.policy_state()
     assert state["held"] == 16 and state["doomed"] <= 2 * 16 + 64
-    # a shadow holds one key over its size between an insert and its eviction: ghosts <= 17
-    assert all(sh["held"] <= 16 and sh.get("ghost", 0) <= 17 for sh in state["shadows"])
+    # a shadow holds one key over its size between an insert and its eviction; its ghosts are
+    # ghost_factor times that at most (1 and 4 in the duel's S3-FIFOs)
+    assert len(state["shadows"]) == 3 and all(sh["held"] <= 16 for sh in state["shadows"])
+    assert [sh.get("ghost", 0) <= bound for sh, bound in zip(state["shadows"], (0, 17, 68))] == [True] * 3
     t.close()
 
 
