@@ -1,7 +1,7 @@
 """`kvcache replay TRACE.jsonl`: prefix hit rates of the real store on a request trace, at several
 DRAM capacities, next to the unlimited-capacity rate, a plain LRU and the offline optimum's rule
-(Belady) of the same capacity; and, on a grid of capacities, simulated policies (LRU, Belady,
-S3-FIFO, ARC) against those two bounds."""
+(Belady) of the same capacity; and, on a grid of capacities, simulated policies (LRU, S3-FIFO,
+ARC, the duel) against LRU, Belady and the best fixed set chosen with hindsight."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ EPILOG = """examples:
   kvcache replay trace.jsonl --bounds-only --grid 300K,1M,3M,10M,30M --plot bounds.png   # seconds
 
 Block sizes come from the model's KV layout (history bytes per token x 512 tokens per trace block),
-divided by --scale so the replay fits a laptop; capacities are scaled the same way.
+divided by --scale so the replay fits a laptop, rounded up to their DRAM size class; capacities
+are scaled the same way.
 The Mooncake FAST'25 traces (repository kvcache-ai/Mooncake, folder FAST25-release/traces/, Apache-2.0)
-have this format; the store's replay of the whole conversation trace takes minutes per capacity
-(--limit for a first look), the simulated policies about a second each.
+have this format; the store's replay of the whole conversation trace takes about a minute per
+capacity and policy on 2 cores (--limit for a first look), the simulated policies seconds each.
 Progress goes to stderr: a bar on a terminal, a line every 10 s otherwise (a log, CI).
 """
 
@@ -53,7 +54,7 @@ def add_parser(sub) -> None:
                         "lru, fifo, s3fifo, duel (dram.eviction; +second-hit is dram.admission); the first is "
                         "the one measured against the bounds (default: %(default)s)")
     p.add_argument("--grid", default="300K,1M,3M,10M,30M", help="capacities for the simulated policies, in tokens")
-    p.add_argument("--policies", default="lru,belady,s3fifo,arc,duel",
+    p.add_argument("--policies", default="lru,belady,hindsight,s3fifo,arc,duel",
                    help="simulated policies to compare (kvstore/policy_sim.py; LRU and Belady always run)")
     p.add_argument("--bounds-only", action="store_true", help="only the simulated policies (no store replay)")
     p.add_argument("--plot", metavar="PNG", help="hit rate against capacity: each policy a line, the store a point")
@@ -148,12 +149,14 @@ def write_plot(doc: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from kvcache.kvstore.trace_replay import OFFLINE
     b = doc["bounds"]
     xs = [r["capacity_tokens"] for r in b["capacities"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for n in b["policies"]:
         ax.plot(xs, [r["rates"][n] for r in b["capacities"]], marker="o", label=n,
-                linestyle="--" if n == "belady" else "-")
+                linestyle="--" if n in OFFLINE else "-")
     for c in doc["capacities"]:
         ax.scatter([max(c["dram_tokens"], c["nvme_tokens"])], [c["policy"]["token_hit_rate"]], marker="*", s=120,
                    color="black", zorder=3, label=f"store (DRAM {c['dram_tokens'] / 1e6:g}M)")

@@ -20,6 +20,8 @@ other was tried and lost: benchmarks/README).
                 the future, and do not admit a block used later than everything held (bypass).
                 An upper bound for any online policy that evicts blocks one by one (prefix hits
                 make it a bound in practice, not a theorem: a block's value depends on its prefix)
+    hindsight   the best fixed set, offline: the blocks used most over the whole stream, kept
+                from their first use (frequency with perfect counts, no timing)
     s3fifo      S3-FIFO (Yang et al., SOSP'23): a small FIFO (10 %) that new blocks pass
                 through, a main FIFO that blocks seen twice enter (reinserted while their
                 2-bit frequency lasts), and a ghost list of keys evicted from the small one
@@ -36,7 +38,7 @@ other was tried and lost: benchmarks/README).
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -121,6 +123,29 @@ class Belady(Policy):
         if len(self._heap) > 4 * self.capacity + 64:    # bound the lazy heap
             self._heap = [(-n, i, k) for i, (k, n) in enumerate(self._next.items())]
             heapq.heapify(self._heap)
+
+
+class Hindsight(Policy):
+    """The best fixed set, chosen offline: the `capacity` blocks the whole stream uses most, each
+    kept from its first use on, nothing else ever admitted. What frequency alone can earn with
+    perfect knowledge of each block's count (and none of when its uses come); `keys`: the stream's."""
+
+    def __init__(self, capacity: int, keys: Sequence):
+        super().__init__(capacity)
+        counts = Counter(keys)
+        self._top = {k for k, _ in counts.most_common(capacity)}
+        self._held: set = set()
+
+    @property
+    def size(self) -> int:
+        return len(self._held)
+
+    def contains(self, key) -> bool:
+        return key in self._held
+
+    def access(self, key, at: int) -> None:
+        if key in self._top:
+            self._held.add(key)
 
 
 class ARC(Policy):
@@ -229,6 +254,7 @@ def simulate(stream: Stream, policy: Policy) -> dict:
 POLICIES: dict[str, Callable[[int, Stream], Policy]] = {
     "lru": lambda c, s: LRU(c),
     "belady": lambda c, s: Belady(c, s.next_use),
+    "hindsight": lambda c, s: Hindsight(c, s.keys),
     "s3fifo": lambda c, s: S3FIFO(c),
     "arc": lambda c, s: ARC(c),
     "duel": lambda c, s: Duel(c),

@@ -103,10 +103,14 @@ def trace_stream(trace: list[TraceRequest]):
     return Stream.of((r.hash_ids, r.block_tokens()) for r in trace)
 
 
+OFFLINE = ("belady", "hindsight")     # simulated policies that know the future: bounds, not contenders
+
+
 def bounds(trace: list[TraceRequest], capacity_tokens: list[int], names=None, stream=None) -> dict:
     """The simulated policies (policy_sim.POLICIES, LRU and Belady among them) at each capacity:
     token hit rates, each policy against LRU and Belady, and LRU against Belady; the worst ratio
-    to LRU of each policy over the grid, and the capacities where LRU is at most half of Belady."""
+    to LRU of each online policy over the grid, and the capacities where LRU is at most half of
+    Belady; with "hindsight" among them, each online policy against the best fixed set too."""
     from kvcache.kvstore.policy_sim import POLICIES, simulate
     names = list(names or POLICIES)
     for must in ("lru", "belady"):
@@ -123,8 +127,10 @@ def bounds(trace: list[TraceRequest], capacity_tokens: list[int], names=None, st
             if n not in ("lru", "belady"):
                 row[f"{n}_vs_lru"], row[f"{n}_vs_belady"] = _ratio(rates[n], rates["lru"]), _ratio(rates[n],
                                                                                                     rates["belady"])
+            if n not in OFFLINE and "hindsight" in rates:
+                row[f"{n}_vs_hindsight"] = _ratio(rates[n], rates["hindsight"])
         rows.append(row)
-    worst = {n: min(r[f"{n}_vs_lru"] for r in rows) for n in names if n not in ("lru", "belady")}
+    worst = {n: min(r[f"{n}_vs_lru"] for r in rows) for n in names if n not in ("lru", *OFFLINE)}
     return {"policies": names, "capacities": rows, "worst_vs_lru": worst,
             "scarce_capacity_tokens": [r["capacity_tokens"] for r in rows if r["lru_vs_belady"] <= 0.5]}
 

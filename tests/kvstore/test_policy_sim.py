@@ -36,6 +36,14 @@ def test_lru_and_belady_by_hand():
     assert r["hit_tokens"] == 512 + 1124 and r["tokens"] == 1124 * 2 + 1536
 
 
+def test_hindsight_keeps_the_most_used_blocks_from_their_first_use():
+    from kvcache.kvstore.policy_sim import Hindsight
+    s = stream([1], [2], [1], [3], [1], [2], [4])
+    assert simulate(s, Hindsight(1, s.keys))["hit_tokens"] == 2 * 512      # block 1 only
+    assert simulate(s, Hindsight(2, s.keys))["hit_tokens"] == 3 * 512      # 1 and 2
+    assert simulate(s, Hindsight(9, s.keys))["hit_tokens"] == 3 * 512      # all: what reuse there is
+
+
 def test_s3fifo_keeps_a_reused_block_through_a_scan():
     # block 1 comes back after every three one-off blocks: an LRU of 3 always evicts it first
     reqs = []
