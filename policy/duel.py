@@ -4,8 +4,8 @@
                      requests); the highest score leads (ties: the first listed)
     insert / hit ──> every shadow sees it (keys only, each a BoundedCache at the cache's size);
                      the cache holds the block
-    victims()    ──> first what the leader has dropped since (oldest first), then the oldest
-                     block the leader does not hold, then the oldest of all
+    victims()    ──> first what the leader has dropped (in the order it dropped them: after a
+                     switch of leader, oldest first), then the oldest of all
 
                    held by the cache      ┌ shadow 0 (LRU)                    ┐ scores
     insert(k) ──>  ─────────────────  ──> ┤ shadow 1 (S3-FIFO, 50 % small)    ├ ──────> leader
@@ -99,16 +99,12 @@ class Duel(EvictionOrder):
         while held:
             lead = self.shadows[self.leader]
             key = None
+            # every held key the leader lacks is in _doomed: a switch of leader lists them all,
+            # and the leader's shadow reports each drop after; so no scan of `held` is needed
             while self._doomed and key is None:
                 k = self._doomed.popleft()
                 if k in held and not lead.contains(k):
                     key = k
-            for _ in range(len(held) if key is None else 0):   # the oldest the leader lacks
-                k = next(iter(held))
-                if not lead.contains(k):
-                    key = k
-                    break
-                held.move_to_end(k)
             if key is None:                          # the leader holds them all: the oldest
                 key = next(iter(held))
             self._offered = key
