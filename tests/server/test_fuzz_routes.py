@@ -141,7 +141,7 @@ SECTION_FIELDS = {"server": ["tokens", "max_block_bytes", "max_batch_blocks", "m
                               "max_shm_leases", "request_timeout_s", "header_timeout_s", "max_connections"],
                    "store": ["data_dir", "write_policy", "index_map_bytes", "touch_flush_s", "gc_interval_s", "dram"],
                    "dram": ["enabled", "capacity_bytes", "capacity_mib", "page_bytes", "high_watermark", "eviction",
-                            "shared_memory", "admission", "admission_memory"],
+                            "shared_memory", "admission", "admission_memory", "tenants"],
                    "nvme": ["enabled", "capacity_gib", "segment_bytes", "fsync", "fsync_interval_s", "low_watermark"],
                    "object": ["enabled", "url", "codec", "pack_mib", "storage_options", "timeout_s"],
                    "retention": ["ttl_hours", "max_age_hours", "namespaces", "tenants"]}
