@@ -27,7 +27,7 @@ Progress goes to stderr: a bar on a terminal, a line every 10 s otherwise (a log
 """
 
 
-DEFAULT_STORE_POLICIES = "lru,lru+second-hit"
+DEFAULT_STORE_POLICIES = "duel,lru"
 
 
 def _tokens(text: str) -> int:

@@ -35,7 +35,7 @@ class DramConfig:
     page_bytes: int = 16 << 20
     high_watermark: float = 0.98   # above this share of the arena, evict ...
     low_watermark: float = 0.95    # ... down to this (what is held on average sets the hit rate)
-    eviction: str = "lru"          # an eviction order of kvcache/policy: "lru", "fifo", "s3fifo" or "duel"
+    eviction: str = "duel"         # an eviction order of kvcache/policy: "lru", "fifo", "s3fifo" or "duel"
     eviction_small_fraction: float | None = None  # s3fifo/duel: S3-FIFO's small queue (None: the default)
     eviction_decay: float = 0.999  # duel: how fast old wins fade (~1/(1-decay) lookups of memory)
     pin_memory: str = "auto"       # "auto" | "on" | "off"
