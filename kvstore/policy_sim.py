@@ -132,20 +132,11 @@ class Hindsight(Policy):
 
     def __init__(self, capacity: int, keys: Sequence):
         super().__init__(capacity)
-        counts = Counter(keys)
-        self._top = {k for k, _ in counts.most_common(capacity)}
-        self._held: set = set()
-
-    @property
-    def size(self) -> int:
-        return len(self._held)
-
-    def contains(self, key) -> bool:
-        return key in self._held
+        self._top = {k for k, _ in Counter(keys).most_common(capacity)}
 
     def access(self, key, at: int) -> None:
         if key in self._top:
-            self._held.add(key)
+            self._d[key] = None                         # Policy's size and contains read _d
 
 
 class ARC(Policy):

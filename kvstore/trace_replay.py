@@ -148,11 +148,15 @@ def _key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little") + b"mooncake"
 
 
+def _page_for(nbytes: int) -> int:
+    """The DRAM page size a replay of `nbytes` blocks uses: a power of two that holds one."""
+    return max(1 << 20, 1 << (nbytes - 1).bit_length())
+
+
 def _chunk_sized(nbytes: int) -> int:
     """`nbytes` rounded up to the DRAM chunk a block of that size takes (tiering/slab.py)."""
     from kvcache.tiering.slab import size_classes
-    page = max(1 << 20, 1 << (nbytes - 1).bit_length())
-    return next(c for c in size_classes(page) if c >= nbytes)
+    return next(c for c in size_classes(_page_for(nbytes)) if c >= nbytes)
 
 
 def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, nvme_bytes: int,
@@ -178,7 +182,7 @@ def store_replay(trace: list[TraceRequest], block_bytes: int, dram_bytes: int, n
             return self.t
     clock = Clock()
     root = tempfile.mkdtemp(prefix="kvcache-replay-")
-    page = max(1 << 20, 1 << (block_bytes - 1).bit_length())
+    page = _page_for(block_bytes)
     segment = max(1 << 20, 8 * block_bytes, min(16 << 20, nvme_bytes // 16))   # 16+ segments: some sealed
     cfg = StoreConfig(root, dram=DramConfig(capacity_bytes=max(dram_bytes, 2 * page), page_bytes=page, prefault=False,
                                             pin_memory="off", admission=admission, eviction=eviction),

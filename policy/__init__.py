@@ -36,10 +36,10 @@ def make_order(name: str, small_fraction: float | None = None, decay: float = 0.
         return FIFO()
     if name == "s3fifo":
         return S3FIFO(small)
-    return Duel(DUEL_CONTENDERS(small), decay, capacity)
+    return Duel(duel_contenders(small), decay, capacity)
 
 
-def DUEL_CONTENDERS(small: float):
+def duel_contenders(small: float) -> list:
     """The duel's policies: LRU; S3-FIFO with a `small` small queue; S3-FIFO with a 10 % small
     queue and four times the ghost keys (second uses minutes apart still reach main)."""
     return [LRU, lambda: S3FIFO(small), lambda: S3FIFO(0.1, ghost_factor=4)]

@@ -104,7 +104,10 @@ class SharedOrder(EvictionOrder):
             if skipped[p] > len(order):               # a whole pass of it skipped: none can go
                 done.add(p)
                 continue
-            key = next(passes.setdefault(p, order.victims()), None)
+            it = passes.get(p)
+            if it is None:
+                it = passes[p] = order.victims()
+            key = next(it, None)
             if key is None:
                 done.add(p)
                 continue
