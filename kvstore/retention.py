@@ -9,6 +9,7 @@ Defaults: 72 hours from last access, no maximum age.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -47,6 +48,21 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "namespaces", MappingProxyType(dict(self.namespaces)))
         object.__setattr__(self, "tenants", MappingProxyType(dict(self.tenants)))
+        rules = [self.default, *self.namespaces.values(), *self.tenants.values()]
+        # no rule keeps a block less than this: what `surely_live` checks without finding the rule
+        object.__setattr__(self, "_shortest", (min(r.ttl_s for r in rules),
+                                               min(r.max_age_s or math.inf for r in rules)))
+
+    def surely_live(self, meta: BlockMeta, now: float) -> bool:
+        """True when `meta` is live at `now` under any rule (pinned, or younger than the shortest
+        ttl and max age configured): the read path's check, a fraction of `is_expired`'s cost.
+        False says nothing: ask `is_expired`."""
+        if meta.hard_pins or meta.soft_pin_until > now:
+            return True
+        if meta.expires_at > 0:
+            return now < meta.expires_at
+        ttl, age = self._shortest
+        return now < max(meta.last_access, meta.created) + ttl and now < meta.created + age
 
     def rule(self, namespace_name: str, tenant: str) -> RetentionRule:
         if tenant and tenant in self.tenants:

@@ -63,12 +63,15 @@ class StoreWrites:
 
     def _validate(self, items: Sequence[PutItem], now: float) -> tuple[list[BlockWrite], list[BlockMeta]]:
         """Reject bad input before any I/O; drop blocks the store already holds (content-addressed)."""
-        checked = []
+        checked, key_bytes = [], {}          # namespace id -> its key length (a batch has one or few)
         for item in items:
-            ns = self._namespace(item.namespace_id)
-            if len(item.key) != ns.algo.digest_size:
+            want = key_bytes.get(item.namespace_id)
+            if want is None:
+                want = key_bytes[item.namespace_id] = self._namespace(item.namespace_id).algo.digest_size
+            if len(item.key) != want:
+                ns = self._namespace(item.namespace_id)
                 raise BlockFormatError(f"block key is {len(item.key)} bytes; namespace {ns.name or ns.id.hex()} "
-                                       f"uses {ns.algo.value} ({ns.algo.digest_size}-byte keys)")
+                                       f"uses {ns.algo.value} ({want}-byte keys)")
             if item.ttl_s is not None and not 0 < item.ttl_s < math.inf:      # inf: kept past every retention
                 raise BlockFormatError(f"a block's ttl_s must be positive and finite, got {item.ttl_s}")
             payload = memoryview(item.payload).cast("B")
@@ -79,8 +82,8 @@ class StoreWrites:
                 continue
             seen.add(item.key)
             writes.append(BlockWrite(item.key, item.namespace_id, payload, layout, now, item.tenant))
-            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, tenant=item.tenant,
-                                   expires_at=now + item.ttl_s if item.ttl_s else 0.0))
+            metas.append(BlockMeta(item.namespace_id, payload.nbytes, Tier.NONE, now, now, 0, 0, 0.0,
+                                   now + item.ttl_s if item.ttl_s else 0.0, 0, 0, 0, item.tenant))
         return writes, metas
 
     def _durable(self) -> bool:

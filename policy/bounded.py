@@ -35,6 +35,12 @@ class BoundedCache:
         """A read of `key` (a hit if held, else it is put): the simulator's and a shadow's step."""
         order = self.order
         order.insert(key)
+        if len(order) > self.capacity:
+            self.shrink()
+
+    def shrink(self) -> None:
+        """Evict down to capacity (after a put grew the order, or the capacity was lowered)."""
+        order = self.order
         while len(order) > self.capacity:
             victim = next(order.victims())
             order.remove(victim)

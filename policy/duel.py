@@ -72,19 +72,33 @@ class Duel(EvictionOrder):
             self._doomed = deque(k for k in self._held if not lead.contains(k))
 
     def insert(self, key) -> None:
+        if key in self._held:
+            self.hit(key)
+            return
         if key == self._offered:
             self._offered = None
-        self._held[key] = None
-        self._held.move_to_end(key)
-        if self.fixed is None and len(self._held) > self.shadows[0].capacity:
-            for s in self.shadows:
-                s.capacity = len(self._held)
-        for s in self.shadows:
-            s.access(key)
+        held, shadows = self._held, self.shadows
+        held[key] = None
+        if self.fixed is None and len(held) > shadows[0].capacity:
+            for s in shadows:
+                s.capacity = len(held)
+        for s in shadows:                            # BoundedCache.access, inlined (every put)
+            s.order.insert(key)
+            if len(s.order) > s.capacity:
+                s.shrink()
 
     def hit(self, key) -> None:
-        if key in self._held:
-            self.insert(key)
+        # every read of a cached block comes here: a shadow that holds the key only counts the
+        # use (`touch`, no size check: nothing grew); one that dropped it takes it back
+        held = self._held
+        if key not in held:
+            return
+        if key == self._offered:
+            self._offered = None
+        held.move_to_end(key)
+        for s in self.shadows:
+            if not s.order.touch(key):
+                s.access(key)
 
     def remove(self, key) -> None:
         evicted, self._offered = key == self._offered, None

@@ -53,6 +53,14 @@ class EvictionOrder:
         """A block left the cache; a key not held is ignored."""
         raise NotImplementedError
 
+    def touch(self, key: Hashable) -> bool:
+        """`hit(key)` if the key is held; whether it was. One call where a caller would ask `in`
+        and then `hit` (a duel does it for every shadow on every read)."""
+        if key in self:
+            self.hit(key)
+            return True
+        return False
+
     def victims(self) -> Iterator[Hashable]:
         """Held keys, the next to evict first (see the module's contract for skipping)."""
         raise NotImplementedError
@@ -92,6 +100,13 @@ class LRU(EvictionOrder):
 
     def remove(self, key) -> None:
         self._d.pop(key, None)
+
+    def touch(self, key) -> bool:
+        if key not in self._d:
+            return False
+        if self.refresh:
+            self._d.move_to_end(key)
+        return True
 
     def victims(self) -> Iterator:
         d = self._d

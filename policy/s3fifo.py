@@ -46,23 +46,31 @@ class S3FIFO(EvictionOrder):
         return key in self.small or key in self.main
 
     def insert(self, key) -> None:
-        if key in self:
-            self.hit(key)
+        small, main = self.small, self.main
+        if key in small or key in main:
+            self.touch(key)
             return
         if key == self._offered:
             self._offered = None
-        if key in self.ghost:
-            del self.ghost[key]
-            self.main[key] = 0
+        if self.ghost.pop(key, 0) is None:           # ghosts map to None
+            main[key] = 0
         else:
-            self.small[key] = 0
-        self._peak = max(self._peak, len(self))
+            small[key] = 0
+        n = len(small) + len(main)
+        if n > self._peak:
+            self._peak = n
 
     def hit(self, key) -> None:
-        for q in (self.small, self.main):
-            if key in q:
-                q[key] = min(q[key] + 1, MAX_FREQ)
-                return
+        self.touch(key)
+
+    def touch(self, key) -> bool:
+        q = self.small if key in self.small else self.main if key in self.main else None
+        if q is None:
+            return False
+        freq = q[key]
+        if freq < MAX_FREQ:
+            q[key] = freq + 1
+        return True
 
     def remove(self, key) -> None:
         evicted, self._offered = key == self._offered, None

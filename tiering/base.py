@@ -26,8 +26,11 @@ from typing import Callable, Sequence
 from kvcache.kvstore.types import TensorSpec, Tier
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BlockWrite:
+    """One block for a tier to keep. Not frozen: a frozen dataclass's __init__ costs ~0.6 us,
+    a tenth of copying a 64 KiB block; no tier changes one it is handed."""
+
     key: bytes
     namespace_id: bytes
     payload: bytes | bytearray | memoryview

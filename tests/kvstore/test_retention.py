@@ -1,6 +1,8 @@
 """Retention across simulated days: 72 h default, overrides, pins, GC and compaction."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.gc.collector import Collector
 from kvcache.kvstore.retention import HOUR, RetentionPolicy, RetentionRule
@@ -21,6 +23,32 @@ def test_rule_precedence_and_expiry_math():
     assert not p.is_expired(m, 299 * HOUR) and p.is_expired(m, 300 * HOUR)
     m.hard_pins = 1
     assert not p.is_expired(m, 10_000 * HOUR)
+
+
+_hours = st.floats(0.01, 500)
+_rule = st.builds(RetentionRule, _hours.map(lambda h: h * HOUR), st.none() | _hours.map(lambda h: h * HOUR))
+
+
+@settings(max_examples=300, deadline=None)
+@given(default=_rule, ns_rule=_rule, tenant_rule=_rule, created=st.floats(0, 1e6), idle=st.floats(0, 1e6),
+       age=st.floats(0, 3e6), pins=st.integers(0, 1), deadline=st.floats(0, 3e6), namespace=st.sampled_from(["", "a"]),
+       tenant=st.sampled_from(["", "t"]))
+def test_surely_live_is_a_lower_bound_of_every_rule(default, ns_rule, tenant_rule, created, idle, age, pins,
+                                                    deadline, namespace, tenant):
+    """The read path's shortcut never calls a block live that is_expired, under any rule it may fall under."""
+    policy = RetentionPolicy(default, {"a": ns_rule}, {"t": tenant_rule})
+    meta = BlockMeta(NS.id, 1, created=created, last_access=created + idle, hard_pins=pins,
+                     expires_at=deadline if deadline > 1e6 else 0.0, tenant=tenant)
+    now = created + age
+    if policy.surely_live(meta, now):
+        assert not policy.is_expired(meta, now, namespace)
+
+
+def test_surely_live_says_so_for_a_fresh_block():
+    policy = RetentionPolicy(RetentionRule(2 * HOUR), {"a": RetentionRule(1 * HOUR, 3 * HOUR)})
+    meta = BlockMeta(NS.id, 1, created=0.0, last_access=0.0)
+    assert policy.surely_live(meta, 0.5 * HOUR)
+    assert not policy.surely_live(meta, 1.5 * HOUR) and not policy.is_expired(meta, 1.5 * HOUR)   # ask the rule
 
 
 def test_policy_from_toml_dict():

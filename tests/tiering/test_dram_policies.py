@@ -1,10 +1,12 @@
 """The DRAM tier under each eviction order of kvcache/policy (dram.eviction): the tier's rules
 (pins, leases, capacity) hold under all of them, and each order's own behaviour shows."""
 
+import itertools
+
 import pytest
 
 from kvcache.kvstore.errors import TierFullError
-from kvcache.policy import NAMES
+from kvcache.policy import NAMES, make_order
 from tests.tiering.test_dram import _k, _tier, _w
 
 
@@ -79,3 +81,18 @@ def test_begin_costs_nothing_for_orders_that_do_not_learn():
     t.begin([_k(1)])                                      # a no-op, no lock taken
     d, _ = _tier(eviction="duel")
     assert d._learns
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_touch_is_a_hit_of_a_held_key_and_nothing_else(name):
+    """touch(k) == (k in order) then hit(k): two orders fed the same stream, one through each,
+    offer the same victims."""
+    via_touch, via_hit = make_order(name), make_order(name)
+    for k in range(40):
+        via_touch.insert(k)
+        via_hit.insert(k)
+    for k in [3, 7, 3, 50, 11, 3, 60, 20]:
+        assert via_touch.touch(k) == (k in via_hit)
+        via_hit.hit(k)
+        assert 50 not in via_touch and 60 not in via_touch
+    assert list(itertools.islice(via_touch.victims(), 10)) == list(itertools.islice(via_hit.victims(), 10))
