@@ -96,6 +96,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         self._lock = threading.Lock()
         self._on_evict = on_evict
         self._doomed_offsets: list[int] = []
+        self._warned_span = False             # blocks larger than a page: said once
         self.evictions = 0
         self._base = address(self.arena.buf)
         self._reserved: dict[int, int] = {}   # offset -> payload bytes of chunks set aside by reserve()
@@ -145,7 +146,16 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 order.insert(w.key)
             self._evict_to_watermark(evicted)
             self._finish_evictions(evicted)
+        if self._slab.spans and not self._warned_span:
+            self._warn_span(max(sizes, default=0))
         return [_placed(n) for n in sizes]
+
+    def _warn_span(self, nbytes: int) -> None:
+        self._warned_span, page = True, self._slab.page_bytes
+        pages = -(-nbytes // page)
+        log.warning("a %d-byte block takes %d pages of %d bytes in DRAM (%.0f %% of it unused); set "
+                    "dram.page_bytes (page_mib) to at least the largest block size", nbytes, pages, page,
+                    100 * (1 - nbytes / (pages * page)))
 
     # ---------------------------------------------------------------- reads
     def contains(self, key: bytes) -> bool:

@@ -10,6 +10,13 @@ no free page, a block takes a free chunk of the next larger class that has one: 
 a few pages would otherwise hold one size class per page, and each block of another size
 would evict a whole page to get one. Nothing is allocated per block: fresh memory is slow
 to touch on our VMs (2-3 GB/s against 15 GB/s reused).
+
+A block larger than a page takes a **span**: the fewest whole pages that hold it, contiguous,
+as one chunk (its class is that many pages' bytes). A span wastes up to a page less one byte,
+so the DRAM tier warns when blocks need them: dram.page_bytes should be at least the largest
+block size.
+
+    | page 4 (span of 2: one 17 MiB block) | page 5 (continues page 4) | page 6 (class 1M) |
 Not thread-safe on its own: the DRAM tier serialises calls.
 """
 
@@ -20,6 +27,7 @@ import bisect
 from dataclasses import dataclass, field
 
 _ALIGN = 4096
+_CONTINUED = -1          # the class of a span's pages after its first
 
 
 @dataclass(slots=True)
@@ -57,6 +65,7 @@ class SlabAllocator:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._partial: dict[int, dict[int, None]] = {c: {} for c in self.classes}
         self.used_bytes = 0
+        self.spans = 0                      # spans allocated (blocks larger than a page)
         self._class_of: dict[int, int] = {}
 
     @property
@@ -68,8 +77,10 @@ class SlabAllocator:
         if c is not None:                   # and a put asks three times per block
             return c
         if nbytes > self.page_bytes:
-            raise ValueError(f"a {nbytes}-byte block exceeds the DRAM page size ({self.page_bytes}); "
-                             "raise dram.page_bytes in the store config")
+            c = -(-nbytes // self.page_bytes) * self.page_bytes
+            if c > self.capacity:
+                raise ValueError(f"a {nbytes}-byte block exceeds the DRAM tier's capacity ({self.capacity})")
+            return c
         c = self.classes[bisect.bisect_left(self.classes, nbytes)]
         if len(self._class_of) < 4096:
             self._class_of[nbytes] = c
@@ -78,6 +89,8 @@ class SlabAllocator:
     def alloc(self, nbytes: int) -> int | None:
         """Byte offset of a chunk holding `nbytes`, or None when no chunk of that class is free."""
         chunk = self.chunk_size(max(nbytes, 1))
+        if chunk > self.page_bytes:
+            return self._alloc_span(chunk // self.page_bytes)
         partial = self._partial[chunk]
         if partial:
             page = self._pages[next(iter(partial))]
@@ -98,6 +111,25 @@ class SlabAllocator:
         self.used_bytes += page.chunk
         return page.index * self.page_bytes + slot * page.chunk
 
+    def _alloc_span(self, pages: int) -> int | None:
+        """The first run of `pages` contiguous free pages, as one chunk (rare: a scan is fine)."""
+        run, start = 0, 0
+        for i in sorted(self._free_pages):
+            run, start = (run + 1, start) if run and i == start + run else (1, i)
+            if run == pages:
+                break
+        else:
+            return None
+        taken = set(range(start, start + pages))
+        self._free_pages = [i for i in self._free_pages if i not in taken]
+        for i in taken:
+            self._pages[i].chunk, self._pages[i].used = _CONTINUED, 1
+        head = self._pages[start]
+        head.chunk = pages * self.page_bytes
+        self.spans += 1
+        self.used_bytes += head.chunk
+        return start * self.page_bytes
+
     def _larger_partial(self, chunk: int) -> _Page | None:
         """A page of the smallest class above `chunk` with a free chunk (wasteful, but a block
         kept beats a page of blocks evicted)."""
@@ -112,6 +144,13 @@ class SlabAllocator:
 
     def free(self, offset: int) -> None:
         page = self._pages[offset // self.page_bytes]
+        if page.chunk > self.page_bytes:          # a span: all its pages go back
+            pages = page.chunk // self.page_bytes
+            self.used_bytes -= page.chunk
+            for i in range(page.index, page.index + pages):
+                self._pages[i].chunk, self._pages[i].used, self._pages[i].free = 0, 0, []
+                self._free_pages.append(i)
+            return
         slot = (offset - page.index * self.page_bytes) // page.chunk
         page.free.append(slot)
         page.used -= 1

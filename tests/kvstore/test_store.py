@@ -221,6 +221,24 @@ def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
         DramConfig(admission="sometimes")
 
 
+def test_a_block_larger_than_a_dram_page_is_served_from_dram(tmp_path, clock):
+    """Write-through and promotion alike: a block bigger than dram.page_bytes takes whole pages."""
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.tiering.config import DramConfig, NvmeConfig
+    cfg = StoreConfig(str(tmp_path / "s"), dram=DramConfig(capacity_bytes=8 << 20, page_bytes=1 << 20, prefault=False),
+                      nvme=NvmeConfig(segment_bytes=8 << 20))
+    keys = make_keys(2)
+    with BlockStore(cfg, clock=clock) as store:
+        store.register_namespace(NS)
+        put_blocks(store, keys, n=(1 << 20) + 4096)
+        assert list(store.lookup(keys).tiers) == [Tier.DRAM, Tier.DRAM]
+    with BlockStore(cfg, clock=clock) as store:            # restarted: NVMe only, then promoted
+        assert list(store.lookup(keys).tiers) == [Tier.NVME, Tier.NVME]
+        assert store.get(keys[0]) == payload_for(keys[0], (1 << 20) + 4096)
+        assert list(store.lookup(keys).tiers) == [Tier.DRAM, Tier.NVME]
+
+
 @pytest.mark.parametrize("shares", [{}, {"acme": {"share": 0.5}}])
 def test_a_tenants_dram_share_keeps_its_prefixes_in_dram_through_a_neighbours_flood(tmp_path, clock, shares):
     from kvcache.kvstore.config import StoreConfig

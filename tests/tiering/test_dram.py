@@ -40,9 +40,34 @@ def test_slab_reuses_chunks_and_returns_pages():
     assert s.used_bytes == 12 * 64 * KB + s.chunk_size(200 * KB)
 
 
-def test_slab_rejects_oversized_blocks():
-    with pytest.raises(ValueError, match="page_bytes"):
-        SlabAllocator(1 << 20, 256 * KB).alloc(300 * KB)
+def test_a_block_larger_than_a_page_takes_a_span_of_contiguous_pages():
+    s = SlabAllocator(1 << 20, 256 * KB)                  # pages 0-3
+    small = s.alloc(64 * KB)                              # page 0
+    span = s.alloc(300 * KB)                              # two pages: 1 and 2
+    assert span == 256 * KB and s.chunk_at(span) == 512 * KB
+    assert s.used_bytes == 64 * KB + 512 * KB
+    assert s.alloc(300 * KB) is None                      # page 3 alone is not two contiguous pages
+    s.free(small)
+    assert s.alloc(300 * KB) is None                      # pages 0 and 3 are free, not adjacent
+    s.free(span)
+    assert s.used_bytes == 0
+    assert s.alloc(700 * KB) == 0                         # three pages from 0, the freed span's among them
+    with pytest.raises(ValueError, match="capacity"):
+        s.alloc(2 << 20)
+
+
+def test_a_block_larger_than_a_page_is_kept_and_warned_of_once(caplog):
+    t, _ = _tier(cap=2 << 20, page=256 * KB, high_watermark=1.0, low_watermark=1.0)
+    big = [_w(i, 300 * KB) for i in range(5)]             # two pages each: four fit in eight pages
+    with caplog.at_level("WARNING"):
+        for w in big:
+            t.put([w])
+    assert caplog.text.count("dram.page_bytes") == 1 and "takes 2 pages" in caplog.text
+    kept = t.keys()
+    assert len(kept) == 4 and big[0].key not in kept      # the oldest left to make room
+    for w in big[1:]:
+        assert t.get(w.key) == bytes(w.payload)
+    t.close()
 
 
 def _tier(cap=1 << 20, page=256 * KB, **kw):
