@@ -95,13 +95,19 @@ def start_daemon(cleanup, root: str, sock_dir: str, cfg: dict, name: str = "daem
     with open(path, "w") as f:
         f.write("".join(f"[{sec}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items())
                         for sec, kv in cfg.items()))
-    argv = [sys.executable, "-m", "kvcache.cli.main", "serve", "--config", path, "--data-dir",
-            os.path.join(root, f"{name}-data"), "--port", str(port), "--unix-socket", sock, "--gc-interval", "3600"]
+    data = os.path.join(root, f"{name}-data")
+    argv = [sys.executable, "-m", "kvcache.cli.main", "serve", "--config", path, "--data-dir", data,
+            "--port", str(port), "--unix-socket", sock, "--gc-interval", "3600"]
     log, url = os.path.join(root, f"{name}.log"), f"http://127.0.0.1:{port}"
     proc = _spawn(cleanup, argv, log)
     _wait_ready(proc, lambda: urllib.request.urlopen(url + "/healthz", timeout=1).status == 200
                 and os.path.exists(sock), log, "kvcache serve")
-    return {"url": url, "unix_socket": sock, "argv": argv[1:], "config": cfg}
+    return {"url": url, "unix_socket": sock, "argv": argv[1:], "config": cfg, "data_dir": data, "proc": proc}
+
+
+def stop_daemon(daemon: dict) -> None:
+    """Stop a daemon start_daemon started (SIGTERM: it shuts down cleanly), and wait for it."""
+    _stop(daemon["proc"])
 
 
 def start_redis(cleanup, binary: str, root: str, sock_dir: str, name: str, durable: bool) -> dict:

@@ -165,14 +165,32 @@ class BlockingShmControl:
         return status, w.recv_exact(self._sock, n)
 
     # pipelined leases (the caller holds `self.lock` across them: replies come back in order)
-    def send_lease(self, keys: list[bytes]) -> None:
-        self._sock.sendall(w.frame(w.LEASE, w.encode_keys(keys)))
+    def send_lease(self, keys: list[bytes], files: bool = False) -> None:
+        """LEASE, or with `files` LEASE_FILES (blocks only on NVMe may come as file slots)."""
+        self._sock.sendall(w.frame(w.LEASE_FILES if files else w.LEASE, w.encode_keys(keys)))
 
-    def recv_lease(self) -> tuple[int, list]:
-        status, body = self._reply()
+    def recv_lease(self, files: bool = False) -> tuple[int, list, list[int]]:
+        """A lease's id, slots and the segment descriptors it brought (the caller closes them)."""
+        if not files:
+            status, body = self._reply()
+            fds: list[int] = []
+        else:
+            head, fds = w.recv_head_with_fds(self._sock, w.MAX_LEASE_FDS)
+            try:
+                n, status = w.split_head(head)
+                body = w.recv_exact(self._sock, n)
+            except BaseException:
+                w.close_fds(fds)
+                raise
         if status:
+            w.close_fds(fds)
             raise _refused(status, body)
-        return w.decode_slots(body)
+        try:
+            lease_id, slots = w.decode_slots(body, files, len(fds))
+        except w.ShmProtocolError:
+            w.close_fds(fds)
+            raise
+        return lease_id, slots, fds
 
     def release(self, lease_id: int) -> bool:
         """Under the caller's lock (see read_leased_blocking)."""

@@ -29,6 +29,8 @@ from kvcache.kvstore import shm_wire as w
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.client.shm_channel import (  # noqa: F401  (re-exported: the clients import them from here)
     ArenaUnavailable, BlockingShmControl, LeaseRefused, ShmControl)
+from kvcache.client.shm_files import read_record_into
+from kvcache.kvstore.shm_wire import FileSlot
 from kvcache.kvstore.shm_directory import DIRECT_READS, DirectoryError, DirectoryReader
 
 
@@ -140,14 +142,15 @@ class LeasedCopies:
     sent the request. Copies that end within half that time of the send are good without asking
     (CLOCK_MONOTONIC is one clock for the host, and only durations are compared), so the release
     needs no answer and a read costs one round trip. Slower copies wait for the release's answer;
-    when the lease had expired they move to the socket list."""
+    when the lease had expired they move to the socket list. File slots (client/shm_files.py)
+    are verified, not leased: `into(i, n)` gives block i's destination, and its result is n."""
 
-    def __init__(self, arena: LocalArena, take, lease_s: float):
-        self.arena, self.take, self.lease_s = arena, take, lease_s
+    def __init__(self, arena: LocalArena, take, lease_s: float, into=None, tenant: str = ""):
+        self.arena, self.take, self.lease_s, self.into, self.tenant = arena, take, lease_s, into, tenant
         self.got: dict[int, object] = {}
         self.rest: list[int] = []
 
-    def copy(self, base: int, chunk: list[bytes], slots: list) -> list[int]:
+    def copy(self, base: int, chunk: list[bytes], slots: list, fds: list[int] = ()) -> list[int]:
         """Call take() for each leased block of one chunk; the indices copied."""
         if len(slots) != len(chunk):
             raise ArenaUnavailable(f"shm lease answered {len(slots)} slots for {len(chunk)} keys")
@@ -157,10 +160,19 @@ class LeasedCopies:
                 continue
             if slot == "socket":
                 self.rest.append(base + j)
-                continue
-            self.got[base + j] = self.take(base + j, self.arena.slice(slot[0], slot[1]))
-            done.append(base + j)
+            elif isinstance(slot, FileSlot):
+                self._read_file(base + j, chunk[j], slot, fds)
+            else:
+                self.got[base + j] = self.take(base + j, self.arena.slice(slot[0], slot[1]))
+                done.append(base + j)
         return done
+
+    def _read_file(self, i: int, key: bytes, slot: FileSlot, fds: list[int]) -> None:
+        dst = self.into(i, slot.nbytes) if self.into is not None else memoryview(bytearray(slot.nbytes))
+        if read_record_into(fds[slot.fd], slot, tenant_key(self.tenant, key), dst):
+            self.got[i] = slot.nbytes if self.into is not None else self.take(i, dst)
+        else:
+            self.rest.append(i)      # the daemon's read verifies it again and quarantines a damaged record
 
     def fresh(self, sent: float) -> bool:
         return time.monotonic() - sent < self.lease_s / 2
@@ -204,29 +216,35 @@ PIPELINE_KEYS = 16    # keys per lease on the blocking path; the next lease is a
 
 
 def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[bytes], max_keys: int, take,
-                         lease_s: float):
+                         lease_s: float, into=None):
     """read_leased for the blocking client, in the calling thread, with one lease in flight
     ahead: the daemon answers lease k+1 while we copy lease k's blocks (on another core), so
-    only the first lease's round trip is waited for.
+    only the first lease's round trip is waited for. With `into`, leases may answer with file
+    slots (LEASE_FILES), read straight into `into(i, n)`.
 
         client:  LEASE 0 ─ wait ─ LEASE 1 ─ copy 0 ─ FORGET 0 ─ LEASE 2 ─ copy 1 ─ ...
         daemon:                   └─ answer 1 ─┘                └─ answer 2 ─┘
     """
-    c = LeasedCopies(arena, take, lease_s)
+    c = LeasedCopies(arena, take, lease_s, into, ctl.tenant)
+    files = into is not None
     step = max(1, min(max_keys, PIPELINE_KEYS))
     bases = list(range(0, len(keys), step))
     sent: dict[int, float] = {}
 
     def ask(i: int) -> None:
         sent[i] = time.monotonic()
-        ctl.send_lease(keys[bases[i]: bases[i] + step])
+        ctl.send_lease(keys[bases[i]: bases[i] + step], files)
+
+    def drop(reply) -> None:          # a reply we will not copy from: let its lease and fds go
+        w.close_fds(reply[2])
+        ctl.forget(reply[0])
     with ctl.lock:
         if bases:
             ask(0)
         ahead = None                  # a reply already read off the socket (after a RELEASE)
         for i, base in enumerate(bases):
             try:     # nothing else is in flight here (lease i+1 is asked for below): the channel stays in step
-                lease_id, slots = ahead if ahead is not None else ctl.recv_lease()
+                lease_id, slots, fds = ahead if ahead is not None else ctl.recv_lease(files)
             except LeaseRefused:
                 c.rest += range(base, len(keys))
                 break
@@ -235,19 +253,21 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
             if in_flight:
                 ask(i + 1)
             try:
-                done = c.copy(base, keys[base: base + step], slots)
+                done = c.copy(base, keys[base: base + step], slots, fds)
             except BaseException:
                 ctl.forget(lease_id)
                 if in_flight:         # keep the channel in step: take the reply and let it go
-                    ctl.forget(ctl.recv_lease()[0])
+                    drop(ctl.recv_lease(files))
                 raise
+            finally:
+                w.close_fds(fds)
             if c.fresh(sent[i]):
                 ctl.forget(lease_id)
                 continue
             refused = False
             if in_flight:             # its reply comes before the RELEASE answer
                 try:
-                    ahead = ctl.recv_lease()
+                    ahead = ctl.recv_lease(files)
                 except LeaseRefused:
                     refused = True
             if not ctl.release(lease_id):
@@ -266,6 +286,10 @@ def _direct_first(ctl, directory, arena: LocalArena, keys: list[bytes], take):
     return got, ask, [keys[i] for i in ask], lambda j, view: take(ask[j], view)
 
 
+def _remapped(into, ask: list[int]):
+    return None if into is None else (lambda j, n: into(ask[j], n))
+
+
 async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryReader | None, keys: list[bytes],
                       max_keys: int, take, lease_s: float):
     """Read `keys` out of the arena: through the directory where it knows them, leases for the
@@ -280,11 +304,13 @@ async def read_shared(ctl: ShmControl, arena: LocalArena, directory: DirectoryRe
 
 
 def read_shared_blocking(ctl: BlockingShmControl, arena: LocalArena, directory: DirectoryReader | None,
-                         keys: list[bytes], max_keys: int, take, lease_s: float):
-    """read_shared for the blocking client."""
+                         keys: list[bytes], max_keys: int, take, lease_s: float, into=None):
+    """read_shared for the blocking client; `into(i, n)`: block i's destination, which lets
+    blocks only on NVMe be read from the segment files (client/shm_files.py)."""
     got, ask, sub, sub_take = _direct_first(ctl, directory, arena, keys, take)
     direct = [keys[i] for i in got]
-    got, rest = merge_leased(got, ask, read_leased_blocking(ctl, arena, sub, max_keys, sub_take, lease_s)
+    got, rest = merge_leased(got, ask, read_leased_blocking(ctl, arena, sub, max_keys, sub_take, lease_s,
+                                                            _remapped(into, ask))
                              if sub else ({}, []))
     if direct:
         ctl.touch(direct, max_keys)

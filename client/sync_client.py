@@ -187,7 +187,7 @@ class KVClient:
                 read_exact_into(resp, fit_buffer(outs[idx[i]], n)[:n])
                 return n
             return self._batch_get([keys[i] for i in idx], take)
-        return self._read_many(keys, copy, over_socket)
+        return self._read_many(keys, copy, over_socket, lambda i, n: fit_buffer(outs[i], n)[:n])
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def over_socket(idx):
@@ -205,8 +205,9 @@ class KVClient:
             return self.get_many_into([key], [out])[0]
         return self._run(self._client.get_into(key, out))
 
-    def _read_many(self, keys: Sequence[bytes], from_arena, from_socket) -> list:
-        """Shared memory first when mapped; what it cannot serve goes over HTTP."""
+    def _read_many(self, keys: Sequence[bytes], from_arena, from_socket, into=None) -> list:
+        """Shared memory first when mapped; what it cannot serve goes over HTTP. `into(i, n)`:
+        where block i goes, so that blocks only on NVMe can be read from the segment files."""
         self._check_open()
         keys, result = list(keys), [None] * len(keys)
         rest = list(range(len(keys)))
@@ -214,7 +215,7 @@ class KVClient:
         if att is not None:
             try:
                 got, rest = read_shared_blocking(att.ctl, att.arena, att.directory, keys, self._client.max_batch_blocks,
-                                                 from_arena, att.lease_s)
+                                                 from_arena, att.lease_s, into)
             except (OSError, ShmProtocolError) as e:   # degrade, never fail
                 log.warning("kvcache client: shared-memory read failed (%s); reading over HTTP", e)
                 self._drop_shm(att)

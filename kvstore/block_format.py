@@ -183,6 +183,26 @@ def verify_payload(header: RecordHeader, payload) -> None:
         raise CorruptBlockError("payload checksum mismatch")
 
 
+def verify_raw_record(head, key: bytes, payload) -> None:
+    """Check a raw (uncompressed, live) record of block `key`: the header's own checksum, its
+    key, payload length and codec, then the payload's checksum. decode_header's checks without
+    building its layout (the header checksum covers that): a local reader's per-block cost.
+    Raises CorruptBlockError on any mismatch."""
+    mv = memoryview(head)
+    hlen = peek_header_len(mv)
+    if mv.nbytes != hlen:
+        raise CorruptBlockError("header length disagrees with the record's place")
+    if xxhash.xxh3_64_digest(mv[: hlen - 8]) != mv[hlen - 8: hlen]:
+        raise CorruptBlockError("header checksum mismatch")
+    (_, version, _, codec, flags, klen, _, plen, _, _, _) = _FIXED.unpack_from(mv)
+    body = memoryview(payload)
+    if (version not in (FORMAT_VERSION, TENANT_VERSION) or codec != Codec.RAW or flags & FLAG_TOMBSTONE
+            or mv[_FIXED.size: _FIXED.size + klen] != key or plen != body.nbytes):
+        raise CorruptBlockError("record does not hold the requested block")
+    if xxhash.xxh3_128_digest(body) != mv[hlen - _TRAILER: hlen - 8]:
+        raise CorruptBlockError("payload checksum mismatch")
+
+
 def decode_payload(header: RecordHeader, payload) -> bytes | memoryview:
     if header.codec is Codec.RAW:
         return payload

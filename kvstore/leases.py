@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore.shm_directory import HORIZON_S
+from kvcache.kvstore.shm_wire import FileSlot, close_fds as close_all
 from kvcache.kvstore.types import Tier
 
 SOCKET = "socket"   # slot marker: live, but read it over the socket
@@ -41,42 +42,92 @@ class DramLease:
 class StoreLeases:
     def lease_dram(self, keys: Sequence[bytes]) -> tuple[list, DramLease]:
         """Per key: (offset, nbytes) in the DRAM arena, None (a miss) or SOCKET; and the lease."""
+        slots, lease, _ = self.lease_shared(keys, max_files=0)
+        return slots, lease
+
+    def lease_shared(self, keys: Sequence[bytes], max_files: int) -> tuple[list, DramLease, list[int]]:
+        """lease_dram, where a block only on NVMe, in at most `max_files` segments, may be
+        answered with its record's place instead of being promoted first: a FileSlot whose fd
+        indexes the descriptors returned (read-only; the caller sends, then closes them). The
+        client reads and verifies the record itself (one copy, not read + promote + copy), and
+        those blocks are promoted in the background for their next read."""
         if self.dram is None:
             raise ValueError("this store has no DRAM tier to share")
+        if self._promoter is not None:
+            self._promoter.note_read()        # promotions wait until reads pause
         metas = self._metas(list(keys))
         live = [i for i, m in enumerate(metas) if m is not None]
         held = self.dram.acquire([keys[i] for i in live])
+        fds: list[int] = []
         try:
             cold = [i for i, e in zip(live, held) if e is None]
-            held = self._acquire_cold(keys, metas, live, held, cold)
-            return self._granted(keys, metas, live, held, cold)
+            files, fds = self._file_slots(metas, cold, max_files) if cold and max_files else ({}, [])
+            held = self._acquire_cold(keys, metas, live, held, [i for i in cold if i not in files])
+            slots, lease = self._granted(keys, metas, live, held, cold, files)
+            return slots, lease, fds
         except BaseException:    # acquired chunks stay unevictable until released: never leak them
             self.dram.release(held)
+            close_all(fds)
             raise
+
+    def _file_slots(self, metas, cold: list[int], max_files: int) -> tuple[dict[int, FileSlot], list[int]]:
+        """FileSlots for the cold blocks on NVMe, in at most `max_files` segments (the rest are
+        promoted), and the segments' descriptors."""
+        files: dict[int, FileSlot] = {}
+        fds: list[int] = []
+        index_of: dict[int, int | None] = {}
+        if self.nvme is None:
+            return files, fds
+        for i in cold:
+            m = metas[i]
+            if Tier.NVME not in m.residency:
+                continue
+            if m.segment_id not in index_of:
+                fd = self.nvme.dup_reader(m.segment_id) if len(fds) < max_files else None
+                index_of[m.segment_id] = None if fd is None else len(fds)
+                if fd is not None:
+                    fds.append(fd)
+            at = index_of[m.segment_id]
+            if at is not None:
+                files[i] = FileSlot(at, m.offset, m.record_len - m.payload_len, m.payload_len)
+        return files, fds
 
     def _acquire_cold(self, keys, metas, live: list[int], held: list, cold: list[int]) -> list:
         """Blocks below DRAM: read through the tiers (that promotes them into DRAM), then acquire."""
+        now = self.clock()
         for i in cold:
-            self._read(keys[i], metas[i], bytearray(metas[i].payload_len))
+            if self._read_into_dram(keys[i], metas[i], now) is None:
+                self._read(keys[i], metas[i], bytearray(metas[i].payload_len), now)
         if cold:
             by_index = dict(zip(cold, self.dram.acquire([keys[i] for i in cold])))
-            held = [by_index[i] if e is None else e for i, e in zip(live, held)]
+            held = [by_index.get(i, e) for i, e in zip(live, held)]
         return held
 
-    def _granted(self, keys, metas, live: list[int], held: list, cold: list[int]) -> tuple[list, DramLease]:
+    def _granted(self, keys, metas, live: list[int], held: list, cold: list[int],
+                 files: dict[int, FileSlot]) -> tuple[list, DramLease]:
         slots: list = [None] * len(keys)
         for i, e in zip(live, held):
-            slots[i] = SOCKET if e is None else (e.offset, e.nbytes)
+            slots[i] = files.get(i) or (SOCKET if e is None else (e.offset, e.nbytes))
         cold_set, now = set(cold), self.clock()
         warm = [keys[i] for i in live if i not in cold_set]
         got = [i for i, e in zip(live, held) if e is not None]
         kept = tuple(e for e in held if e is not None)
         lease = DramLease(kept, sum(e.nbytes for e in kept))
         found = [metas[i] for i in got]
-        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), found[0] if found else None,
-                               [m.residency.fastest() for m in found], lease.nbytes)
+        label = found[0] if found else metas[next(iter(files))] if files else None
+        self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), label,
+                               [m.residency.fastest() for m in found] + [Tier.NVME] * len(files),
+                               lease.nbytes + sum(f.nbytes for f in files.values()))
         self._publish([keys[i] for i in got], found, now)
+        if files:
+            self._count_file_reads([(keys[i], metas[i]) for i in files], now)
         return slots, lease
+
+    def _count_file_reads(self, blocks: list, now: float) -> None:
+        """Blocks a client reads from the segment files: NVMe hits, and promoted for next time."""
+        self.stats_counters["hits_nvme"] += len(blocks)
+        self._touch_many([k for k, _ in blocks], now)
+        self._promote_soon(blocks)
 
     def touch_dram(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Account reads a local client made through the read directory, without a lease (it

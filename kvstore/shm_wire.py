@@ -7,6 +7,8 @@ and leases (the payloads are in the shared arena). Little-endian; one request, o
       RELEASE  (3)  u64 lease_id                       -> reply: u8 valid
       FORGET   (4)  u64 lease_id                       -> no reply (release, answer not wanted)
       TOUCH    (5)  like LEASE's body                  -> no reply (blocks read through the read directory)
+      LEASE_FILES (6) like LEASE's body: LEASE, where a block only on NVMe may be answered with
+               its record's place in a segment file instead of being promoted first
     reply:    u32 body_len | u16 status (0 ok, else an HTTP status) | body (error: utf-8 message)
       HELLO    the tenant's name (utf-8): directory keys are the tenant's stored keys.
                An accepted HELLO's reply carries file descriptors (SCM_RIGHTS, on its first
@@ -15,6 +17,11 @@ and leases (the payloads are in the shared arena). Little-endian; one request, o
                carries none. The daemon is not dumpable, so /proc/<pid>/fd is no way in.
       LEASE    u64 lease_id | u32 n | n x u64 offset | n x u64 nbytes | n x u8 kind   kind: 0 miss, 1 leased, 2 socket
                (columns, not records: each column is one array copy to encode and decode)
+      LEASE_FILES  LEASE's reply, kinds 3 (file) allowed, then n x u16 header_len | n x u8 fd:
+               a file slot's block is the record at `offset` of the fd-th descriptor the reply
+               carries (SCM_RIGHTS, read-only, at most MAX_LEASE_FDS): `header_len` header bytes,
+               then `nbytes` payload bytes. The client verifies them (kvstore/block_format.py)
+               and reads over the socket whatever fails.
 """
 
 from __future__ import annotations
@@ -24,17 +31,28 @@ import socket
 import struct
 import sys
 from array import array
+from typing import NamedTuple
 
-HELLO, LEASE, RELEASE, FORGET, TOUCH = 1, 2, 3, 4, 5
-MISS, LEASED, SOCKET = 0, 1, 2
+HELLO, LEASE, RELEASE, FORGET, TOUCH, LEASE_FILES = 1, 2, 3, 4, 5, 6
+MISS, LEASED, SOCKET, FILE = 0, 1, 2, 3
 MAX_BODY = 16 << 20
 MAX_FDS = 2                 # the arena and the read directory
+MAX_LEASE_FDS = 8           # segment files per LEASE_FILES reply
 _HEAD = struct.Struct("<IH")
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 
 
 class ShmProtocolError(ValueError):
     """A malformed control frame."""
+
+
+class FileSlot(NamedTuple):
+    """A block to read from a segment file: the record at `offset` of the reply's `fd`-th
+    descriptor (on the daemon's side, `fd` is the segment id until the reply is encoded)."""
+    fd: int
+    offset: int
+    header_len: int
+    nbytes: int
 
 
 def frame(code: int, body: bytes = b"") -> bytes:
@@ -60,16 +78,16 @@ def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
         sock.sendall(data[sent:])
 
 
-def recv_head_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+def recv_head_with_fds(sock: socket.socket, max_fds: int = MAX_FDS) -> tuple[bytes, list[int]]:
     """A reply's head and the file descriptors that came with it (close-on-exec). Raises
     ShmProtocolError, after closing what arrived, when the kernel had to drop some of them."""
     head, fds = b"", []
     while len(head) < HEAD_BYTES:
-        data, got, flags, _ = socket.recv_fds(sock, HEAD_BYTES - len(head), MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+        data, got, flags, _ = socket.recv_fds(sock, HEAD_BYTES - len(head), max_fds, socket.MSG_CMSG_CLOEXEC)
         fds += got
-        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+        if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
             close_fds(fds)
-            raise ShmProtocolError(f"the daemon sent more than {MAX_FDS} file descriptors, or the kernel "
+            raise ShmProtocolError(f"the daemon sent more than {max_fds} file descriptors, or the kernel "
                                    "dropped some (RLIMIT_NOFILE?)")
         if not data:
             close_fds(fds)
@@ -133,11 +151,17 @@ def decode_keys(body: bytes, max_keys: int) -> list[bytes]:
     return keys
 
 
-def encode_slots(lease_id: int, slots) -> bytes:
-    """slots: (offset, nbytes), None (miss) or the string "socket", per key."""
+def encode_slots(lease_id: int, slots, fd_of: dict[int, int] | None = None) -> bytes:
+    """slots: (offset, nbytes), None (miss), the string "socket" or (with `fd_of`, for
+    LEASE_FILES: segment id -> descriptor index) a FileSlot naming its segment id, per key."""
     offsets, sizes, kinds = array("Q"), array("Q"), bytearray(len(slots))
+    hlens, fdis = array("H", bytes(2 * len(slots))), bytearray(len(slots))
     for i, s in enumerate(slots):
-        if isinstance(s, tuple):
+        if isinstance(s, FileSlot):
+            offsets.append(s.offset)
+            sizes.append(s.nbytes)
+            kinds[i], hlens[i], fdis[i] = FILE, s.header_len, fd_of[s.fd]
+        elif isinstance(s, tuple):
             offsets.append(s[0])
             sizes.append(s[1])
             kinds[i] = LEASED
@@ -146,22 +170,32 @@ def encode_slots(lease_id: int, slots) -> bytes:
             sizes.append(0)
             kinds[i] = MISS if s is None else SOCKET
     if sys.byteorder != "little":
-        offsets.byteswap()
-        sizes.byteswap()
-    return b"".join((_U64.pack(lease_id), _U32.pack(len(slots)), offsets.tobytes(), sizes.tobytes(), kinds))
+        for col in (offsets, sizes, hlens):
+            col.byteswap()
+    parts = [_U64.pack(lease_id), _U32.pack(len(slots)), offsets.tobytes(), sizes.tobytes(), kinds]
+    return b"".join(parts + ([hlens.tobytes(), fdis] if fd_of is not None else []))
 
 
-def decode_slots(body: bytes) -> tuple[int, list]:
+def decode_slots(body: bytes, files: bool = False, nfds: int = 0) -> tuple[int, list]:
+    """A LEASE reply (or, with `files`, a LEASE_FILES reply that carried `nfds` descriptors)."""
     (lease_id,), (n,) = _U64.unpack_from(body), _U32.unpack_from(body, 8)
-    if len(body) != 12 + 17 * n:
+    if len(body) != 12 + (20 if files else 17) * n:
         raise ShmProtocolError("LEASE reply has the wrong length")
     offsets, sizes = array("Q", body[12: 12 + 8 * n]), array("Q", body[12 + 8 * n: 12 + 16 * n])
+    hlens = array("H", body[12 + 17 * n: 12 + 19 * n] if files else b"")
     if sys.byteorder != "little":
-        offsets.byteswap()
-        sizes.byteswap()
-    kinds = body[12 + 16 * n:]
-    return lease_id, [(o, z) if k == LEASED else None if k == MISS else "socket"
-                      for o, z, k in zip(offsets, sizes, kinds)]
+        for col in (offsets, sizes, hlens):
+            col.byteswap()
+    kinds, fdis = body[12 + 16 * n: 12 + 17 * n], body[12 + 19 * n:]
+    slots: list = []
+    for i, (o, z, k) in enumerate(zip(offsets, sizes, kinds)):
+        if k == FILE and files:
+            if fdis[i] >= nfds:
+                raise ShmProtocolError(f"a file slot names descriptor {fdis[i]} of {nfds}")
+            slots.append(FileSlot(fdis[i], o, hlens[i], z))
+        else:
+            slots.append((o, z) if k == LEASED else None if k == MISS else "socket")
+    return lease_id, slots
 
 
 def encode_u64(v: int) -> bytes:

@@ -93,6 +93,7 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         _warn_if_lifecycle_shorter(config)
         self._prefetcher = None
         self._prefetching: dict = {}       # key -> Future of its object -> DRAM prefetch
+        self._promoter = None               # NVMe -> DRAM copies of blocks clients read from files
         self._closed = False
         # one collector for puts' make_room, another for the background steps (each its own cursor),
         # both made before a thread starts
@@ -311,6 +312,8 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
             t.stop()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        if self._promoter is not None:
+            self._promoter.close()
         self._closed = True
         try:
             self.flush()

@@ -55,7 +55,8 @@ class ControlSession:
         self.leases = app[LEASES]
         self.tenant: str | None = None
         self.owned: set[int] = set()
-        self.fds: list[int] = []      # sent with an accepted HELLO's answer
+        self.fds: list[int] = []      # sent with the next answer: HELLO's arena, a lease's segments
+        self.owns_fds = False         # the segments' are ours to close once sent
 
     def shared_fds(self) -> list[int]:
         """Read-only descriptions of the arena and the read directory (tiering/arena.py)."""
@@ -75,19 +76,26 @@ class ControlSession:
         self.tenant = match.tenant
         return 0, match.tenant.encode()
 
-    def lease(self, body: bytes) -> tuple[int, bytes]:
+    def lease(self, body: bytes, files: bool = False) -> tuple[int, bytes]:
+        """LEASE, or LEASE_FILES: blocks only on NVMe may come as file slots, whose segments'
+        descriptors go with the reply (self.fds, closed once sent: self.owns_fds)."""
         t0 = time.perf_counter()
         keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
-        slots, lease = self.store.lease_dram(keys)
+        slots, lease, fds = self.store.lease_shared(keys, w.MAX_LEASE_FDS if files else 0)
         lease_id = self.leases.add(lease, self.owned)
         if lease_id is None:
+            w.close_fds(fds)
             return 503, (f"{self.leases.max_leases} shared-memory leases are outstanding; release leases "
                          "or raise server.max_shm_leases").encode()
+        self.fds, self.owns_fds = fds, True
         m = self.app[METRICS]
-        hits = sum(1 for s in slots if isinstance(s, tuple))
-        m.count_hits("get", Tier.DRAM, hits, lease.nbytes, slots.count(None))
-        m.observe_request("shm:lease", 200, time.perf_counter() - t0)
-        return 0, w.encode_slots(lease_id, slots)
+        leased = [s for s in slots if isinstance(s, tuple) and not isinstance(s, w.FileSlot)]
+        from_files = [s for s in slots if isinstance(s, w.FileSlot)]
+        m.count_hits("get", Tier.DRAM, len(leased), sum(s[1] for s in leased), slots.count(None))
+        if from_files:
+            m.count_hits("get", Tier.NVME, len(from_files), sum(s.nbytes for s in from_files), 0)
+        m.observe_request("shm:lease_files" if files else "shm:lease", 200, time.perf_counter() - t0)
+        return 0, w.encode_slots(lease_id, slots, {i: i for i in range(len(fds))} if files else None)
 
     def touch(self, body: bytes) -> None:
         t0 = time.perf_counter()
@@ -104,8 +112,8 @@ class ControlSession:
             return reply
         if self.tenant is None:
             return 401, b"send HELLO with a token first"
-        if op == w.LEASE:
-            return self.lease(body)
+        if op in (w.LEASE, w.LEASE_FILES):
+            return self.lease(body, files=op == w.LEASE_FILES)
         if op == w.TOUCH:
             return self.touch(body)
         if op in (w.RELEASE, w.FORGET):
@@ -190,9 +198,13 @@ class ControlServer:
             if full:
                 reply, session.fds = (503, f"{MAX_CONNECTIONS} shared-memory connections are open; "
                                            "close some or read over HTTP".encode()), []
-            if reply is not None:
-                w.send_with_fds(conn, w.frame(*reply), session.fds)
-                session.fds = []
+            try:
+                if reply is not None:
+                    w.send_with_fds(conn, w.frame(*reply), session.fds)
+            finally:
+                if session.owns_fds:       # a lease's segment descriptors: the client has its own now
+                    w.close_fds(session.fds)
+                session.fds, session.owns_fds = [], False
             if full:
                 return
 

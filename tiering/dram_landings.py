@@ -15,11 +15,13 @@ from typing import Sequence
 
 
 class DramLandings:
-    def reserve(self, nbytes: int) -> memoryview | None:
+    def reserve(self, nbytes: int, span: bool = False) -> memoryview | None:
         """A writable view of a free chunk for a payload about to arrive, or None (no free chunk
         below the high watermark, or max_reserved_bytes already set aside): the caller then
-        receives elsewhere and put() copies. Never evicts: that is put()'s job, off this path."""
-        if nbytes <= 0 or nbytes > self._slab.page_bytes:
+        receives elsewhere and put() copies. Never evicts: that is put()'s job, off this path.
+        Blocks larger than a page get a span of whole pages only with `span` (a read from NVMe,
+        whose size is known; an upload's declared size is not yet bytes that arrived)."""
+        if nbytes <= 0 or nbytes > (self._slab.capacity if span else self._slab.page_bytes):
             return None
         if not self._lock.acquire(blocking=False):   # a put may hold it for a while (demotions):
             return None                              # receiving into staging beats waiting

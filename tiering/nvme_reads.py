@@ -62,6 +62,17 @@ class NvmeReads:
             return None
         return header, body
 
+    def dup_reader(self, segment_id: int) -> int | None:
+        """A read-only descriptor of the segment that the caller owns (and closes), or None
+        (the segment is gone: compacted away). Records are never rewritten in place, so what
+        a placement read from the index names stays readable through it."""
+        try:
+            with self.readers.open(segment_id) as fd:
+                return None if fd is None else os.dup(fd)
+        except OSError as e:     # EMFILE: the block is promoted the usual way instead
+            log.warning("cannot share segment %d: %s", segment_id, e.strerror or e)
+            return None
+
     def holds_extent(self, p: Placement) -> bool:
         """Whether segment `p.segment_id` can hold a record at `p` (sizes from the index are checked
         before a reader allocates for them). A missing segment passes: the read reports it."""

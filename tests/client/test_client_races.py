@@ -94,13 +94,13 @@ def test_another_thread_dropping_the_attachment_mid_copy_degrades_to_http(daemon
                 errors.append(e)
         dropper = threading.Thread(target=drop)
 
-        def racing(ctl, arena, directory, keys, max_keys, take, lease_s):
+        def racing(ctl, arena, directory, keys, max_keys, take, lease_s, into=None):
             def take_while_dropped(i, view):
                 if i == 0 and dropper.ident is None:
                     dropper.start()
                     time.sleep(0.2)                             # the other thread runs its drop now
                 return take(i, view)
-            return real(ctl, arena, None, keys, max_keys, take_while_dropped, lease_s)
+            return real(ctl, arena, None, keys, max_keys, take_while_dropped, lease_s, into)
         monkeypatch.setattr(sync_client, "read_shared_blocking", racing)
         assert c.get_many(keys) == [payload_for(k) for k in keys]
         dropper.join(10)

@@ -136,12 +136,12 @@ def test_no_table_without_shared_memory_or_when_turned_off():
 
 # ---------------------------------------------------------------- clients over a daemon
 def counting_leases(store) -> list:
-    calls, real = [], store.lease_dram
+    calls, real = [], store.lease_shared
 
-    def lease_dram(keys):
+    def lease_shared(keys, max_files):
         calls.append(len(keys))
-        return real(keys)
-    store.lease_dram = lease_dram
+        return real(keys, max_files)
+    store.lease_shared = lease_shared
     return calls
 
 
