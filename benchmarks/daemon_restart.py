@@ -10,11 +10,13 @@ empty (after a restart, or once it has turned over) is the NVMe tier.
 "Drop caches" is posix_fadvise(DONTNEED) on every file of the daemon's data directory (segments
 and index), which evicts their clean pages without root. The baseline reads each segment file
 front to back in reads of one block size into one reused buffer, as many bytes as the blocks
-hold: the disk's and the page cache's own speed for the same bytes, in the same run.
+hold: the disk's and the page cache's own speed for the same bytes, in the same run; and once
+more hashing each read (pread_verify): the floor of any read that checks its bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -51,8 +53,10 @@ def drop_caches(data_dir: str) -> None:
             os.close(fd)
 
 
-def pread_segments(data_dir: str, size: int, total: int, buf: memoryview) -> int:
-    """Read `total` bytes of the segment files, `size` bytes a pread into `buf`: the baseline."""
+def pread_segments(data_dir: str, size: int, total: int, buf: memoryview, verify: bool = False) -> int:
+    """Read `total` bytes of the segment files, `size` bytes a pread into `buf`: the baseline.
+    With `verify`, each read is also hashed (xxh3-128, the records' checksum): the floor of any
+    read that checks what it returns."""
     done = 0
     for path in (p for p in _files(data_dir) if p.endswith(".kvs")):
         fd = os.open(path, os.O_RDONLY)
@@ -62,6 +66,8 @@ def pread_segments(data_dir: str, size: int, total: int, buf: memoryview) -> int
                 if done >= total:
                     return done
                 done += os.preadv(fd, [buf[:size]], off)
+                if verify:
+                    xxhash.xxh3_128_digest(buf[:size])
         finally:
             os.close(fd)
     if done < total:
@@ -91,7 +97,6 @@ def _timed_read(daemon: dict, mode: str, keys, per, out, size) -> float:
 def bench_restart(size: int, source: memoryview, total_bytes: int, batch_bytes: int, rounds: int, root: str,
                   sock_dir: str, cfg: dict, ns, bar=None) -> dict:
     """GB/s of each read after a restart and of pread of the same bytes; medians of `rounds`."""
-    import contextlib
     from kvcache.client.sync_client import KVClient
     n, per = max(1, total_bytes // size), max(1, batch_bytes // size)
     keys = [xxhash.xxh3_128_digest(f"daemon-restart:{size}:{i}".encode()) for i in range(n)]
@@ -117,12 +122,14 @@ def bench_restart(size: int, source: memoryview, total_bytes: int, batch_bytes: 
                 if mode.startswith("shm"):   # the baseline first: the daemon promotes what it served
                     if mode.endswith("cold"):    # once reads pause, which must not overlap the baseline
                         drop_caches(data)
-                    t0 = time.perf_counter()
-                    pread_segments(data, size, n * size, out)
-                    times.setdefault(f"pread_{mode[4:]}", []).append(time.perf_counter() - t0)
+                    for verify in (False, True) if mode == "shm_cached" else (False,):
+                        t0 = time.perf_counter()
+                        pread_segments(data, size, n * size, out, verify)
+                        times.setdefault(f"pread{'_verify' if verify else ''}_{mode[4:]}", []).append(
+                            time.perf_counter() - t0)
                 if mode.endswith("cold"):
                     drop_caches(data)
                 times.setdefault(mode, []).append(_timed_read(d, mode, keys, per, out, size))
         stop_daemon(d)
     res = {k: n * size / statistics.median(v) / 1e9 for k, v in times.items()}
-    return {"blocks": n, "bytes": n * size, "rounds": rounds, "gbps": res, "rounds_s": times}
+    return {**res, "blocks": n, "rounds_s": times}

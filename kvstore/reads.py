@@ -172,7 +172,9 @@ class StoreReads:
         page by page, at a fraction of a copy's speed). True: promoted (and, with `count`, a
         hit); False: the read missed (damaged, deleted); None: no chunk to spare, or the record
         moved or is compressed: the caller reads it the usual way."""
-        view = self.dram.reserve(meta.payload_len, span=True) if self.dram is not None and self.nvme is not None else None
+        if self.dram is None or self.nvme is None:
+            return None
+        view = self.dram.reserve(meta.payload_len, span=True)
         if view is None:
             return None
         try:
