@@ -180,8 +180,9 @@ class StoreReads:
         try:
             header = self.nvme.read_into(key, _placement(meta), view)
             if header is None:
-                moved = self.index.get(key)
-                return None if moved is not None and moved.offset != meta.offset else False
+                moved = self.index.get(key)      # compaction may have moved it: the usual read follows it
+                same = moved is None or (moved.segment_id, moved.offset) == (meta.segment_id, meta.offset)
+                return False if same else None
             if header.raw_len != meta.payload_len:
                 return None
             if count:
@@ -208,16 +209,12 @@ class StoreReads:
         if not self.dram.contains(key):
             self._read_into_dram(key, meta, self.clock(), count=False)
 
-    def _background(self):
-        if self._prefetcher is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvcache-prefetch")
-        return self._prefetcher
-
     def _prefetch(self, blocks: list[tuple[bytes, BlockMeta]]) -> None:
         """A lookup found blocks only in the object tier: start copying them into DRAM now,
         so that the gets which usually follow are served from memory."""
-        self._background()
+        if self._prefetcher is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvcache-prefetch")
 
         def fetch(key: bytes, meta: BlockMeta) -> None:
             placement = self.index.object_location(key)

@@ -48,7 +48,7 @@ class ShmProtocolError(ValueError):
 
 class FileSlot(NamedTuple):
     """A block to read from a segment file: the record at `offset` of the reply's `fd`-th
-    descriptor (on the daemon's side, `fd` is the segment id until the reply is encoded)."""
+    descriptor."""
     fd: int
     offset: int
     header_len: int
@@ -151,16 +151,16 @@ def decode_keys(body: bytes, max_keys: int) -> list[bytes]:
     return keys
 
 
-def encode_slots(lease_id: int, slots, fd_of: dict[int, int] | None = None) -> bytes:
-    """slots: (offset, nbytes), None (miss), the string "socket" or (with `fd_of`, for
-    LEASE_FILES: segment id -> descriptor index) a FileSlot naming its segment id, per key."""
+def encode_slots(lease_id: int, slots, files: bool = False) -> bytes:
+    """slots: (offset, nbytes), None (miss), the string "socket" or (with `files`, for a
+    LEASE_FILES reply) a FileSlot, per key."""
     offsets, sizes, kinds = array("Q"), array("Q"), bytearray(len(slots))
     hlens, fdis = array("H", bytes(2 * len(slots))), bytearray(len(slots))
     for i, s in enumerate(slots):
         if isinstance(s, FileSlot):
             offsets.append(s.offset)
             sizes.append(s.nbytes)
-            kinds[i], hlens[i], fdis[i] = FILE, s.header_len, fd_of[s.fd]
+            kinds[i], hlens[i], fdis[i] = FILE, s.header_len, s.fd
         elif isinstance(s, tuple):
             offsets.append(s[0])
             sizes.append(s[1])
@@ -173,7 +173,7 @@ def encode_slots(lease_id: int, slots, fd_of: dict[int, int] | None = None) -> b
         for col in (offsets, sizes, hlens):
             col.byteswap()
     parts = [_U64.pack(lease_id), _U32.pack(len(slots)), offsets.tobytes(), sizes.tobytes(), kinds]
-    return b"".join(parts + ([hlens.tobytes(), fdis] if fd_of is not None else []))
+    return b"".join(parts + ([hlens.tobytes(), fdis] if files else []))
 
 
 def decode_slots(body: bytes, files: bool = False, nfds: int = 0) -> tuple[int, list]:

@@ -95,7 +95,7 @@ class ControlSession:
         if from_files:
             m.count_hits("get", Tier.NVME, len(from_files), sum(s.nbytes for s in from_files), 0)
         m.observe_request("shm:lease_files" if files else "shm:lease", 200, time.perf_counter() - t0)
-        return 0, w.encode_slots(lease_id, slots, {i: i for i in range(len(fds))} if files else None)
+        return 0, w.encode_slots(lease_id, slots, files)
 
     def touch(self, body: bytes) -> None:
         t0 = time.perf_counter()

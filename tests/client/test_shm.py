@@ -36,8 +36,9 @@ def shm_store(path, dram_bytes=2 << 20, **dram) -> BlockStore:
 def served(tmp_path):
     made = []
 
-    def start(lease_s=30.0, **store_kw):
-        store = shm_store(tmp_path / f"d{len(made)}", **store_kw)
+    def start(lease_s=30.0, store=None, **store_kw):
+        """A server over a new store (or over `store`, which it then closes too)."""
+        store = store or shm_store(tmp_path / f"d{len(made)}", **store_kw)
         srv = ServerThread(build_app(store, ServerConfig(tokens=TOKENS, shm_lease_s=lease_s)))
         made.append((srv, store))
         return srv.url, store

@@ -14,16 +14,13 @@ from kvcache.kvstore.errors import CorruptBlockError
 from kvcache.kvstore.hashing import tenant_key
 from kvcache.kvstore.promoter import Promoter
 from kvcache.kvstore.types import Tier
-from kvcache.server.app import build_app
-from kvcache.server.config import ServerConfig
-from tests.client.test_client import ServerThread
-from tests.client.test_shm import SHARER, TOKENS, no_socket_reads, shm_store
+from tests.client.test_shm import SHARER, no_socket_reads, served, shm_store  # noqa: F401 (served: a fixture)
 from tests.conftest import NS, FakeClock, make_keys, payload_for, put_blocks
 
 N = 64 << 10
 
 
-def _restarted(path, keys, n=N, segment_keys=None):
+def _restarted(path, keys, n=N):
     """A store that held `keys` and was reopened: DRAM empty, every block on NVMe."""
     store = shm_store(path, dram_bytes=8 << 20)
     store.register_namespace(NS)
@@ -135,8 +132,8 @@ def test_read_record_into_refuses_bad_places_and_short_files(tmp_path):
 
 
 def test_lease_files_replies_round_trip_and_refuse_descriptors_they_lack():
-    slots = [(1, 2), None, "socket", w.FileSlot(7, 100, 80, N)]
-    body = w.encode_slots(9, slots, {7: 0})
+    slots = [(1, 2), None, "socket", w.FileSlot(0, 100, 80, N)]
+    body = w.encode_slots(9, slots, files=True)
     assert w.decode_slots(body, files=True, nfds=1) == (9, [(1, 2), None, "socket", w.FileSlot(0, 100, 80, N)])
     with pytest.raises(w.ShmProtocolError):
         w.decode_slots(body, files=True, nfds=0)
@@ -161,18 +158,10 @@ def test_promoter_waits_until_reads_pause():
 
 # ---------------------------------------------------------------- the client over a daemon
 @pytest.fixture
-def restarted_daemon(tmp_path):
-    made = []
-
+def restarted_daemon(tmp_path, served):
     def start(keys, n=N):
-        store = _restarted(tmp_path / "s", [tenant_key("s", k) for k in keys], n)
-        srv = ServerThread(build_app(store, ServerConfig(tokens=TOKENS)))
-        made.append((srv, store))
-        return srv.url, store
-    yield start
-    for srv, store in made:
-        srv.close()
-        store.close()
+        return served(store=_restarted(tmp_path / "s", [tenant_key("s", k) for k in keys], n))
+    return start
 
 
 def slot_kinds(store) -> list:
