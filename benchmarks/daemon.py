@@ -28,8 +28,10 @@ from kvcache.benchmarks import verbs
 from kvcache.benchmarks.args import parse_sizes, size_label
 from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
 from kvcache.benchmarks.daemon_report import NOTES, SIDES, describe_setups, format_table, summarize
+from kvcache.benchmarks.daemon_restart import MODES, bench_restart
 from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,
                                                start_daemon, start_redis)
+from kvcache.benchmarks.loopback import LoopbackServer
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.kvstore.hashing import Namespace, hash_blocks
 from kvcache.client.shm_client import read_direct
@@ -91,6 +93,7 @@ class Sides:
     rt: object              # redis (memory only) over TCP ...
     ru: object              # ... and over its unix socket
     aof: object | None      # the appendfsync-always redis over TCP
+    loop: LoopbackServer    # the same bytes over a bare loopback TCP socket
 
 
 @dataclass
@@ -139,7 +142,8 @@ def _get_round(w: Work, s: Sides, out: memoryview, acc: dict, r: int) -> None:
                           "get:daemon_unix": lambda: _daemon_get(s.unix, w.ku[a:b], out, w.size),
                           "get:daemon_shm": lambda: _daemon_get(s.shm, w.ku[a:b], out, w.size),
                           "get:redis_tcp": lambda: _redis_get(s.rt, w.kh[a:b], out, w.size),
-                          "get:redis_unix": lambda: _redis_get(s.ru, w.ku[a:b], out, w.size)}, j + r)
+                          "get:redis_unix": lambda: _redis_get(s.ru, w.ku[a:b], out, w.size),
+                          "get:loopback_tcp": lambda: s.loop.get(a * w.size, w.size, b - a, out)}, j + r)
 
 
 def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: int, batch_bytes: int,
@@ -217,21 +221,44 @@ def bench_lookup(http, rt, runs: int) -> dict:
     return out
 
 
+class _Bar(tqdm):
+    monitor_interval = 0     # no monitor thread: the restart phase forks daemons while its bar is open
+
+
+def _restart_phase(sizes, source, total_bytes, batch_bytes, repeats, rounds, root, sock_dir, progress) -> dict:
+    """The read-after-restart phase of every size (daemon_restart.py), run before any other process
+    or client thread exists; each size's daemon data is removed before the next."""
+    if not rounds:
+        return {}
+    cfg, out = daemon_config(sizes, total_bytes, repeats), {}
+    with _Bar(total=len(sizes) * rounds * len(MODES), desc="restart phase", unit="read", disable=not progress) as bar:
+        for size in sizes:
+            out[size_label(size)] = bench_restart(size, source, total_bytes, batch_bytes, rounds, root, sock_dir,
+                                                  cfg, _NS, bar)
+            shutil.rmtree(os.path.join(root, f"daemon-restart-{size_label(size)}-data"), True)
+    return out
+
+
 def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes: int = 16 << 20,
         data_dir: str | None = None, lookup_runs: int = 200, redis_server: str = "redis-server",
-        redis_durable: bool = True, progress: bool = True) -> dict:
+        redis_durable: bool = True, progress: bool = True, restart_rounds: int = 2) -> dict:
     """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
-    MissingDependency without redis-server or redis-py."""
+    MissingDependency without redis-server or redis-py. `restart_rounds` = 0 skips the
+    read-after-restart phase."""
     from kvcache.client.sync_client import KVClient
     sizes = parse_sizes(sizes) if isinstance(sizes, str) else [int(s) for s in sizes]
-    if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1:
-        raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1")
+    if not sizes or min(sizes) <= 0 or min(repeats, total_bytes, batch_bytes, lookup_runs) < 1 or restart_rounds < 0:
+        raise ValueError("need block sizes, and repeats, total bytes, batch bytes and lookup runs >= 1 "
+                         "(restart rounds >= 0)")
     redis_path = check_dependencies(redis_server)
     started, load = time.perf_counter(), load_now()
     with contextlib.ExitStack() as cleanup:   # unwinds on errors and Ctrl-C: clients, processes, then dirs
         root, sock_dir = scratch_dir(data_dir), tempfile.mkdtemp(prefix="kvb-")   # sockets: short paths
         cleanup.callback(shutil.rmtree, root, True)
         cleanup.callback(shutil.rmtree, sock_dir, True)
+        source = memoryview(os.urandom(max(total_bytes, max(sizes))))
+        restart = _restart_phase(sizes, source, total_bytes, batch_bytes, repeats, restart_rounds, root, sock_dir,
+                                 progress)
         # processes first, before any thread of ours exists (preexec_fn runs in the forked child)
         daemon = start_daemon(cleanup, root, sock_dir, daemon_config(sizes, total_bytes, repeats))
         memory_daemon = start_daemon(cleanup, root, sock_dir, daemon_config(sizes, total_bytes, repeats, "write-back"),
@@ -246,8 +273,9 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
                                                 shared_memory="off"))
         http.register_namespace(_NS)
         memory.register_namespace(_NS)
-        sides = Sides(http, unix, shm, memory, red["tcp"], red["unix"], aof["tcp"] if aof else None)
-        source = memoryview(os.urandom(max(total_bytes, max(sizes))))
+        loop = LoopbackServer(source)          # a thread: after every process has started
+        cleanup.callback(loop.close)
+        sides = Sides(http, unix, shm, memory, red["tcp"], red["unix"], aof["tcp"] if aof else None, loop)
         region = memoryview(bytearray(len(source)))
         with tqdm(total=len(sizes) * (repeats + 1) + 1, desc="daemon benchmark", unit="round",
                   disable=not progress) as bar:
@@ -256,12 +284,15 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
             bar.set_postfix_str("lookup")
             lookup = bench_lookup(http, red["tcp"], lookup_runs)
             bar.update(1)
+        for label, r in restart.items():
+            per_size[label]["restart"] = r
         machine = {**machine_info(root), "load_at_start": load}
         setups = describe_setups(daemon, memory_daemon, red, aof)
     doc = {"benchmark": "daemon_throughput", "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
            "elapsed_s": time.perf_counter() - started, "machine": machine,
            "config": {"sizes": [size_label(s) for s in sizes], "total_bytes_per_size": total_bytes,
                       "repeats": repeats, "batch_bytes": batch_bytes, "lookup_runs": lookup_runs,
+                      "restart_rounds": restart_rounds,
                       "data_dir": os.path.dirname(root),
                       "same_host_path": "shared-memory arena (daemon_shm) and unix socket (daemon_unix)",
                       "units": "GB/s = 1e9 bytes/s; ratio = measured throughput / baseline throughput",
@@ -281,7 +312,7 @@ def run_args(args: argparse.Namespace) -> int:
         doc = run(args.sizes, int(args.total_mib * mib), args.out_dir, args.repeats,
                   batch_bytes=int(args.batch_mib * mib), data_dir=args.data_dir, lookup_runs=args.lookup_runs,
                   redis_server=args.redis_server, redis_durable=not args.no_redis_durable,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, restart_rounds=args.restart_rounds)
     except MissingDependency as e:
         print(f"kvcache bench daemon: {e}", file=sys.stderr)
         return 2

@@ -18,12 +18,23 @@ RATIOS = {
     "local_get_vs_memcpy": ("get", "daemon_shm", "memcpy_arena"),
     "local_get_vs_private_memcpy": ("get", "daemon_shm", "memcpy"),
     "unix_get_vs_memcpy": ("get", "daemon_unix", "memcpy"),
+    "http_get_vs_loopback": ("get", "daemon_http", "loopback_tcp"),
+    # after a restart: every block on NVMe only, read through shared memory or HTTP, vs pread of the same bytes
+    "nvme_get_after_restart_vs_pread": ("restart", "shm_cached", "pread_cached"),
+    "nvme_get_after_restart_cold_vs_pread": ("restart", "shm_cold", "pread_cold"),
+    "nvme_get_after_restart_vs_verified_pread": ("restart", "shm_cached", "pread_verify_cached"),
+    "http_get_after_restart_vs_pread": ("restart", "http_cached", "pread_cached"),
+    "verified_pread_vs_pread": ("restart", "pread_verify_cached", "pread_cached"),
 }
-TARGETS = {"daemon_get_vs_redis": 1.0, "daemon_put_vs_redis": 1.0, "local_get_vs_memcpy": 0.5}
+TARGETS = {"daemon_get_vs_redis": 3.0, "daemon_put_vs_redis": 1.0, "local_get_vs_memcpy": 0.9,
+           "nvme_get_after_restart_vs_pread": 0.7, "nvme_get_after_restart_cold_vs_pread": 0.8}
+RESTART = {"pread_cached": "pread", "pread_verify_cached": "pread+hash", "shm_cached": "daemon shm",
+           "http_cached": "daemon http", "pread_cold": "pread cold", "shm_cold": "daemon shm cold"}
 SIDES = {"memcpy": "memcpy", "memcpy_arena": "memcpy arena", "raw_write": "write+fsync", "daemon_http": "daemon http",
          "daemon_http_memory": "daemon http wb", "daemon_unix": "daemon unix",
          "daemon_shm": "daemon shm",
-         "redis_tcp": "redis tcp", "redis_unix": "redis unix", "redis_aof_always": "redis aof-always"}
+         "redis_tcp": "redis tcp", "redis_unix": "redis unix", "redis_aof_always": "redis aof-always",
+         "loopback_tcp": "loopback tcp"}
 NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back daemon (acknowledged from DRAM) "
          "vs the memory-only redis; daemon_put_vs_redis_durable = the write-through daemon (fsync always) vs "
          "redis appendfsync always; durable_put_vs_redis_memory shows what durability costs against a "
@@ -46,12 +57,21 @@ NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back da
          "sides run in a rotating order, every other batch backwards, so each side reads a batch before and after "
          "each other side equally often: the first to read bytes the daemon just wrote pays for cold caches",
          "redis gets include copying each value into the output buffer, which is what get_many_into delivers",
-         "each put stores fresh blocks: the batch's keys are deleted everywhere first (untimed)"]
+         "http_get_vs_loopback: HTTP gets against the same bytes over a bare loopback TCP connection (a server "
+         "thread sendall()s each batch from the benchmark's buffer; the client recv_into()s each block into the "
+         "output buffer): what HTTP, framing and the store cost beyond the socket",
+         "each put stores fresh blocks: the batch's keys are deleted everywhere first (untimed)",
+         "restart (per size, when run): the blocks are put durably into a daemon of their own, which is then "
+         "restarted before each read (a read promotes blocks into DRAM), so every read finds them on NVMe only; "
+         "*_cached with the segment files in the page cache, *_cold after posix_fadvise(DONTNEED) on every file of "
+         "the data directory; pread reads the segment files front to back, one block size a read, into one reused "
+         "buffer (the page cache's or the disk's own speed for the same bytes); pread_verify_cached also hashes "
+         "each read (xxh3-128, the records' checksum): the floor of any read that checks what it returns"]
 
 
 def summarize(per_size: dict) -> dict:
     """The ratios per size, their worst case at the top level, and each target's pass or miss."""
-    by = {name: {lab: r[op][a] / r[op][b] for lab, r in per_size.items() if a in r[op] and b in r[op]}
+    by = {name: {lab: r[op][a] / r[op][b] for lab, r in per_size.items() if a in r.get(op, {}) and b in r[op]}
           for name, (op, a, b) in RATIOS.items()}
     by = {k: v for k, v in by.items() if v}
     out: dict = {name: min(v.values()) for name, v in by.items()}
@@ -82,22 +102,33 @@ def describe_setups(daemon: dict, memory_daemon: dict, red: dict, aof: dict | No
             "raw_write": "write() of each block to a fresh file in the data dir, one fdatasync per batch",
             "memcpy": "slice assignment of the same blocks (put: into one region; get: into the one output "
                       "buffer that every get side fills)",
+            "loopback_tcp": "one loopback TCP connection (TCP_NODELAY) to a thread of the benchmark that sendall()s "
+                            "each batch's bytes from its buffer on request; recv_into() each block into the "
+                            "output buffer",
             "memcpy_arena": "slice assignment of the same blocks out of the daemon's shared arena (found "
                             "through the read directory, untimed) into the same output buffer"}
+
+
+def _aligned(rows: list[tuple]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def format_table(doc: dict) -> str:
     rows = [("size", "op", *SIDES.values())]
     for label, r in doc["sizes"].items():
         rows += [(label, op, *(f"{r[op][x]:.2f}" if x in r[op] else "-" for x in SIDES)) for op in ("put", "get")]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["throughput, GB/s (median round):"]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["throughput, GB/s (median round):", *_aligned(rows)]
+    restart = [(label, *(f"{r['restart'][x]:.2f}" for x in RESTART)) for label, r in doc["sizes"].items()
+               if "restart" in r]
+    if restart:
+        lines += ["", "after a restart (blocks on NVMe only), GB/s (median round):",
+                  *_aligned([("size", *RESTART.values()), *restart])]
     lines += ["", "ratios: worst over sizes (per size):"]
     for name, per in doc["ratios_per_size"].items():
         t = doc["targets"].get(name)
         mark = "" if t is None else f"   target >= {t['target']}: {'PASS' if t['pass'] else 'MISS'}"
-        lines.append(f"  {name:<28} {doc[name]:5.2f}  ({', '.join(f'{s} {v:.2f}' for s, v in per.items())}){mark}")
+        lines.append(f"  {name:<40} {doc[name]:5.2f}  ({', '.join(f'{s} {v:.2f}' for s, v in per.items())}){mark}")
     lk = doc["lookup"]
     d, x = lk["daemon_http"], lk["redis_pipelined_exists"]
     lines += ["", f"lookup of {lk['lookup_blocks']} present blocks, daemon over HTTP: p50 {d['p50_ms']:.2f} ms, "

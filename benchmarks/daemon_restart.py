@@ -130,6 +130,8 @@ def bench_restart(size: int, source: memoryview, total_bytes: int, batch_bytes: 
                 if mode.endswith("cold"):
                     drop_caches(data)
                 times.setdefault(mode, []).append(_timed_read(d, mode, keys, per, out, size))
+                if bar is not None:
+                    bar.update(1)
         stop_daemon(d)
     res = {k: n * size / statistics.median(v) / 1e9 for k, v in times.items()}
     return {**res, "blocks": n, "rounds_s": times}

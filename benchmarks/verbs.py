@@ -14,8 +14,8 @@ from typing import Callable
 from kvcache.benchmarks.args import RESULTS, checked, counts, names, parse_sizes
 
 DEFAULT_OUT = "benchmarks/results"        # `kvcache bench`: under the current directory
-TIERS_SIZES = "64K,256K,1M,4M"
-DAEMON_SIZES = "256K,1M,4M"
+TIERS_SIZES = "64K,128K,256K,1M,4M,32M"
+DAEMON_SIZES = "64K,128K,256K,1M,4M,32M"
 SERVE_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"   # the shared Mooncake trace
 EXPERTS = {"auto": None, "on": True, "off": False}      # --device-experts -> EngineConfig.device_experts
 
@@ -68,18 +68,24 @@ DAEMON_EPILOG = """what is measured, per block size (medians of --repeats rounds
         over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
         write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
   get   daemon KVClient.get_many_into (HTTP, unix socket, shared memory; served from DRAM); pipelined GET
-        + copy into the same buffer (TCP, unix socket); memcpy of the same blocks out of
+        + copy into the same buffer (TCP, unix socket); the same bytes over a bare loopback
+        TCP socket (loopback tcp: the baseline of http_get_vs_loopback); memcpy of the same blocks out of
         where the daemon holds them (memcpy arena: the baseline of local_get_vs_memcpy) and
         out of the benchmark's own buffer (memcpy)
+  restart  the same bytes put durably into a daemon of their own, read back after a restart
+        (NVMe only) through shared memory with the segment files page-cached and after evicting
+        them (posix_fadvise DONTNEED), and over HTTP; against pread of the segment files in
+        block-size reads into one buffer (and pread + xxh3 of each read); --restart-rounds
   also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
 
-targets (reported, never enforced): daemon_get_vs_redis >= 1.0, daemon_put_vs_redis >= 1.0,
-local_get_vs_memcpy >= 0.5 (the shared-memory path).
+targets (reported, never enforced; the worst block size counts): daemon_get_vs_redis >= 3,
+daemon_put_vs_redis >= 1, local_get_vs_memcpy >= 0.9 (the shared-memory path),
+nvme_get_after_restart_vs_pread >= 0.7 (page-cached), nvme_get_after_restart_cold_vs_pread >= 0.8.
 Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
 
 examples:
   kvcache bench daemon
-  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1
+  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1 --restart-rounds 0
 """
 
 
@@ -94,6 +100,9 @@ def add_daemon_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFA
     p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
                    help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
     p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
+    p.add_argument("--restart-rounds", type=checked(int, lambda v: v >= 0, "0 or more"), default=2, metavar="N",
+                   help="rounds of the read-after-restart phase, each restarting the daemon three times; "
+                        "medians are reported; 0 skips it (default: 2)")
     p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
     p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
     p.add_argument("--data-dir", default=None, metavar="DIR",
