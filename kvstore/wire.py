@@ -73,8 +73,15 @@ def encode_put_frame(f: PutFrame) -> list[bytes | memoryview]:
 
 def encode_get_frame(key: bytes, payload, tier: Tier) -> list[bytes | memoryview]:
     if payload is None:
-        return [_U8.pack(len(key)) + key + bytes([MISS, 0]) + _U64.pack(0)]
-    return [_U8.pack(len(key)) + key + bytes([HIT, int(tier)]) + _U64.pack(memoryview(payload).nbytes), payload]
+        return [get_frame_head(key, None, None)]
+    return [get_frame_head(key, memoryview(payload).nbytes, tier), payload]
+
+
+def get_frame_head(key: bytes, nbytes: int | None, tier: Tier | None) -> bytes:
+    """A get frame up to its payload: a hit of `nbytes` bytes from `tier`, or a miss (None)."""
+    if nbytes is None:
+        return _U8.pack(len(key)) + key + bytes([MISS, 0]) + _U64.pack(0)
+    return _U8.pack(len(key)) + key + bytes([HIT, int(tier)]) + _U64.pack(nbytes)
 
 
 STREAM_HEADER_BYTES = _STREAM.size

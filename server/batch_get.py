@@ -3,9 +3,9 @@ time, however slowly the client reads.
 
     keys ─> group (at most 32 blocks and GROUP_BYTES, or one larger block)
         ─> GetBudget.take(group bytes)      daemon-wide: server.max_batch_get_bytes
-        ─> get_many_into(one buffer)        no per-block allocation
+        ─> get_many_into(one buffer)        ReadBuffers: reused, no per-block allocation
         ─> write the frames, WRITE_SLICE at a time, within server.request_timeout_s
-        ─> GetBudget.give                   the buffer is dropped
+        ─> GetBudget.give                   the buffer goes back once the socket holds none of it
 
 A client that never reads cannot hold more than one group per connection, nor longer than the
 deadline: past it the connection is aborted, which drops the socket's copy of the unsent bytes
@@ -25,12 +25,13 @@ from typing import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from kvcache.server.metrics import Metrics
+from kvcache.server.read_buffers import ReadBuffers
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore
 
 GROUP_BYTES = 8 << 20      # a group reads at most this much (or one block) per store call
-GROUP_BLOCKS = 32
+GROUP_BLOCKS = 128
 WRITE_SLICE = 256 << 10    # the most the socket's send buffer copies per connection
 FIRST_WAIT_S = 1.0         # how long the first group waits for room before the 503
 
@@ -52,6 +53,7 @@ class GetBudget:
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
+        self.buffers = ReadBuffers()      # what the bytes held are read into
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._started_waiting = 0         # later groups waiting: first groups let them go first
 
@@ -117,12 +119,13 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
         n, nbytes = _group(sizes)
         held = await _take(request, s, nbytes, first=not resp.prepared)
         try:
-            frames = await _read_group(s, keys[i: i + n], sizes[:n], nbytes)
-            s.metrics.count_gets(frames)
+            group = await _read_group(s, keys[i: i + n], sizes[:n], nbytes, sent[i: i + n])
+            s.metrics.count_gets(group.frames)
             if not resp.prepared:
                 await resp.prepare(request)
                 await resp.write(wire.stream_header(len(keys)))
-            await _write_group(request, resp, s.deadline_s, zip(sent[i: i + n], frames))
+            await _write_parts(request, resp, s.deadline_s, group.parts, "a batch_get group")
+            _give_buffer(request, s, group.raw)
         finally:
             s.budget.give(held)
         i += n
@@ -151,25 +154,54 @@ async def _take(request: web.Request, s: GetStream, nbytes: int, first: bool) ->
         raise ClientTooSlow("no room for the next batch_get group within server.request_timeout_s") from None
 
 
-async def _read_group(s: GetStream, keys, sizes, nbytes: int) -> list:
-    """[(payload view or None, tier)] for one group, read into one buffer."""
-    buf, pos, slots = memoryview(bytearray(nbytes)), 0, []
-    for size in sizes:
+@dataclass(slots=True)
+class Group:
+    """One group read: what each key got, the bytes to send, the buffer they sit in."""
+    frames: list            # [(payload view or None, tier)]
+    parts: list             # what goes on the wire, in order
+    raw: bytearray
+
+
+async def _read_group(s: GetStream, keys, sizes, nbytes: int, sent=None) -> Group:
+    """Read one group into one buffer. With `sent` (the client's keys) the buffer holds the
+    group's KVB1 frames back to back, heads written in place around the payloads, so the group
+    goes out in WRITE_SLICE writes instead of two per block:
+
+        [head 0][payload 0][head 1 (a miss)][head 2][payload 2] ...   one buffer, parts = [it]
+
+    A block gone between sizes_tiered and the read (deleted, expired) is a miss whose frame no
+    longer fits that layout: such a group goes out frame by frame. Without `sent`, parts are the
+    bare payloads (GET /v1/blocks/{key})."""
+    heads = [None] * len(sizes) if sent is None else [
+        wire.get_frame_head(k, *(size or (None, None))) for k, size in zip(sent, sizes)]
+    raw = s.budget.buffers.take(nbytes + sum(len(h) for h in heads if h))
+    buf, pos, slots = memoryview(raw), 0, []
+    for head, size in zip(heads, sizes):
+        if head is not None:
+            buf[pos: pos + len(head)] = head
+            pos += len(head)
         slots.append(None if size is None else buf[pos: pos + size[0]])
         pos += size[0] if size else 0
     want = [j for j, v in enumerate(slots) if v is not None]
     got = await s.call(s.store.get_many_into, [keys[j] for j in want], [slots[j] for j in want])
-    for j, length in zip(want, got):
-        if length is None:            # gone since sizes_tiered (deleted, expired): a miss
-            slots[j] = None
-    return [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
+    vanished = [j for j, length in zip(want, got) if length is None]
+    for j in vanished:
+        slots[j] = None
+    frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
+    if sent is None:
+        parts = [p for p, _ in frames if p is not None]
+    elif vanished:
+        parts = [part for k, (payload, tier) in zip(sent, frames) for part in wire.encode_get_frame(k, payload, tier)]
+    else:
+        parts = [buf[:pos]]
+    return Group(frames, parts, raw)
 
 
-async def _write_group(request: web.Request, resp: web.StreamResponse, deadline_s: float, frames) -> None:
-    """Write the group's frames, or abort the connection when they take past `deadline_s`."""
-    parts = (part for client_key, (payload, tier) in frames
-             for part in wire.encode_get_frame(client_key, payload, tier))
-    await _write_parts(request, resp, deadline_s, parts, "a batch_get group")
+def _give_buffer(request: web.Request, s: GetStream, raw: bytearray) -> None:
+    """Back to the pool once written, if the transport kept none of it (it may hold views of
+    unsent bytes); a buffer whose group failed midway is dropped instead."""
+    t = request.transport
+    s.budget.buffers.give(raw, t is not None and not t.is_closing() and t.get_write_buffer_size() == 0)
 
 
 async def _write_parts(request: web.Request, resp: web.StreamResponse, deadline_s: float, parts, what: str) -> None:
@@ -190,7 +222,8 @@ async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.Stre
     [size] = await s.call(s.store.sizes_tiered, [key])
     held = await _take(request, s, size[0], first=True) if size is not None else 0
     try:
-        [(payload, tier)] = await _read_group(s, [key], [size], size[0]) if size is not None else [(None, None)]
+        group = await _read_group(s, [key], [size], size[0]) if size is not None else None
+        [(payload, tier)] = group.frames if group is not None else [(None, None)]
         s.metrics.count_gets([(payload, tier)])
         if payload is None:
             raise web.HTTPNotFound(text="no such block")
@@ -199,6 +232,7 @@ async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.Stre
         await resp.prepare(request)
         await _write_parts(request, resp, s.deadline_s, [payload], "a block")
         await resp.write_eof()
+        _give_buffer(request, s, group.raw)
         return resp
     finally:
         s.budget.give(held)
