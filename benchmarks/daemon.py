@@ -241,7 +241,7 @@ def _restart_phase(sizes, source, total_bytes, batch_bytes, repeats, rounds, roo
 
 def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes: int = 16 << 20,
         data_dir: str | None = None, lookup_runs: int = 200, redis_server: str = "redis-server",
-        redis_durable: bool = True, progress: bool = True, restart_rounds: int = 2) -> dict:
+        redis_durable: bool = True, progress: bool = True, restart_rounds: int = 3) -> dict:
     """Run the whole benchmark, write the JSON report into `out_dir` and return it. Raises
     MissingDependency without redis-server or redis-py. `restart_rounds` = 0 skips the
     read-after-restart phase."""

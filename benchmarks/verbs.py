@@ -100,9 +100,9 @@ def add_daemon_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFA
     p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
                    help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
     p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
-    p.add_argument("--restart-rounds", type=checked(int, lambda v: v >= 0, "0 or more"), default=2, metavar="N",
+    p.add_argument("--restart-rounds", type=checked(int, lambda v: v >= 0, "0 or more"), default=3, metavar="N",
                    help="rounds of the read-after-restart phase, each restarting the daemon three times; "
-                        "medians are reported; 0 skips it (default: 2)")
+                        "medians are reported; 0 skips it (default: 3)")
     p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
     p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
     p.add_argument("--data-dir", default=None, metavar="DIR",

@@ -120,14 +120,17 @@ class StoreLeases:
                                lease.nbytes + sum(f.nbytes for f in files.values()))
         self._publish([keys[i] for i in got], found, now)
         if files:
-            self._count_file_reads([(keys[i], metas[i]) for i in files], now)
+            self._count_file_reads([(keys[i], metas[i]) for i in files], now, sum(f.nbytes for f in files.values()))
         return slots, lease
 
-    def _count_file_reads(self, blocks: list, now: float) -> None:
-        """Blocks a client reads from the segment files: NVMe hits, and promoted for next time."""
+    def _count_file_reads(self, blocks: list, now: float, nbytes: int) -> None:
+        """Blocks a client reads from the segment files (`nbytes` of payload): NVMe hits, and
+        promoted for next time, once the client has had time to read them."""
         self.stats_counters["hits_nvme"] += len(blocks)
         self._touch_many([k for k, _ in blocks], now)
         self._promote_soon(blocks)
+        if self._promoter is not None:
+            self._promoter.note_read(nbytes)
 
     def touch_dram(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Account reads a local client made through the read directory, without a lease (it

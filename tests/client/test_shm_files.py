@@ -156,6 +156,24 @@ def test_promoter_waits_until_reads_pause():
         p.close()
 
 
+def test_promoter_gives_the_client_time_to_read_its_file_slots():
+    """A lease of 1 GB of file slots keeps promotion off for idle_s plus 1 GB at a slow disk's speed."""
+    from kvcache.kvstore.promoter import SLOW_READ_BYTES_PER_S
+    clock, done = FakeClock(0.0), []
+    p = Promoter(lambda k, m: done.append(k), idle_s=1.0, clock=clock)
+    try:
+        p.note_read(10 ** 9)
+        p.note_read()                                   # a later, smaller read does not shorten it
+        p.submit([(b"a", None)])
+        clock.advance(seconds=1.5)
+        time.sleep(0.1)
+        assert done == []                               # past idle_s, but the client may still read
+        clock.advance(seconds=10 ** 9 / SLOW_READ_BYTES_PER_S)
+        wait_for(lambda: done == [b"a"], "promotion did not run once the reads could be over")
+    finally:
+        p.close()
+
+
 # ---------------------------------------------------------------- the client over a daemon
 @pytest.fixture
 def restarted_daemon(tmp_path, served):
