@@ -11,107 +11,12 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcache.benchmarks.args import RESULTS, checked, counts, names, parse_sizes
+from kvcache.benchmarks.args import RESULTS, checked, counts, names
+from kvcache.benchmarks.store_verbs import (DAEMON_EPILOG, DEFAULT_OUT, LMCACHE_EPILOG, TIERS_EPILOG,
+                                            add_daemon_arguments, add_lmcache_arguments, add_tiers_arguments)
 
-DEFAULT_OUT = "benchmarks/results"        # `kvcache bench`: under the current directory
-TIERS_SIZES = "64K,128K,256K,1M,4M,32M"
-DAEMON_SIZES = "64K,128K,256K,1M,4M,32M"
 SERVE_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"   # the shared Mooncake trace
 EXPERTS = {"auto": None, "on": True, "off": False}      # --device-experts -> EngineConfig.device_experts
-
-TIERS_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
-  dram get / put    BlockStore (NVMe off) and DramTier vs memcpy of the same bytes
-  nvme put          durable put_many (segment append + fdatasync + index commit), and
-                    NvmeTier.put alone, vs write() of the same chunks + fdatasync per batch
-  nvme cold get     get_into after dropping the page cache (checksums verified)
-                    vs pread() of the raw file after dropping its page cache
-  also: keying a 128k-token prompt (xxh3-128, sha256), and looking up 1,000 blocks
-  in an index of --index-blocks entries (vs raw LMDB gets in one transaction)
-
-targets (reported, never enforced): dram get >= 0.8 x memcpy, nvme put >= 0.7 x raw
-write, nvme cold get >= 0.7 x raw read. Ratios are throughput ratios (>1: faster).
-The JSON report goes to OUT_DIR/tier_throughput-<UTC time>.json and ...-latest.json.
-
-examples:
-  kvcache bench tiers
-  kvcache bench tiers --sizes 64K,1M --total-mib 64 --index-blocks 100000
-  kvcache bench tiers --data-dir /mnt/nvme0 --out-dir /tmp/results
-"""
-
-
-def add_tiers_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
-    count = checked(int, what="a positive integer")
-    p.add_argument("--sizes", type=checked(parse_sizes, bool), default=parse_sizes(TIERS_SIZES),
-                   metavar="LIST", help=f"comma-separated block sizes, K/M/G suffixes (default: {TIERS_SIZES})")
-    p.add_argument("--total-mib", type=checked(float), default=256, metavar="MIB",
-                   help="bytes moved per block size and operation, in MiB (default: 256)")
-    p.add_argument("--repeats", type=count, default=3, metavar="N",
-                   help="timed rounds per measurement; medians are reported (default: 3)")
-    p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
-                   help="bytes per put_many call and per fdatasync of the baseline, in MiB (default: 16)")
-    p.add_argument("--index-blocks", type=count, default=1_000_000, metavar="N",
-                   help="entries in the index for the 1,000-block lookup (default: 1000000)")
-    p.add_argument("--segment-mib", type=checked(float, lambda v: v >= 1, "at least 1 MiB"), default=None,
-                   metavar="MIB", help="NVMe segment size (default: the NvmeConfig default, 256)")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="where NVMe and index files go: a scratch directory is made inside DIR and "
-                        "removed afterwards (default: the current directory; pick the disk to measure)")
-    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
-                   help=f"where the JSON reports go (default: {default_out_dir})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-DAEMON_EPILOG = """what is measured, per block size (medians of --repeats rounds, after a warm-up round):
-  put   daemon KVClient.put_many over HTTP and over its unix socket (durable: write-through,
-        fsync "always"), and over HTTP to a second daemon in write-back mode (acknowledged
-        from DRAM); redis-py pipelined SET over TCP and unix socket (memory only) and
-        over TCP to a second redis with appendonly yes + appendfsync always; memcpy; and
-        write() of the same blocks to a fresh file in the data dir + one fdatasync per batch
-  get   daemon KVClient.get_many_into (HTTP, unix socket, shared memory; served from DRAM); pipelined GET
-        + copy into the same buffer (TCP, unix socket); the same bytes over a bare loopback
-        TCP socket (loopback tcp: the baseline of http_get_vs_loopback); memcpy of the same blocks out of
-        where the daemon holds them (memcpy arena: the baseline of local_get_vs_memcpy) and
-        out of the benchmark's own buffer (memcpy)
-  restart  the same bytes put durably into a daemon of their own, read back after a restart
-        (NVMe only) through shared memory with the segment files page-cached and after evicting
-        them (posix_fadvise DONTNEED), and over HTTP; against pread of the segment files in
-        block-size reads into one buffer (and pread + xxh3 of each read); --restart-rounds
-  also: p50/p99 of a 1,000-block lookup through the daemon (HTTP), 1,000 keys present
-
-targets (reported, never enforced; the worst block size counts): daemon_get_vs_redis >= 3,
-daemon_put_vs_redis >= 1, local_get_vs_memcpy >= 0.9 (the shared-memory path),
-nvme_get_after_restart_vs_pread >= 0.7 (page-cached), nvme_get_after_restart_cold_vs_pread >= 0.8.
-Needs redis-server on PATH (apt-get install redis-server) and redis-py (pip install redis).
-
-examples:
-  kvcache bench daemon
-  kvcache bench daemon --sizes 1M --total-mib 32 --repeats 1 --restart-rounds 0
-"""
-
-
-def add_daemon_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
-    count = checked(int, what="a positive integer")
-    p.add_argument("--sizes", type=checked(parse_sizes, bool), default=parse_sizes(DAEMON_SIZES), metavar="LIST",
-                   help=f"comma-separated block sizes, K/M/G suffixes (default: {DAEMON_SIZES})")
-    p.add_argument("--total-mib", type=checked(float), default=128, metavar="MIB",
-                   help="bytes per block size, operation and side, in MiB (default: 128)")
-    p.add_argument("--repeats", type=count, default=5, metavar="N",
-                   help="timed rounds; medians are reported (default: 5)")
-    p.add_argument("--batch-mib", type=checked(float), default=16, metavar="MIB",
-                   help="bytes per put_many / get_many_into call and per redis pipeline (default: 16)")
-    p.add_argument("--lookup-runs", type=count, default=200, metavar="N", help="timed lookups (default: 200)")
-    p.add_argument("--restart-rounds", type=checked(int, lambda v: v >= 0, "0 or more"), default=3, metavar="N",
-                   help="rounds of the read-after-restart phase, each restarting the daemon three times; "
-                        "medians are reported; 0 skips it (default: 3)")
-    p.add_argument("--redis-server", default="redis-server", metavar="PATH", help="the redis-server binary")
-    p.add_argument("--no-redis-durable", action="store_true", help="skip the appendfsync-always redis")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="where the daemon's data, redis' AOF and the raw file go: a scratch directory inside DIR, "
-                        "removed afterwards (default: the current directory; pick the disk to measure)")
-    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
-                   help=f"where the JSON reports go (default: {default_out_dir})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
 
 MODEL_EPILOG = """examples:
   kvcache bench model                                   # v4-tiny and v4-small at 512, 2k, 8k tokens
@@ -396,6 +301,10 @@ VERBS = {
     "daemon": Verb("daemon", "the serve daemon (HTTP, unix socket) against redis-server and memcpy",
                    "Batched put/get throughput of the `kvcache serve` daemon against redis-server and memcpy, plus "
                    "lookup latency; prints a table, writes a JSON report.", add_daemon_arguments, DAEMON_EPILOG),
+    "lmcache": Verb("lmcache_side", "side by side with LMCache's multiprocess server (when installed)",
+                    "The daemon and LMCache's MP server on the same MLA- and MHA-shaped requests: store, warm "
+                    "retrieve, and retrieve after restarting each server; prints a table, writes a JSON report.",
+                    add_lmcache_arguments, LMCACHE_EPILOG),
     "model": Verb("model", "V4 prefill/decode speed against transformers; KV bytes per token",
                   "Prefill tokens/s and decode ms/token of the engine's DeepSeek-V4 against transformers' "
                   "implementation on the same weights, and KV bytes per token of the real Flash configs; prints a "
