@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from kvcache.benchmarks import verbs
 from kvcache.benchmarks.args import parse_sizes, size_label
-from kvcache.benchmarks.baselines import copy_all, copy_each, interleave, raw_write, scratch_dir
+from kvcache.benchmarks.baselines import copy_all, copy_each, dest_buffer, interleave, raw_write, scratch_dir
 from kvcache.benchmarks.daemon_report import NOTES, SIDES, describe_setups, format_table, summarize
 from kvcache.benchmarks.daemon_restart import MODES, bench_restart
 from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,
@@ -154,7 +154,7 @@ def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: i
              [key("unix", i) for i in range(n)], [key("memory", i) for i in range(n)],
              [(a, min(n, a + per)) for a in range(0, n, per)])
     ih, iu, iw = w.items(w.kh), w.items(w.ku), w.items(w.kw)
-    out, raw_path = memoryview(bytearray(size)), os.path.join(root, "raw.bin")
+    out, raw_path = dest_buffer(size), os.path.join(root, "raw.bin")
     times: dict[str, list[float]] = {}
     served: Counter = Counter()
     for r in range(repeats + 1):

@@ -19,18 +19,13 @@ front to back in reads of one block size into one reused buffer, as many bytes a
 hold: the disk's and the page cache's own speed for the same bytes, in the same run; and once
 more hashing each read (pread_verify): the floor of any read that checks its bytes.
 
-Both sides read into one buffer that starts 64 bytes past a page boundary. Where it starts
-matters: on the machine this was written on, 1 MiB preads at page-aligned file offsets into a
-buffer whose address has the same offset within its page as the file position ran at ~2 GB/s,
-against ~7.5 GB/s shifted by 64 bytes (the copy's loads and stores alias in the CPU's 4 KiB
-store-forwarding check). A bytearray from malloc happened to sit at the slow offset, which made
-the baseline 2.5x slower than the machine allows.
+Both sides read into one buffer, baselines.dest_buffer (where a buffer starts changes a copy's
+speed 3x on some CPUs: its docstring says why).
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import statistics
 import time
@@ -38,6 +33,7 @@ import time
 import xxhash
 
 from kvcache.benchmarks.args import size_label
+from kvcache.benchmarks.baselines import dest_buffer
 from kvcache.benchmarks.daemon_servers import start_daemon, stop_daemon
 from kvcache.kvstore.types import PutItem
 
@@ -89,11 +85,6 @@ def pread_segments(data_dir: str, size: int, total: int, buf: memoryview, verify
     return done
 
 
-def read_buffer(size: int) -> memoryview:
-    """`size` bytes starting 64 bytes past a page boundary (see the module's docstring)."""
-    return memoryview(mmap.mmap(-1, size + 4096))[64: 64 + size]
-
-
 def _read_all(client, keys: list[bytes], per: int, out: memoryview, size: int) -> None:
     for a in range(0, len(keys), per):
         chunk = keys[a: a + per]
@@ -120,7 +111,7 @@ def bench_restart(size: int, source: memoryview, total_bytes: int, batch_bytes: 
     n, per = max(1, total_bytes // size), max(1, batch_bytes // size)
     keys = [xxhash.xxh3_128_digest(f"daemon-restart:{size}:{i}".encode()) for i in range(n)]
     name = f"daemon-restart-{size_label(size)}"
-    out = read_buffer(size)
+    out = dest_buffer(size)
     times: dict[str, list[float]] = {}
     with contextlib.ExitStack() as cleanup:
         d = start_daemon(cleanup, root, sock_dir, cfg, name)

@@ -169,9 +169,11 @@ async def _read_group(s: GetStream, keys, sizes, nbytes: int, sent=None) -> Grou
 
         [head 0][payload 0][head 1 (a miss)][head 2][payload 2] ...   one buffer, parts = [it]
 
-    A block gone between sizes_tiered and the read (deleted, expired) is a miss whose frame no
-    longer fits that layout: such a group goes out frame by frame. Without `sent`, parts are the
-    bare payloads (GET /v1/blocks/{key})."""
+    A block gone between sizes_tiered and the read (deleted, expired) is a miss, and one stored
+    again with other bytes since is what get_many_into read (or a miss if it grew past its slot):
+    their frames no longer fit that layout, so such a group goes out frame by frame. The buffer
+    is reused: a payload is cut to what was read into it, never padded with an earlier read's
+    bytes. Without `sent`, parts are the bare payloads (GET /v1/blocks/{key})."""
     heads = [None] * len(sizes) if sent is None else [
         wire.get_frame_head(k, *(size or (None, None))) for k, size in zip(sent, sizes)]
     raw = s.budget.buffers.take(nbytes + sum(len(h) for h in heads if h))
@@ -183,18 +185,33 @@ async def _read_group(s: GetStream, keys, sizes, nbytes: int, sent=None) -> Grou
         slots.append(None if size is None else buf[pos: pos + size[0]])
         pos += size[0] if size else 0
     want = [j for j, v in enumerate(slots) if v is not None]
-    got = await s.call(s.store.get_many_into, [keys[j] for j in want], [slots[j] for j in want])
-    vanished = [j for j, length in zip(want, got) if length is None]
-    for j in vanished:
-        slots[j] = None
+    got = await s.call(_read_into, s.store, [keys[j] for j in want], [slots[j] for j in want])
+    changed = [(j, length) for j, length in zip(want, got) if length != sizes[j][0]]
+    for j, length in changed:     # a miss, or stored again smaller: never the buffer's older bytes
+        slots[j] = None if length is None else slots[j][:length]
     frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
     if sent is None:
         parts = [p for p, _ in frames if p is not None]
-    elif vanished:
+    elif changed:
         parts = [part for k, (payload, tier) in zip(sent, frames) for part in wire.encode_get_frame(k, payload, tier)]
     else:
         parts = [buf[:pos]]
     return Group(frames, parts, raw)
+
+
+def _read_into(store: BlockStore, keys: list, slots: list) -> list:
+    """store.get_many_into; a block grown past its slot since it was sized (ValueError, which
+    fails the whole call) is read alone so that only it is a miss."""
+    try:
+        return store.get_many_into(keys, slots)
+    except ValueError:
+        out = []
+        for key, slot in zip(keys, slots):
+            try:
+                out += store.get_many_into([key], [slot])
+            except ValueError:
+                out.append(None)
+        return out
 
 
 def _give_buffer(request: web.Request, s: GetStream, raw: bytearray) -> None:

@@ -73,3 +73,35 @@ async def test_a_block_gone_after_sizing_is_a_miss_and_the_rest_arrive_whole(mak
     got = await batch_get(c, keys)
     assert [f.key.hex() for f in got] == keys
     assert [f.payload for f in got] == [bytes([0]) * size, None, bytes([2]) * size, bytes([3]) * size]
+
+
+async def test_a_block_stored_again_smaller_or_larger_is_never_padded_with_older_bytes(make_client,  # noqa: F811
+                                                                                        monkeypatch):
+    """Sized at n, read back shorter (stored again with fewer bytes): the frame holds what was
+    read, not the rest of a reused buffer that held another block's bytes. Grown past its slot
+    (get_many_into's ValueError): a miss, and the others still arrive."""
+    c = await make_client()
+    size = 200_000
+    keys = await put_blocks(c, 4, size)
+    await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
+    store = c.server.app[STORE]
+    real_get, real_sizes = store.get_many_into, store.sizes_tiered
+    shrunk, grown = {}, set()
+
+    def get_many_into(ks, outs):                  # the store after those blocks were stored again
+        if grown & set(ks):
+            raise ValueError("output buffer holds 200000 bytes, block has 300000")
+        return [shrunk.get(k, n) for k, n in zip(ks, real_get(ks, outs))]
+
+    def sizes_tiered(ks):
+        shrunk[ks[1]] = 1000
+        grown.add(ks[2])
+        return real_sizes(ks)
+    monkeypatch.setattr(store, "get_many_into", get_many_into)
+    monkeypatch.setattr(store, "sizes_tiered", sizes_tiered)
+    got = await batch_get(c, [keys[3], keys[0], keys[1], keys[2]])
+    assert [f.payload for f in got] == [bytes([3]) * size, bytes([0]) * 1000, None, bytes([2]) * size]
+    monkeypatch.setattr(store, "sizes_tiered", real_sizes)
+    monkeypatch.setattr(store, "get_many_into", lambda ks, outs: [n and min(n, 1000) for n in real_get(ks, outs)])
+    r = await c.get(f"/v1/blocks/{keys[1]}", headers=auth(ALICE))   # one GET: the same rule
+    assert r.status == 200 and await r.read() == bytes([1]) * 1000
