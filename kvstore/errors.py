@@ -9,6 +9,10 @@ class BlockFormatError(StoreError, ValueError):
     """A payload or layout that does not describe a valid block (caller's mistake)."""
 
 
+class BufferTooSmallError(ValueError):
+    """An output buffer smaller than the block read into it (caller's mistake; nothing copied)."""
+
+
 class CorruptBlockError(StoreError):
     """Stored bytes failed verification. Never surfaces from a read: reads turn it into a miss."""
 

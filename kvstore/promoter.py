@@ -7,8 +7,8 @@ the GIL and a core from the control threads answering the client, which halved t
 was meant to help. So blocks queue here and are copied only once the store is quiet: no read
 came for `idle_s`, and the client has had time to read what it was last given.
 
-    note_read(nbytes) ── every shared read ──> quiet_from = max(quiet_from,
-                                                   now + idle_s + nbytes / SLOW_READ_BYTES_PER_S)
+    note_read(nbytes) ── every shared read ──> busy_until = max(busy_until, now) + nbytes / SLOW_READ
+                                               quiet_from = busy_until + idle_s
     submit(blocks) ── bounded queue (oldest dropped) ──> worker: wait until quiet_from, promote
                                                           one block, yield, repeat
 
@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 SLOW_READ_BYTES_PER_S = 500e6    # how fast a client reads its file slots at worst (a slow disk)
+POLL_S = 0.01                    # the worker looks at the clock again at least this often
 
 
 class Promoter:
@@ -33,17 +34,20 @@ class Promoter:
         self._promote, self._idle_s, self._clock = promote, idle_s, clock
         self._queue: collections.deque = collections.deque(maxlen=max_queued)
         self._wake = threading.Condition()
-        self._quiet_from = 0.0
+        self._busy_until = self._quiet_from = 0.0
+        self._note = threading.Lock()     # control threads note reads concurrently
         self._closed = False
         self.promoted = 0
         self._thread = threading.Thread(target=self._run, name="kvcache-promote", daemon=True)
         self._thread.start()
 
     def note_read(self, nbytes: int = 0) -> None:
-        """A shared read began; `nbytes`: what the client will read from the segment files."""
-        quiet = self._clock() + self._idle_s + nbytes / SLOW_READ_BYTES_PER_S
-        if quiet > self._quiet_from:     # a race between two control threads only shortens a wait
-            self._quiet_from = quiet
+        """A shared read began; `nbytes`: what the client will read from the segment files. A
+        client keeps one lease in flight ahead of its reads, so their read times add up."""
+        now = self._clock()
+        with self._note:
+            self._busy_until = max(self._busy_until, now) + nbytes / SLOW_READ_BYTES_PER_S
+            self._quiet_from = self._busy_until + self._idle_s
 
     def submit(self, blocks: list[tuple[bytes, object]]) -> None:
         with self._wake:
@@ -62,7 +66,7 @@ class Promoter:
                     return
             wait = self._quiet_from - self._clock()
             if wait > 0:
-                time.sleep(wait)
+                time.sleep(min(wait, POLL_S))
                 continue
             try:
                 key, meta = self._queue.popleft()

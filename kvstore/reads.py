@@ -24,7 +24,7 @@ import time
 from typing import Sequence
 
 from kvcache.kvstore.block_format import check_layout
-from kvcache.kvstore.errors import TierFullError
+from kvcache.kvstore.errors import BufferTooSmallError, TierFullError
 from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 
@@ -50,7 +50,8 @@ class StoreReads:
         if meta is None:
             return self._miss()
         if memoryview(out).nbytes < meta.payload_len:
-            raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+            raise BufferTooSmallError(f"output buffer holds {memoryview(out).nbytes} bytes, "
+                                      f"block has {meta.payload_len}")
         return self._read(key, meta, out, now)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -114,7 +115,8 @@ class StoreReads:
             if meta is None:
                 continue
             if memoryview(out).nbytes < meta.payload_len:
-                raise ValueError(f"output buffer holds {memoryview(out).nbytes} bytes, block has {meta.payload_len}")
+                raise BufferTooSmallError(f"output buffer holds {memoryview(out).nbytes} bytes, "
+                                          f"block has {meta.payload_len}")
             (in_dram if int(meta.residency) & 1 else elsewhere).append(i)     # Tier.DRAM
         result: list[int | None] = [None] * len(keys)
         if in_dram:

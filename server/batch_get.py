@@ -2,17 +2,20 @@
 time, however slowly the client reads.
 
     keys ─> group (at most 32 blocks and GROUP_BYTES, or one larger block)
-        ─> GetBudget.take(group bytes)      daemon-wide: server.max_batch_get_bytes
-        ─> get_many_into(one buffer)        ReadBuffers: reused, no per-block allocation
-        ─> write the frames, WRITE_SLICE at a time, within server.request_timeout_s
-        ─> GetBudget.give                   the buffer goes back once the socket holds none of it
+        ─> GetBudget.take(its buffer's bytes)   daemon-wide: server.max_batch_get_bytes
+        ─> read_group(one buffer)               group_read.py; ReadBuffers: reused
+        ─> write the frames, WRITE_SLICE at a time, and drain the socket to empty,
+           all within server.request_timeout_s
+        ─> ReadBuffers.give, GetBudget.give     nothing refers to the buffer any more
 
 A client that never reads cannot hold more than one group per connection, nor longer than the
-deadline: past it the connection is aborted, which drops the socket's copy of the unsent bytes
-too. Writing in slices keeps that copy (asyncio's transport copies what the kernel did not take)
-to one slice per connection instead of a second copy of the group. When the budget has no room
-for the first group the answer is 503 (Retry-After: 1) before the stream starts; for a later
-group the stream waits for room within the same deadline.
+deadline: past it the connection is aborted, which drops the transport's unsent bytes too. The
+transport's write limit is 0 (set once per connection): each write waits until the kernel took
+everything before it, so the transport holds at most the rest of one slice, whether it copied
+it (Python 3.11) or keeps a view of the buffer (3.12+), and a group's buffer is given back only
+after its last byte left. When the budget has no room for the first group the answer is 503
+(Retry-After: 1) before the stream starts; for a later group the stream waits for room within
+the same deadline.
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from kvcache.server.group_read import group_bytes, read_group
 from kvcache.server.metrics import Metrics
-from kvcache.server.read_buffers import ReadBuffers
+from kvcache.server.read_buffers import KEEP_BYTES, ReadBuffers, size_for
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.store import BlockStore
 
 GROUP_BYTES = 8 << 20      # a group reads at most this much (or one block) per store call
-GROUP_BLOCKS = 128
-WRITE_SLICE = 256 << 10    # the most the socket's send buffer copies per connection
+GROUP_BLOCKS = 32
+WRITE_SLICE = 256 << 10    # the most the transport holds per connection
 FIRST_WAIT_S = 1.0         # how long the first group waits for room before the 503
+DRAIN_POLL_S = 0.001
 
 
 class BatchGetBusy(StoreError):
@@ -53,7 +58,7 @@ class GetBudget:
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
-        self.buffers = ReadBuffers()      # what the bytes held are read into
+        self.buffers = ReadBuffers(min(KEEP_BYTES, limit))     # what the bytes held are read into
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._started_waiting = 0         # later groups waiting: first groups let them go first
 
@@ -113,19 +118,21 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
 
 
 async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent) -> None:
+    _write_limit_zero(request)
     i = 0
     while i < len(keys):
         sizes = await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
-        n, nbytes = _group(sizes)
-        held = await _take(request, s, nbytes, first=not resp.prepared)
+        n = _group(sizes)
+        charge = size_for(group_bytes(sizes[:n], sent[i: i + n]))
+        held = await _take(request, s, charge, first=not resp.prepared)
         try:
-            group = await _read_group(s, keys[i: i + n], sizes[:n], nbytes, sent[i: i + n])
+            group = await read_group(s.call, s.store, s.budget.buffers, keys[i: i + n], sizes[:n], sent[i: i + n])
             s.metrics.count_gets(group.frames)
             if not resp.prepared:
                 await resp.prepare(request)
                 await resp.write(wire.stream_header(len(keys)))
             await _write_parts(request, resp, s.deadline_s, group.parts, "a batch_get group")
-            _give_buffer(request, s, group.raw)
+            s.budget.buffers.give(group.raw, True)      # drained: the transport holds none of it
         finally:
             s.budget.give(held)
         i += n
@@ -135,12 +142,12 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
     await resp.write_eof()
 
 
-def _group(sizes) -> tuple[int, int]:
-    """How many of `sizes` the next group takes, and their bytes."""
+def _group(sizes) -> int:
+    """How many of `sizes` the next group takes."""
     n, nbytes = 0, 0
     while n < len(sizes) and (n == 0 or nbytes + (sizes[n] or (0,))[0] <= GROUP_BYTES):
         nbytes, n = nbytes + (sizes[n] or (0,))[0], n + 1
-    return n, nbytes
+    return n
 
 
 async def _take(request: web.Request, s: GetStream, nbytes: int, first: bool) -> int:
@@ -154,92 +161,45 @@ async def _take(request: web.Request, s: GetStream, nbytes: int, first: bool) ->
         raise ClientTooSlow("no room for the next batch_get group within server.request_timeout_s") from None
 
 
-@dataclass(slots=True)
-class Group:
-    """One group read: what each key got, the bytes to send, the buffer they sit in."""
-    frames: list            # [(payload view or None, tier)]
-    parts: list             # what goes on the wire, in order
-    raw: bytearray
-
-
-async def _read_group(s: GetStream, keys, sizes, nbytes: int, sent=None) -> Group:
-    """Read one group into one buffer. With `sent` (the client's keys) the buffer holds the
-    group's KVB1 frames back to back, heads written in place around the payloads, so the group
-    goes out in WRITE_SLICE writes instead of two per block:
-
-        [head 0][payload 0][head 1 (a miss)][head 2][payload 2] ...   one buffer, parts = [it]
-
-    A block gone between sizes_tiered and the read (deleted, expired) is a miss, and one stored
-    again with other bytes since is what get_many_into read (or a miss if it grew past its slot):
-    their frames no longer fit that layout, so such a group goes out frame by frame. The buffer
-    is reused: a payload is cut to what was read into it, never padded with an earlier read's
-    bytes. Without `sent`, parts are the bare payloads (GET /v1/blocks/{key})."""
-    heads = [None] * len(sizes) if sent is None else [
-        wire.get_frame_head(k, *(size or (None, None))) for k, size in zip(sent, sizes)]
-    raw = s.budget.buffers.take(nbytes + sum(len(h) for h in heads if h))
-    buf, pos, slots = memoryview(raw), 0, []
-    for head, size in zip(heads, sizes):
-        if head is not None:
-            buf[pos: pos + len(head)] = head
-            pos += len(head)
-        slots.append(None if size is None else buf[pos: pos + size[0]])
-        pos += size[0] if size else 0
-    want = [j for j, v in enumerate(slots) if v is not None]
-    got = await s.call(_read_into, s.store, [keys[j] for j in want], [slots[j] for j in want])
-    changed = [(j, length) for j, length in zip(want, got) if length != sizes[j][0]]
-    for j, length in changed:     # a miss, or stored again smaller: never the buffer's older bytes
-        slots[j] = None if length is None else slots[j][:length]
-    frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
-    if sent is None:
-        parts = [p for p, _ in frames if p is not None]
-    elif changed:
-        parts = [part for k, (payload, tier) in zip(sent, frames) for part in wire.encode_get_frame(k, payload, tier)]
-    else:
-        parts = [buf[:pos]]
-    return Group(frames, parts, raw)
-
-
-def _read_into(store: BlockStore, keys: list, slots: list) -> list:
-    """store.get_many_into; a block grown past its slot since it was sized (ValueError, which
-    fails the whole call) is read alone so that only it is a miss."""
-    try:
-        return store.get_many_into(keys, slots)
-    except ValueError:
-        out = []
-        for key, slot in zip(keys, slots):
-            try:
-                out += store.get_many_into([key], [slot])
-            except ValueError:
-                out.append(None)
-        return out
-
-
-def _give_buffer(request: web.Request, s: GetStream, raw: bytearray) -> None:
-    """Back to the pool once written, if the transport kept none of it (it may hold views of
-    unsent bytes); a buffer whose group failed midway is dropped instead."""
-    t = request.transport
-    s.budget.buffers.give(raw, t is not None and not t.is_closing() and t.get_write_buffer_size() == 0)
-
-
 async def _write_parts(request: web.Request, resp: web.StreamResponse, deadline_s: float, parts, what: str) -> None:
+    """Write `parts` and drain the socket to empty, or abort the connection past `deadline_s`."""
     try:
         async with asyncio.timeout(deadline_s):
             for part in parts:
                 view = memoryview(part)
                 for at in range(0, len(view), WRITE_SLICE):
-                    await resp.write(view[at: at + WRITE_SLICE])
+                    await resp.write(view[at: at + WRITE_SLICE])    # a slice > 64 KiB drains
+            await _drained(request)
     except TimeoutError:
         _abort(request)
         raise ClientTooSlow(f"the client did not read {what} within server.request_timeout_s") from None
+    t = request.transport
+    if t is None or t.is_closing() or t.get_write_buffer_size():     # gone meanwhile: not written
+        raise ConnectionResetError(f"the client went away while {what} was written")
+
+
+async def _drained(request: web.Request) -> None:
+    """Until the transport's buffer is empty: aiohttp drains after a write of more than 64 KiB,
+    so only a shorter last write can leave bytes here (the client is then slower than we are)."""
+    t = request.transport
+    while t is not None and not t.is_closing() and t.get_write_buffer_size():
+        await asyncio.sleep(DRAIN_POLL_S)
+
+
+def _write_limit_zero(request: web.Request) -> None:
+    """Writes wait until the transport's buffer is empty (see the module's docstring)."""
+    if request.transport is not None:
+        request.transport.set_write_buffer_limits(high=0)
 
 
 async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.StreamResponse:
     """GET /v1/blocks/{key}: one block (up to max_block_bytes) under the same budget, slices and
     deadline as a batch_get group, so clients that never read hold no more than batch_get's."""
+    _write_limit_zero(request)
     [size] = await s.call(s.store.sizes_tiered, [key])
-    held = await _take(request, s, size[0], first=True) if size is not None else 0
+    held = await _take(request, s, size_for(size[0]), first=True) if size is not None else 0
     try:
-        group = await _read_group(s, [key], [size], size[0]) if size is not None else None
+        group = await read_group(s.call, s.store, s.budget.buffers, [key], [size]) if size is not None else None
         [(payload, tier)] = group.frames if group is not None else [(None, None)]
         s.metrics.count_gets([(payload, tier)])
         if payload is None:
@@ -249,7 +209,7 @@ async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.Stre
         await resp.prepare(request)
         await _write_parts(request, resp, s.deadline_s, [payload], "a block")
         await resp.write_eof()
-        _give_buffer(request, s, group.raw)
+        s.budget.buffers.give(group.raw, True)
         return resp
     finally:
         s.budget.give(held)

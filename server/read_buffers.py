@@ -5,24 +5,24 @@ it to the kernel on free, and every page faults in again (zero-filled) on the ne
 2-core development VM that ran a group read at ~2.2 GB/s against 17-20 GB/s into a buffer used
 before. So a read takes a buffer from here and gives it back once the socket is done with it.
 
-    take(n) ──> smallest idle buffer >= n, else a new one (n rounded up: the next one fits more)
+    size_for(n)  ──> n's size class: the next power of two below 1 MiB, else whole MiB
+    take(n)      ──> an idle buffer of that class, else a new one
     give(buf, reusable) ──> kept while idle buffers hold <= keep_bytes; else dropped
 
+A buffer is exactly its class's size, so what the GetBudget charges (size_for) is what is held.
 "Done with it" is the caller's call: asyncio's transport keeps a reference to the bytes the
-kernel did not take (3.12+ keeps views instead of copying), so a buffer goes back only when the
-transport's write buffer is empty after the last write. Runs on the event loop only.
+kernel did not take (3.12+ keeps views instead of copying), so a buffer goes back only after
+the transport's write buffer drained to empty. Runs on the event loop only.
 """
 
 from __future__ import annotations
 
-import bisect
-
-KEEP_BYTES = 64 << 20       # idle buffers kept, at most (in flight they count against the GetBudget)
+KEEP_BYTES = 64 << 20       # idle buffers kept, at most
 _MIB = 1 << 20
 
 
-def _rounded(n: int) -> int:
-    """Up to the next power of two below 1 MiB, else to whole MiB: few distinct sizes."""
+def size_for(n: int) -> int:
+    """The size class of an `n`-byte read: few distinct sizes, so buffers fit the next read."""
     if n <= _MIB:
         return max(4096, 1 << (n - 1).bit_length())
     return -(-n // _MIB) * _MIB
@@ -31,20 +31,20 @@ def _rounded(n: int) -> int:
 class ReadBuffers:
     def __init__(self, keep_bytes: int = KEEP_BYTES):
         self.keep_bytes = keep_bytes
-        self._idle: list[tuple[int, int, bytearray]] = []    # (size, id, buffer), sorted by size
+        self._idle: dict[int, list[bytearray]] = {}
         self.idle_bytes = 0
 
     def take(self, n: int) -> bytearray:
-        """A buffer of at least `n` bytes (its contents are whatever the last read left)."""
-        i = bisect.bisect_left(self._idle, (n, -1))
-        if i < len(self._idle):
-            size, _, buf = self._idle.pop(i)
+        """A buffer of size_for(n) bytes (its contents are whatever the last read left)."""
+        size = size_for(n)
+        free = self._idle.get(size)
+        if free:
             self.idle_bytes -= size
-            return buf
-        return bytearray(_rounded(n))
+            return free.pop()
+        return bytearray(size)
 
     def give(self, buf: bytearray, reusable: bool) -> None:
         """Return `buf`; `reusable` = nothing else refers to it any more."""
         if reusable and self.idle_bytes + len(buf) <= self.keep_bytes:
-            bisect.insort(self._idle, (len(buf), id(buf), buf))
+            self._idle.setdefault(len(buf), []).append(buf)
             self.idle_bytes += len(buf)

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from kvcache.kvstore.errors import BufferTooSmallError
 from kvcache.kvstore.shm_directory import Directory, table_bytes
 from kvcache.kvstore.types import TensorSpec, Tier
 from kvcache.policy import EvictionOrder, make_order
@@ -176,7 +177,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         try:
             dst = memoryview(out).cast("B")
             if dst.nbytes < e.nbytes:
-                raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {e.nbytes}")
+                raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {e.nbytes}")
             dst[: e.nbytes] = self._mv[e.offset: e.offset + e.nbytes]
             return e.nbytes
         finally:
@@ -200,7 +201,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 flat = type(out) is memoryview and out.format == "B" and out.ndim == 1 and out.contiguous
                 dst = out if flat else memoryview(out).cast("B")
                 if dst.nbytes < n:
-                    raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
+                    raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
                 dst[:n] = mv[off: off + n]
                 result.append(n)
             return result

@@ -16,7 +16,7 @@ import logging
 import os
 
 from kvcache.kvstore.block_format import MAX_HEADER, Codec, RecordHeader, decode_header, decode_payload, verify_payload
-from kvcache.kvstore.errors import CorruptBlockError
+from kvcache.kvstore.errors import BufferTooSmallError, CorruptBlockError
 from kvcache.tiering.base import Placement
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class NvmeReads:
         """Read and verify a block into `out`; its header (payload length, layout), or None."""
         dst = memoryview(out).cast("B")
         if dst.nbytes < placement.payload_len:
-            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
+            raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
         got = self.read_record(key, placement, dst)
         if got is None:
             return None

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 from kvcache.kvstore.block_format import RecordHeader, encode_header, verify_payload
-from kvcache.kvstore.errors import CorruptBlockError, StoreError
+from kvcache.kvstore.errors import BufferTooSmallError, CorruptBlockError, StoreError
 from kvcache.kvstore.types import Tier
 from kvcache.tiering.base import BlockTier, BlockWrite, CorruptCallback, Placement, TierUsage
 from kvcache.tiering.codec_choice import CodecChoice
@@ -235,13 +235,13 @@ class ObjectTier(BlockTier):
     def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
         dst = memoryview(out).cast("B")
         if placement is not None and dst.nbytes < placement.payload_len:
-            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
+            raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {placement.payload_len}")
         got = self.read_record(key, placement)
         if got is None:
             return None
         header, body = got
         if dst.nbytes < header.raw_len:
-            raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {header.raw_len}")
+            raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {header.raw_len}")
         try:
             self.codec.decode_into(header, body, dst)
         except CorruptBlockError as e:

@@ -157,18 +157,21 @@ def test_promoter_waits_until_reads_pause():
 
 
 def test_promoter_gives_the_client_time_to_read_its_file_slots():
-    """A lease of 1 GB of file slots keeps promotion off for idle_s plus 1 GB at a slow disk's speed."""
-    from kvcache.kvstore.promoter import SLOW_READ_BYTES_PER_S
+    """Leases of 1 GB of file slots, two in flight, keep promotion off for idle_s plus 2 GB at a
+    slow disk's speed: the read times add up, and a later lease without slots shortens nothing."""
+    from kvcache.kvstore.promoter import POLL_S, SLOW_READ_BYTES_PER_S
     clock, done = FakeClock(0.0), []
     p = Promoter(lambda k, m: done.append(k), idle_s=1.0, clock=clock)
+    reading_s = 2 * 10 ** 9 / SLOW_READ_BYTES_PER_S
     try:
         p.note_read(10 ** 9)
-        p.note_read()                                   # a later, smaller read does not shorten it
+        p.note_read(10 ** 9)
+        p.note_read()
         p.submit([(b"a", None)])
-        clock.advance(seconds=1.5)
-        time.sleep(0.1)
-        assert done == []                               # past idle_s, but the client may still read
-        clock.advance(seconds=10 ** 9 / SLOW_READ_BYTES_PER_S)
+        clock.advance(seconds=reading_s)              # read time over, idle_s not yet
+        time.sleep(20 * POLL_S)                       # the worker looked at the clock again
+        assert done == []
+        clock.advance(seconds=1.01)
         wait_for(lambda: done == [b"a"], "promotion did not run once the reads could be over")
     finally:
         p.close()

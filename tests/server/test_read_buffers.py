@@ -2,35 +2,41 @@
 out in them are exact, whatever the buffer held before (a miss where the last read had a hit, a
 block gone between sizing the group and reading it)."""
 
+import asyncio
+import json
 import os
 
 from kvcache.kvstore import wire
-from kvcache.server.read_buffers import ReadBuffers
+from kvcache.kvstore.types import PutItem
+from kvcache.server import tenancy
+from kvcache.server.read_buffers import ReadBuffers, size_for
 from kvcache.server.request_state import GET_BUDGET, STORE
 
-from tests.server.test_responses import make_client, put_blocks  # noqa: F401
-from tests.server.test_server import ALICE, auth
+from tests.server.test_responses import make_client, put_blocks, raw_post, until  # noqa: F401
+from tests.server.test_server import ALICE, NS, auth
 
 
-def test_take_answers_the_smallest_idle_buffer_that_fits():
+def test_buffers_come_in_size_classes_and_are_reused_within_one():
     pool = ReadBuffers(keep_bytes=10 << 20)
+    assert [size_for(n) for n in (1, 5000, 100_000, 1 << 20, (1 << 20) + 1, 3 << 20)] == [
+        4096, 8192, 1 << 17, 1 << 20, 2 << 20, 3 << 20]
     small, big = pool.take(100_000), pool.take(3 << 20)
-    assert len(small) == 1 << 17 and len(big) == 3 << 20      # rounded: the next read of a size fits
+    assert len(small) == size_for(100_000) and len(big) == 3 << 20   # what the budget charges is held
     pool.give(big, True)
     pool.give(small, True)
     assert pool.idle_bytes == len(small) + len(big)
-    assert pool.take(5000) is small and pool.take(2 << 20) is big and pool.idle_bytes == 0
-    assert len(pool.take(5 << 20)) == 5 << 20                  # nothing idle fits: a new one
+    assert pool.take(70_000) is small and pool.take((2 << 20) + 5) is big and pool.idle_bytes == 0
+    assert len(pool.take(100)) == 4096                             # another class: a new one
 
 
 def test_give_drops_what_is_still_referenced_or_past_the_limit():
     pool = ReadBuffers(keep_bytes=3 << 20)
     a, b = pool.take(2 << 20), pool.take(2 << 20)
-    pool.give(a, False)                   # the transport may still hold a view of it
+    pool.give(a, False)                   # something may still refer to it
     assert pool.idle_bytes == 0
     pool.give(a, True)
     pool.give(b, True)                    # 4 MiB idle would pass keep_bytes
-    assert pool.idle_bytes == 2 << 20 and pool.take(1) is a
+    assert pool.idle_bytes == 2 << 20 and pool.take(1 << 21) is a
 
 
 async def batch_get(c, keys: list[str]) -> list:
@@ -75,33 +81,86 @@ async def test_a_block_gone_after_sizing_is_a_miss_and_the_rest_arrive_whole(mak
     assert [f.payload for f in got] == [bytes([0]) * size, None, bytes([2]) * size, bytes([3]) * size]
 
 
-async def test_a_block_stored_again_smaller_or_larger_is_never_padded_with_older_bytes(make_client,  # noqa: F811
-                                                                                        monkeypatch):
-    """Sized at n, read back shorter (stored again with fewer bytes): the frame holds what was
-    read, not the rest of a reused buffer that held another block's bytes. Grown past its slot
-    (get_many_into's ValueError): a miss, and the others still arrive."""
+async def test_a_block_stored_again_smaller_or_larger_is_never_padded_with_older_bytes(make_client):  # noqa: F811
+    """Sized, then stored again before the read (a delete and a put in between): a shorter block
+    arrives as it now is, not padded with the rest of a reused buffer that held another block's
+    bytes; a longer one no longer fits its slot and is a miss; the others arrive whole."""
     c = await make_client()
     size = 200_000
     keys = await put_blocks(c, 4, size)
     await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
     store = c.server.app[STORE]
-    real_get, real_sizes = store.get_many_into, store.sizes_tiered
-    shrunk, grown = {}, set()
+    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
 
-    def get_many_into(ks, outs):                  # the store after those blocks were stored again
-        if grown & set(ks):
-            raise ValueError("output buffer holds 200000 bytes, block has 300000")
-        return [shrunk.get(k, n) for k, n in zip(ks, real_get(ks, outs))]
+    def sizes_then_store_again(ks):
+        sizes = real_sizes(ks)
+        store.delete([ks[1], ks[2]])
+        store.put_many([PutItem(ks[1], b"s" * 1000, ns, tenant="alice"),
+                        PutItem(ks[2], b"g" * 300_000, ns, tenant="alice")])
+        return sizes
+    store.sizes_tiered = sizes_then_store_again
+    try:
+        got = await batch_get(c, [keys[3], keys[0], keys[1], keys[2]])
+    finally:
+        del store.sizes_tiered
+    assert [f.payload for f in got] == [bytes([3]) * size, b"s" * 1000, None, bytes([2]) * size]
+    assert [f.key.hex() for f in got] == [keys[3], keys[0], keys[1], keys[2]]
 
-    def sizes_tiered(ks):
-        shrunk[ks[1]] = 1000
-        grown.add(ks[2])
-        return real_sizes(ks)
-    monkeypatch.setattr(store, "get_many_into", get_many_into)
-    monkeypatch.setattr(store, "sizes_tiered", sizes_tiered)
-    got = await batch_get(c, [keys[3], keys[0], keys[1], keys[2]])
-    assert [f.payload for f in got] == [bytes([3]) * size, bytes([0]) * 1000, None, bytes([2]) * size]
-    monkeypatch.setattr(store, "sizes_tiered", real_sizes)
-    monkeypatch.setattr(store, "get_many_into", lambda ks, outs: [n and min(n, 1000) for n in real_get(ks, outs)])
-    r = await c.get(f"/v1/blocks/{keys[1]}", headers=auth(ALICE))   # one GET: the same rule
-    assert r.status == 200 and await r.read() == bytes([1]) * 1000
+
+def _dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower(), head[:200]
+    body = bytearray()
+    while True:
+        line, _, rest = rest.partition(b"\r\n")
+        n = int(line, 16)
+        if n == 0:
+            return bytes(body)
+        body += rest[:n]
+        rest = rest[n + 2:]
+
+
+async def test_a_slow_readers_buffer_is_not_reused_until_its_last_byte_left(make_client):  # noqa: F811
+    """A client that reads nothing holds its group's buffer (the transport still has bytes of it):
+    it is not pooled, a second request meanwhile gets a buffer of its own, and once the slow
+    client reads, its stream is its own blocks, byte for byte."""
+    c = await make_client(request_timeout_s=30)
+    size = 1 << 20
+    slow_keys = await put_blocks(c, 3, size)                      # bytes([0]), [1], [2]
+    pool, budget = c.server.app[GET_BUDGET].buffers, c.server.app[GET_BUDGET]
+    s = raw_post(c.server.port, "/v1/blocks/batch_get", json.dumps({"keys": slow_keys}).encode(), rcvbuf=4096)
+    await until(lambda: budget.held > 0)
+    await asyncio.sleep(0.2)
+    assert pool.idle_bytes == 0 and budget.held >= size_for(3 * size)     # in flight, not pooled
+    fast_keys = [os.urandom(16).hex() for _ in range(3)]
+    for i, k in enumerate(fast_keys):
+        r = await c.put(f"/v1/blocks/{k}", data=bytes([7 + i]) * size,
+                        headers={**auth(ALICE), "X-KVCache-Namespace": NS.id.hex()})
+        assert r.status == 200
+    got = await batch_get(c, fast_keys)                          # meanwhile: a buffer of its own
+    assert [f.payload for f in got] == [bytes([7 + i]) * size for i in range(3)]
+    raw = await asyncio.get_running_loop().run_in_executor(None, _read_until_eof_or_idle, s)
+    body = _dechunk(raw)
+    assert body[:wire.STREAM_HEADER_BYTES] == wire.stream_header(3)
+    pos = wire.STREAM_HEADER_BYTES
+    for i, key in enumerate(slow_keys):
+        klen = body[pos]
+        fkey, hit, _, n = wire.parse_get_head(body[pos + 1: pos + 1 + klen + 10])
+        pos += 1 + klen + 10
+        assert fkey.hex() == key and hit and body[pos: pos + n] == bytes([i]) * size
+        pos += n
+    assert pos == len(body)
+    await until(lambda: budget.held == 0)
+
+
+def _read_until_eof_or_idle(s) -> bytes:
+    """Read a keep-alive response: until the terminating chunk arrived (or 10 s of silence)."""
+    s.settimeout(10)
+    out = bytearray()
+    try:
+        while not out.endswith(b"\r\n0\r\n\r\n") and (chunk := s.recv(1 << 16)):
+            out += chunk
+    finally:
+        s.close()
+    return bytes(out)

@@ -173,7 +173,8 @@ async def test_a_batch_get_never_read_holds_bounded_memory_for_a_bounded_time(ma
     budget = c.server.app[GET_BUDGET]
     body = json.dumps({"keys": keys}).encode()
     stalled = [raw_post(c.server.port, "/v1/blocks/batch_get", body, rcvbuf=4096) for _ in range(3)]
-    await until(lambda: budget.held == 3 * 8 * size)         # three groups in flight: no room for a fourth
+    # three groups in flight, each buffer 8 blocks and their frame heads in whole MiB: no room for a fourth
+    await until(lambda: budget.held == 3 * (8 << 20))
     assert max(write_buffers(c)) <= WRITE_SLICE + (64 << 10)  # one slice per connection, not a group's copy
     r = await c.post("/v1/blocks/batch_get", json={"keys": keys}, headers=auth(ALICE))
     assert r.status == 503 and r.headers["Retry-After"] == "1", r.status    # no room: before the stream starts

@@ -1,0 +1,84 @@
+"""One group of a block read (server/batch_get.py): its blocks read into one buffer, laid out as
+the bytes that go on the wire.
+
+With the client's keys (a batch_get group) the buffer holds the group's KVB1 frames back to
+back, heads written in place around the payloads, so the group goes out in WRITE_SLICE writes
+instead of two per block:
+
+    [head 0][payload 0][head 1 (a miss)][head 2][payload 2] ...     one buffer, parts = [it]
+
+A block gone between sizes_tiered and the read (deleted, expired) is a miss, and one stored
+again since is what get_many_into read, or a miss if it grew past its slot: their frames no
+longer fit that layout, so such a group goes out frame by frame. The buffer is reused
+(server/read_buffers.py): a payload is cut to what was read into it, never padded with an
+earlier read's bytes. Without the client's keys (GET /v1/blocks/{key}) the parts are the bare
+payloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from kvcache.kvstore import wire
+from kvcache.kvstore.errors import BufferTooSmallError
+from kvcache.kvstore.store import BlockStore
+from kvcache.server.read_buffers import ReadBuffers
+
+
+@dataclass(slots=True)
+class Group:
+    frames: list            # [(payload view or None, tier)], for the metrics and single GETs
+    parts: list             # what goes on the wire, in order
+    raw: bytearray          # the buffer they sit in, for ReadBuffers.give
+
+
+def group_bytes(sizes, sent: Sequence[bytes] | None) -> int:
+    """The buffer a group needs: its payloads, and with `sent` a frame head per key."""
+    payloads = sum(size[0] for size in sizes if size is not None)
+    return payloads + (0 if sent is None else sum(11 + len(k) for k in sent))
+
+
+async def read_group(call: Callable[..., Awaitable], store: BlockStore, buffers: ReadBuffers, keys, sizes,
+                     sent: Sequence[bytes] | None = None) -> Group:
+    """Read `keys` (stored keys, sized `sizes` by sizes_tiered) into one buffer from `buffers`;
+    `call` runs a blocking store call in the store's thread pool."""
+    heads = [None] * len(sizes) if sent is None else [
+        wire.get_frame_head(k, *(size or (None, None))) for k, size in zip(sent, sizes)]
+    raw = buffers.take(group_bytes(sizes, sent))
+    buf, pos, slots = memoryview(raw), 0, []
+    for head, size in zip(heads, sizes):
+        if head is not None:
+            buf[pos: pos + len(head)] = head
+            pos += len(head)
+        slots.append(None if size is None else buf[pos: pos + size[0]])
+        pos += size[0] if size else 0
+    want = [j for j, v in enumerate(slots) if v is not None]
+    got = await call(_read_into, store, [keys[j] for j in want], [slots[j] for j in want])
+    changed = [(j, n) for j, n in zip(want, got) if n != sizes[j][0]]
+    for j, n in changed:
+        slots[j] = None if n is None else slots[j][:n]
+    frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
+    if sent is None:
+        parts = [p for p, _ in frames if p is not None]
+    elif changed:
+        parts = [part for k, (payload, tier) in zip(sent, frames) for part in wire.encode_get_frame(k, payload, tier)]
+    else:
+        parts = [buf[:pos]]
+    return Group(frames, parts, raw)
+
+
+def _read_into(store: BlockStore, keys: list, slots: list) -> list:
+    """store.get_many_into; a block grown past its slot since it was sized fails the whole call
+    before anything is copied, so the group is read again one block at a time and only that
+    block is a miss."""
+    try:
+        return store.get_many_into(keys, slots)
+    except BufferTooSmallError:
+        out = []
+        for key, slot in zip(keys, slots):
+            try:
+                out += store.get_many_into([key], [slot])
+            except BufferTooSmallError:
+                out.append(None)
+        return out
