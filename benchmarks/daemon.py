@@ -93,7 +93,7 @@ class Sides:
     rt: object              # redis (memory only) over TCP ...
     ru: object              # ... and over its unix socket
     aof: object | None      # the appendfsync-always redis over TCP
-    loop: LoopbackServer    # the same bytes over a bare loopback TCP socket
+    loopback: LoopbackServer    # the same bytes over a bare loopback TCP socket
 
 
 @dataclass
@@ -143,7 +143,7 @@ def _get_round(w: Work, s: Sides, out: memoryview, acc: dict, r: int) -> None:
                           "get:daemon_shm": lambda: _daemon_get(s.shm, w.ku[a:b], out, w.size),
                           "get:redis_tcp": lambda: _redis_get(s.rt, w.kh[a:b], out, w.size),
                           "get:redis_unix": lambda: _redis_get(s.ru, w.ku[a:b], out, w.size),
-                          "get:loopback_tcp": lambda: s.loop.get(a * w.size, w.size, b - a, out)}, j + r)
+                          "get:loopback_tcp": lambda: s.loopback.get(a * w.size, w.size, b - a, out)}, j + r)
 
 
 def bench_size(size: int, source: memoryview, region: memoryview, total_bytes: int, batch_bytes: int,
@@ -273,9 +273,9 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
                                                 shared_memory="off"))
         http.register_namespace(_NS)
         memory.register_namespace(_NS)
-        loop = LoopbackServer(source)          # a thread: after every process has started
-        cleanup.callback(loop.close)
-        sides = Sides(http, unix, shm, memory, red["tcp"], red["unix"], aof["tcp"] if aof else None, loop)
+        loopback = LoopbackServer(source)      # a thread: after every process has started
+        cleanup.callback(loopback.close)
+        sides = Sides(http, unix, shm, memory, red["tcp"], red["unix"], aof["tcp"] if aof else None, loopback)
         region = memoryview(bytearray(len(source)))
         with tqdm(total=len(sizes) * (repeats + 1) + 1, desc="daemon benchmark", unit="round",
                   disable=not progress) as bar:

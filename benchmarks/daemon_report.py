@@ -65,7 +65,9 @@ NOTES = ["puts are compared like for like: daemon_put_vs_redis = a write-back da
          "restarted before each read (a read promotes blocks into DRAM), so every read finds them on NVMe only; "
          "*_cached with the segment files in the page cache, *_cold after posix_fadvise(DONTNEED) on every file of "
          "the data directory; pread reads the segment files front to back, one block size a read, into one reused "
-         "buffer (the page cache's or the disk's own speed for the same bytes); pread_verify_cached also hashes "
+         "buffer (the page cache's or the disk's own speed for the same bytes); the last eviction before the "
+         "daemon's cold read also evicts its index, which only the daemon then reads again; cold rounds first "
+         "read everything once, untimed, since the VM's host caches the virtual disk; pread_verify_cached also hashes "
          "each read (xxh3-128, the records' checksum): the floor of any read that checks what it returns"]
 
 

@@ -37,7 +37,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from kvcache.benchmarks.baselines import scratch_dir
+from kvcache.benchmarks.baselines import dest_buffer, scratch_dir
 from kvcache.benchmarks.daemon_servers import MissingDependency, daemon_config, start_daemon, stop_daemon
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 
@@ -58,6 +58,13 @@ class Shape:
 SHAPES = {"mla": Shape("mla", "(1,256,16,1,576):bfloat16:61", 3840, 15, 256 * 61 * 576 * 2),
           "mha": Shape("mha", "(2,256,16,8,128):float16:32", 2048, 8, 256 * 32 * 2 * 8 * 128 * 2)}
 WARMUP = 1                   # first requests per shape and side, not counted (first touches, connections)
+INTERVAL_S = 0.5             # between requests, both sides (lmcache bench server --interval)
+# like for like only: LMCache reads its disk tier during the lookup after a restart (its retrieve
+# is then a DRAM copy), so a restart read is lookup + retrieve; its store does not fsync, the
+# daemon's does, which the name says
+SPEEDUPS = {"store_fsync_vs_no_fsync": "store", "warm_retrieve": "warm_retrieve",
+            "warm_lookup_plus_retrieve": "warm_lookup_plus_retrieve",
+            "restart_lookup_plus_retrieve": "restart_lookup_plus_retrieve"}      # name -> phase
 PHASES = ("store", "warm_lookup", "warm_retrieve", "restart_lookup", "restart_retrieve")
 INSTALL_HINT = ("LMCache is not installed (no `lmcache` on PATH; or pass --lmcache PATH). Its CPU-only install "
                 "needs its own virtual environment and --no-deps: see benchmarks/README.md, `kvcache bench lmcache`")
@@ -87,28 +94,32 @@ def parse_bench_log(text: str) -> dict[int, dict]:
 
 
 # ---------------------------------------------------------------- LMCache
-def _free_port() -> int:
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports (all bound at once, so none is handed out twice)."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _start_lmcache(cleanup, exe: str, root: str, l2: str, l1_gb: float) -> dict:
     """`lmcache server` in a session of its own (its listener is a child process: the whole
     group is stopped), shared-memory transfers on, an fs L2 in `l2`."""
-    rpc, http, prom = _free_port(), _free_port(), _free_port()
+    rpc, http, prom = _free_ports(3)
+    shm = f"kvcache_bench_{os.getpid()}_{rpc}"          # a name per start: never a stale segment
     argv = [exe, "server", "--host", "127.0.0.1", "--port", str(rpc), "--http-port", str(http),
             "--prometheus-port", str(prom), "--chunk-size", "256", "--l1-size-gb", str(l1_gb), "--no-l1-use-lazy",
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-            "--shm-name", f"kvcache_bench_{os.getpid()}",
+            "--shm-name", shm,
             "--l2-adapter", json.dumps({"type": "fs", "base_path": l2})]
     log = os.path.join(root, "lmcache-server.log")
     with open(log, "ab") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env={**os.environ, **_ENV})
     server = {"argv": argv[1:], "proc": proc, "rpc": f"tcp://127.0.0.1:{rpc}", "url": f"http://127.0.0.1:{http}"}
-    cleanup.callback(_stop_group, proc)
+    cleanup.callback(_stop_group, proc, shm)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(OSError):
@@ -119,7 +130,9 @@ def _start_lmcache(cleanup, exe: str, root: str, l2: str, l1_gb: float) -> dict:
         raise RuntimeError(f"lmcache server did not start; its output:\n{f.read()[-2000:]}")
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_group(proc: subprocess.Popen, shm: str) -> None:
+    """Stop the server's process group, and remove its shared-memory L1 (gigabytes of tmpfs)
+    should it have left it behind."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -130,12 +143,14 @@ def _stop_group(proc: subprocess.Popen) -> None:
             proc.wait()
     with contextlib.suppress(ProcessLookupError):      # its children, had the leader gone first
         os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join("/dev/shm", shm))
 
 
 def _lmcache_bench(exe: str, server: dict, shape: Shape, first: int, n: int, root: str, tag: str) -> dict[int, dict]:
     argv = [exe, "bench", "server", "--rpc-url", server["rpc"], "--url", server["url"], "--mode", "cpu",
-            "--num-tokens", str(shape.tokens), "--start", str(first), "--end", str(first + n), "--interval", "0.5",
-            "--kvcache-shape-spec", shape.spec]
+            "--num-tokens", str(shape.tokens), "--start", str(first), "--end", str(first + n),
+            "--interval", str(INTERVAL_S), "--kvcache-shape-spec", shape.spec]
     r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **_ENV}, timeout=900)
     with open(os.path.join(root, f"lmcache-bench-{tag}.log"), "w") as f:
         f.write(r.stdout + r.stderr)
@@ -192,7 +207,7 @@ def kvcache_side(shapes: list[Shape], requests: int, root: str, sock_dir: str) -
     sizes = [s.chunk_bytes for s in shapes]
     cfg = daemon_config(sizes, 2 * requests * max(s.nbytes for s in shapes), 1)
     blocks = {s.name: [[os.urandom(16) for _ in range(s.chunks)] for _ in range(requests)] for s in shapes}
-    dst = {s.name: memoryview(bytearray(b"\x01") * s.nbytes) for s in shapes}   # one request's KV, pages touched
+    dst = {s.name: dest_buffer(s.nbytes) for s in shapes}       # one request's KV
     source = os.urandom(max(s.chunk_bytes for s in shapes))
     ms: dict = {s.name: {p: [] for p in PHASES} for s in shapes}
 
@@ -224,6 +239,7 @@ def kvcache_side(shapes: list[Shape], requests: int, root: str, sock_dir: str) -
                         raise RuntimeError("the daemon's puts were not all durable")
                     ms[s.name]["store"].append(t)
                     read(c, s, keys, "warm")
+                    time.sleep(INTERVAL_S)
         stop_daemon(d)
         d = start_daemon(cleanup, root, sock_dir, cfg, "daemon-vs-lmcache")
         with KVClient("http://localhost", unix_socket=d["unix_socket"], retries=0, timeout_s=300,
@@ -232,6 +248,7 @@ def kvcache_side(shapes: list[Shape], requests: int, root: str, sock_dir: str) -
             for s in shapes:
                 for keys in blocks[s.name]:
                     read(c, s, keys, "restart")
+                    time.sleep(INTERVAL_S)
         stop_daemon(d)
     return {"ms": ms, "daemon_argv": d["argv"], "daemon_config": cfg}
 
@@ -251,19 +268,20 @@ def summarize(shapes: list[Shape], ours: dict, theirs: dict) -> dict:
                        "lmcache_shape_spec": s.spec, "median_ms": med,
                        "gb_s": {side: {p: s.nbytes / m[p] / 1e6 for p in m if "lookup" not in p or "plus" in p}
                                 for side, m in med.items()},
-                       "speedup_vs_lmcache": {p: med["lmcache"][p] / med["kvcache"][p] for p in med["kvcache"]}}
+                       "speedup_vs_lmcache": {name: med["lmcache"][p] / med["kvcache"][p]
+                                              for name, p in SPEEDUPS.items()}}
     return out
 
 
 def format_table(doc: dict) -> str:
-    phases = ("store", "warm_retrieve", "warm_lookup_plus_retrieve", "restart_retrieve", "restart_lookup_plus_retrieve")
-    lines = ["median ms per request (GB/s); speedup = LMCache ms / kvcache ms:"]
-    for name, r in doc["shapes"].items():
-        lines.append(f"  {name}: {r['chunks']} chunks of {r['chunk_bytes'] / 2 ** 20:.1f} MiB")
-        for p in phases:
+    lines = ["median ms per request (GB/s); speedup = LMCache ms / kvcache ms; after a restart LMCache reads its "
+             "disk during the lookup; its stores do not fsync, the daemon's do:"]
+    for shape, r in doc["shapes"].items():
+        lines.append(f"  {shape}: {r['chunks']} chunks of {r['chunk_bytes'] / 2 ** 20:.1f} MiB")
+        for name, p in SPEEDUPS.items():
             k, m = r["median_ms"]["kvcache"][p], r["median_ms"]["lmcache"][p]
-            lines.append(f"    {p:<30} kvcache {k:8.1f} ({r['request_bytes'] / k / 1e6:5.2f})   lmcache {m:8.1f} "
-                         f"({r['request_bytes'] / m / 1e6:5.2f})   speedup {r['speedup_vs_lmcache'][p]:5.2f}")
+            lines.append(f"    {name:<30} kvcache {k:8.1f} ({r['request_bytes'] / k / 1e6:5.2f})   lmcache {m:8.1f} "
+                         f"({r['request_bytes'] / m / 1e6:5.2f})   speedup {r['speedup_vs_lmcache'][name]:5.2f}")
     return "\n".join(lines)
 
 

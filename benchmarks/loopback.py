@@ -27,17 +27,25 @@ class LoopbackServer:
     def __init__(self, source: memoryview):
         self._source = source
         self._listen = socket.create_server(("127.0.0.1", 0))
-        self.client = socket.create_connection(self._listen.getsockname())
-        self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._conn, _ = self._listen.accept()
+        try:
+            self.client = socket.create_connection(self._listen.getsockname())
+            self._conn, _ = self._listen.accept()
+        except OSError:
+            self._listen.close()
+            raise
+        for s in (self.client, self._conn):      # as aiohttp sets it on the daemon's connections
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._thread = threading.Thread(target=self._serve, name="loopback-baseline", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         head = bytearray(_REQUEST.size)
-        while _recv_exactly(self._conn, memoryview(head)):
-            offset, length = _REQUEST.unpack(head)
-            self._conn.sendall(self._source[offset: offset + length])
+        try:
+            while _recv_exactly(self._conn, memoryview(head)):
+                offset, length = _REQUEST.unpack(head)
+                self._conn.sendall(self._source[offset: offset + length])
+        except OSError:
+            pass                      # the client went away: get() says so in the benchmark's thread
 
     def get(self, offset: int, size: int, n: int, out: memoryview) -> None:
         """Fetch `n` blocks of `size` bytes from `offset`, each received into `out`."""

@@ -23,8 +23,8 @@ TIERS_EPILOG = """what is measured, per block size (medians of --repeats rounds,
 
 targets (reported, never enforced; the worst block size counts): dram get >= 0.7 x memcpy,
 dram get_many_into >= 0.8, dram put >= 0.7, nvme put >= 0.8 x raw write, nvme cold get >= 0.7
-x raw read. Ratios are throughput ratios (>1: faster). Gets read into one buffer 64 bytes past
-a page boundary (baselines.dest_buffer says why that matters).
+x raw read. Ratios are throughput ratios (>1: faster). Gets read into one buffer half a page
+past a page boundary (baselines.dest_buffer says why that matters).
 The JSON report goes to OUT_DIR/tier_throughput-<UTC time>.json and ...-latest.json.
 
 examples:

@@ -114,13 +114,14 @@ class StoreLeases:
         kept = tuple(e for e in held if e is not None)
         lease = DramLease(kept, sum(e.nbytes for e in kept))
         found = [metas[i] for i in got]
+        file_bytes = sum(f.nbytes for f in files.values())
         label = found[0] if found else metas[next(iter(files))] if files else None
         self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), label,
                                [m.residency.fastest() for m in found] + [Tier.NVME] * len(files),
-                               lease.nbytes + sum(f.nbytes for f in files.values()))
+                               lease.nbytes + file_bytes)
         self._publish([keys[i] for i in got], found, now)
         if files:
-            self._count_file_reads([(keys[i], metas[i]) for i in files], now, sum(f.nbytes for f in files.values()))
+            self._count_file_reads([(keys[i], metas[i]) for i in files], now, file_bytes)
         return slots, lease
 
     def _count_file_reads(self, blocks: list, now: float, nbytes: int) -> None:

@@ -37,6 +37,32 @@ def test_shapes_match_lmcache_chunk_sizes():
         assert (s.tokens + 1) // 256 == s.chunks
 
 
+def test_the_install_recipe_the_hint_points_to_exists():
+    readme = open(os.path.join(os.path.dirname(lmcache_side.__file__), "README.md")).read()
+    section = readme[readme.index("## `kvcache bench lmcache`"):]
+    assert "pip install --no-deps lmcache" in section and "KVCACHE_LMCACHE" in section
+
+
+def test_the_daemon_side_and_the_report_on_a_tiny_shape(tmp_path, monkeypatch):
+    """kvcache_side needs no LMCache: two requests of a tiny shape through a real daemon (durable
+    puts, shared-memory gets, a restart); the report against made-up LMCache timings."""
+    monkeypatch.setattr(lmcache_side, "INTERVAL_S", 0.0)
+    tiny = lmcache_side.Shape("mla", "(1,256,16,1,576):bfloat16:1", 255, 3, 1 << 20)
+    sock = tmp_path / "s"
+    sock.mkdir()
+    ours = lmcache_side.kvcache_side([tiny], 2, str(tmp_path), str(sock))
+    ms = ours["ms"]["mla"]
+    assert set(ms) == set(lmcache_side.PHASES) and all(len(v) == 2 and min(v) > 0 for v in ms.values())
+    theirs = {"ms": {"mla": {p: [10.0, 20.0] for p in lmcache_side.PHASES}}}
+    r = lmcache_side.summarize([tiny], ours, theirs)["mla"]
+    k = r["median_ms"]["kvcache"]
+    assert r["speedup_vs_lmcache"]["warm_retrieve"] == pytest.approx(20.0 / ms["warm_retrieve"][1])
+    assert k["restart_lookup_plus_retrieve"] == pytest.approx(ms["restart_lookup"][1] + ms["restart_retrieve"][1])
+    assert set(r["speedup_vs_lmcache"]) == set(lmcache_side.SPEEDUPS)
+    table = lmcache_side.format_table({"shapes": {"mla": r}})
+    assert "store_fsync_vs_no_fsync" in table and "restart_lookup_plus_retrieve" in table
+
+
 def _args(tmp_path, *argv) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     store_verbs.add_lmcache_arguments(p, default_out_dir=str(tmp_path / "out"))
