@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from kvcache.benchmarks.baselines import dest_buffer, scratch_dir
 from kvcache.benchmarks.daemon_servers import MissingDependency, daemon_config, start_daemon, stop_daemon
 from kvcache.benchmarks.record import load_now, machine_info, write_results
+from kvcache.tiering.slab import SlabAllocator
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,10 @@ def kvcache_side(shapes: list[Shape], requests: int, root: str, sock_dir: str) -
     from kvcache.client.sync_client import KVClient
     from kvcache.kvstore.types import PutItem
     sizes = [s.chunk_bytes for s in shapes]
-    cfg = daemon_config(sizes, 2 * requests * max(s.nbytes for s in shapes), 1)
+    cfg = daemon_config(sizes, requests * max(s.nbytes for s in shapes), 1)
+    page = cfg["dram"]["page_bytes"]            # DRAM for every request of every shape, no more
+    need = sum(requests * s.chunks * SlabAllocator(page, page).chunk_size(s.chunk_bytes) for s in shapes)
+    cfg["dram"]["capacity_bytes"] = int(need / 0.85) + 4 * page
     blocks = {s.name: [[os.urandom(16) for _ in range(s.chunks)] for _ in range(requests)] for s in shapes}
     dst = {s.name: dest_buffer(s.nbytes) for s in shapes}       # one request's KV
     source = os.urandom(max(s.chunk_bytes for s in shapes))
