@@ -29,8 +29,8 @@ from kvcache.benchmarks.args import parse_sizes, size_label
 from kvcache.benchmarks.baselines import copy_all, copy_each, dest_buffer, interleave, raw_write, scratch_dir
 from kvcache.benchmarks.daemon_report import NOTES, SIDES, describe_setups, format_table, summarize
 from kvcache.benchmarks.daemon_restart import MODES, bench_restart
-from kvcache.benchmarks.daemon_servers import (MissingDependency, check_dependencies, daemon_config,
-                                               start_daemon, start_redis)
+from kvcache.benchmarks.daemon_servers import (check_dependencies, daemon_config, print_report, start_daemon,
+                                               start_redis)
 from kvcache.benchmarks.loopback import LoopbackServer
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.kvstore.hashing import Namespace, hash_blocks
@@ -308,17 +308,11 @@ def run(sizes, total_bytes: int, out_dir: str, repeats: int = 5, *, batch_bytes:
 def run_args(args: argparse.Namespace) -> int:
     """Exit status 0 even when a target is missed (the report says so); 2 without redis."""
     mib = 1 << 20
-    try:
-        doc = run(args.sizes, int(args.total_mib * mib), args.out_dir, args.repeats,
-                  batch_bytes=int(args.batch_mib * mib), data_dir=args.data_dir, lookup_runs=args.lookup_runs,
-                  redis_server=args.redis_server, redis_durable=not args.no_redis_durable,
-                  progress=not args.no_progress, restart_rounds=args.restart_rounds)
-    except MissingDependency as e:
-        print(f"kvcache bench daemon: {e}", file=sys.stderr)
-        return 2
-    print(format_table(doc))
-    print(f"\nwrote {doc['files']['json']}\n  and {doc['files']['latest']}")
-    return 0
+    return print_report("daemon", lambda: run(
+        args.sizes, int(args.total_mib * mib), args.out_dir, args.repeats, batch_bytes=int(args.batch_mib * mib),
+        data_dir=args.data_dir, lookup_runs=args.lookup_runs, redis_server=args.redis_server,
+        redis_durable=not args.no_redis_durable, progress=not args.no_progress,
+        restart_rounds=args.restart_rounds), format_table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
 """The read-after-restart phase of `kvcache bench daemon`: what serves the cache once DRAM is
 empty (after a restart, or once it has turned over) is the NVMe tier.
 
-    put every block durably ─ stop ─┬─ start ─ read all (shared memory) ─ pread the same bytes   page-cached
-                                    ├─ start ─ drop caches ─ read all ─ drop caches ─ pread      cold disk
-                                    └─ start ─ read all over HTTP                                 page-cached
+    put every block durably ─ stop ─┬─ start ─ pread, pread + hash ─ read all (shared memory)         page-cached
+                                    ├─ start ─ drop ─ pread (untimed) ─ drop ─ pread ─ drop ─ read all   cold disk
+                                    └─ start ─ read all over HTTP                                      page-cached
     (each read starts from a fresh daemon: a read promotes blocks into DRAM, so a second one would
      measure DRAM)
 
@@ -13,8 +13,8 @@ the VM this was written on: 0.6 GB/s once, then 4-5 GB/s with the guest's cache 
 whichever side read first would be charged for both: each cold round reads everything once,
 untimed, before the two timed reads.
 
-"Drop caches" is posix_fadvise(DONTNEED) on every file of the daemon's data directory (segments
-and index), which evicts their clean pages without root. The baseline reads each segment file
+"Drop" is page_cache.evict_page_cache on the daemon's data directory (segments and index):
+write back, then posix_fadvise(DONTNEED), which evicts clean pages without root. The baseline reads each segment file
 front to back in reads of one block size into one reused buffer, as many bytes as the blocks
 hold: the disk's and the page cache's own speed for the same bytes, in the same run; and once
 more hashing each read (pread_verify): the floor of any read that checks its bytes.
@@ -34,6 +34,7 @@ import xxhash
 
 from kvcache.benchmarks.args import size_label
 from kvcache.benchmarks.baselines import dest_buffer
+from kvcache.benchmarks.page_cache import evict_page_cache
 from kvcache.benchmarks.daemon_servers import start_daemon, stop_daemon
 from kvcache.kvstore.types import PutItem
 
@@ -45,22 +46,6 @@ def _files(data_dir: str) -> list[str]:
     for d, _, names in os.walk(data_dir):
         out += [os.path.join(d, n) for n in names]
     return sorted(out)
-
-
-def drop_caches(data_dir: str) -> None:
-    """Evict the data directory's clean pages from the page cache (fsynced segments are clean)."""
-    for path in _files(data_dir):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue                  # a socket, a file removed meanwhile
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def pread_segments(data_dir: str, size: int, total: int, buf: memoryview, verify: bool = False) -> int:
@@ -131,16 +116,16 @@ def bench_restart(size: int, source: memoryview, total_bytes: int, batch_bytes: 
                 d = start_daemon(cleanup, root, sock_dir, cfg, name)
                 if mode.startswith("shm"):   # the baseline first: the daemon promotes what it served
                     if mode.endswith("cold"):    # once reads pause, which must not overlap the baseline
-                        drop_caches(data)
+                        evict_page_cache(data)
                         pread_segments(data, size, n * size, out)   # untimed: primes a host-side disk cache
-                        drop_caches(data)
+                        evict_page_cache(data)
                     for verify in (False, True) if mode == "shm_cached" else (False,):
                         t0 = time.perf_counter()
                         pread_segments(data, size, n * size, out, verify)
                         times.setdefault(f"pread{'_verify' if verify else ''}_{mode[4:]}", []).append(
                             time.perf_counter() - t0)
                 if mode.endswith("cold"):
-                    drop_caches(data)
+                    evict_page_cache(data)
                 times.setdefault(mode, []).append(_timed_read(d, mode, keys, per, out, size))
                 if bar is not None:
                     bar.update(1)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Callable
 
 from kvcache.tiering.slab import SlabAllocator
 
@@ -35,6 +36,19 @@ def check_dependencies(redis_server: str) -> str:
     if importlib.util.find_spec("redis") is None:
         raise MissingDependency("the redis Python client is not installed: `pip install redis`")
     return path
+
+
+def print_report(verb: str, make: Callable[[], dict], table: Callable[[dict], str]) -> int:
+    """A benchmark's `run_args` tail: make the report, print its table and where it was written;
+    exit status 2 with the install hint when a dependency is missing."""
+    try:
+        doc = make()
+    except MissingDependency as e:
+        print(f"kvcache bench {verb}: {e}", file=sys.stderr)
+        return 2
+    print(table(doc))
+    print(f"\nwrote {doc['files']['json']}\n  and {doc['files']['latest']}")
+    return 0
 
 
 # ---------------------------------------------------------------- processes

@@ -1,7 +1,7 @@
 """`kvcache bench lmcache`: the daemon side by side with LMCache's multiprocess server on the
 same requests: store, warm retrieve (DRAM), and retrieve after a restart of each server (its
 disk tier only), for an MLA-like request (15 chunks of 17.2 MiB) and an MHA-like one (8 of
-32 MiB), as LMCache's own `lmcache bench server` issues them.
+32 MiB), as LMCache's own `lmcache bench server` sends them.
 
     LMCache                                         kvcache (the same bytes, the same blocks)
     lmcache server --shm-name (L1 DRAM, fs L2)      kvcache serve (DRAM, NVMe fsync "always")
@@ -38,7 +38,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from kvcache.benchmarks.baselines import dest_buffer, scratch_dir
-from kvcache.benchmarks.daemon_servers import MissingDependency, daemon_config, start_daemon, stop_daemon
+from kvcache.benchmarks.daemon_servers import (MissingDependency, daemon_config, print_report, start_daemon,
+                                               stop_daemon)
 from kvcache.benchmarks.record import load_now, machine_info, write_results
 from kvcache.tiering.slab import SlabAllocator
 
@@ -320,14 +321,8 @@ def run(shape_names: list[str], requests: int, out_dir: str, *, lmcache: str | N
 
 
 def run_args(args: argparse.Namespace) -> int:
-    try:
-        doc = run(args.shapes, args.requests, args.out_dir, lmcache=args.lmcache, data_dir=args.data_dir)
-    except MissingDependency as e:
-        print(f"kvcache bench lmcache: {e}", file=sys.stderr)
-        return 2
-    print(format_table(doc))
-    print(f"\nwrote {doc['files']['json']}\n  and {doc['files']['latest']}")
-    return 0
+    return print_report("lmcache", lambda: run(args.shapes, args.requests, args.out_dir, lmcache=args.lmcache,
+                                               data_dir=args.data_dir), format_table)
 
 
 def main(argv: list[str] | None = None) -> int:

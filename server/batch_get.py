@@ -174,7 +174,7 @@ async def _write_parts(request: web.Request, resp: web.StreamResponse, deadline_
         _abort(request)
         raise ClientTooSlow(f"the client did not read {what} within server.request_timeout_s") from None
     t = request.transport
-    if t is None or t.is_closing() or t.get_write_buffer_size():     # gone meanwhile: not written
+    if t is None or t.is_closing():      # gone meanwhile (_drained stops there): not all written
         raise ConnectionResetError(f"the client went away while {what} was written")
 
 
