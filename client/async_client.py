@@ -63,7 +63,7 @@ class AsyncKVClient:
                  unix_socket: str | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
                  retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 2.0,
                  pool_size: int = 32, max_batch_blocks: int = 4096, max_batch_bytes: int = 256 << 20,
-                 max_keys: int = 100_000, shared_memory: str = "auto"):
+                 max_keys: int = 100_000, shared_memory: str = "auto", client_name: str = ""):
         if shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"shared_memory must be auto, on or off, got {shared_memory!r}")
         self.shared_memory = shared_memory
@@ -76,6 +76,11 @@ class AsyncKVClient:
         token = token if token is not None else os.environ.get("KVCACHE_TOKEN")
         self._token = token or ""       # the shared-memory handshake's too (KVCACHE_TOKEN included)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if client_name:                 # labels this client's traffic in the daemon's metrics (server/metrics.py)
+            self._headers["X-KVCache-Client"] = client_name
+        self.client_name = client_name
+        # the shared-memory HELLO's body: the token, then the client's name after a newline
+        self._hello = self._token + (f"\n{client_name}" if client_name else "")
         self.unix_socket, self.pool_size = unix_socket, pool_size
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.max_batch_blocks, self.max_batch_bytes, self.max_keys = max_batch_blocks, max_batch_bytes, max_keys
@@ -239,7 +244,7 @@ class AsyncKVClient:
             self._arena_tried = True
             try:
                 info = await self._json("GET", "/v1/shm")   # then HELLO hands over the arena's fds
-                control, arena, directory = await attach_shared(info, self._token, self._timeout.total)
+                control, arena, directory = await attach_shared(info, self._hello, self._timeout.total)
                 self._arena, self._control, self._directory = arena, control, directory
                 self._lease_s = float(info["lease_s"])
                 self.control_path = info["control_socket"]

@@ -36,7 +36,9 @@ def _refused(status: int, body: bytes) -> ArenaUnavailable:
 
 def _hello(path: str, token: str, timeout_s: float) -> tuple[socket.socket, str, list[int]]:
     """Connect and say HELLO (blocking): the socket, the tenant's name and the fds that came with
-    the answer (the caller owns them). ArenaUnavailable when refused or unanswered."""
+    the answer (the caller owns them). ArenaUnavailable when refused or unanswered. `token` is
+    HELLO's body: the bearer token, optionally followed by a newline and the client's name (the
+    daemon's metrics label: server/metrics.py)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:

@@ -262,7 +262,7 @@ class KVClient:
                 if arena is not None:
                     directory, lease_s = c.directory, c._lease_s
                     try:
-                        ctl = BlockingShmControl.connect(c.control_path, c._token, c._stream_timeout.sock_read)
+                        ctl = BlockingShmControl.connect(c.control_path, c._hello, c._stream_timeout.sock_read)
                     except ArenaUnavailable as e:
                         if c.shared_memory == "on":
                             raise DaemonError(f"shared_memory='on' but the daemon's arena cannot be used: {e}") from e

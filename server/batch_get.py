@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -102,6 +103,7 @@ class GetStream:
     metrics: Metrics
     budget: GetBudget
     deadline_s: float                      # server.request_timeout_s, per group
+    client: str = ""                       # the client's metrics label (server/metrics.py: client_label)
 
 
 async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes],
@@ -119,7 +121,7 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
 
 async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent) -> None:
     _write_limit_zero(request)
-    i = 0
+    i, t0, tiers = 0, time.perf_counter(), set()
     while i < len(keys):
         sizes = await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
         n = _group(sizes)
@@ -127,7 +129,8 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
         held = await _take(request, s, charge, first=not resp.prepared)
         try:
             group = await read_group(s.call, s.store, s.budget.buffers, keys[i: i + n], sizes[:n], sent[i: i + n])
-            s.metrics.count_gets(group.frames)
+            s.metrics.count_gets(group.frames, s.client)
+            tiers.update(t for _, t in group.frames)
             if not resp.prepared:
                 await resp.prepare(request)
                 await resp.write(wire.stream_header(len(keys)))
@@ -140,6 +143,7 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
         await resp.prepare(request)
         await resp.write(wire.stream_header(0))
     await resp.write_eof()
+    s.metrics.observe_read(s.client, tiers, time.perf_counter() - t0)
 
 
 def _group(sizes) -> int:
@@ -201,7 +205,7 @@ async def send_block(request: web.Request, s: GetStream, key: bytes) -> web.Stre
     try:
         group = await read_group(s.call, s.store, s.budget.buffers, [key], [size]) if size is not None else None
         [(payload, tier)] = group.frames if group is not None else [(None, None)]
-        s.metrics.count_gets([(payload, tier)])
+        s.metrics.count_gets([(payload, tier)], s.client)
         if payload is None:
             raise web.HTTPNotFound(text="no such block")
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-KVCache-Tier": tier.label})

@@ -19,6 +19,7 @@ from kvcache.kvstore.types import PutItem
 from kvcache.kvstore.types import is_real
 from kvcache.server import tenancy
 from kvcache.server.batch_get import GetStream, send_block, stream_blocks
+from kvcache.server.metrics import CLIENT_HEADER, client_label
 from kvcache.server.put_batch import ingest_request
 from kvcache.server.quota import PendingBytes, put_within_quota
 from kvcache.server.request_body import block_key, block_keys, layout_header, read_at_most
@@ -58,7 +59,7 @@ async def get_block(request: web.Request) -> web.StreamResponse:
 def _get_stream(request: web.Request) -> GetStream:
     app = request.app
     return GetStream(app[STORE], functools.partial(call, request), app[METRICS], app[GET_BUDGET],
-                     app[CONFIG].request_timeout_s)
+                     app[CONFIG].request_timeout_s, client_label(request.headers.get(CLIENT_HEADER)))
 
 
 async def head_block(request: web.Request) -> web.Response:
@@ -67,7 +68,8 @@ async def head_block(request: web.Request) -> web.Response:
 
 
 async def batch_put(request: web.Request) -> web.Response:
-    return web.json_response(await ingest_request(request.app, principal(request), request.content))
+    return web.json_response(await ingest_request(request.app, principal(request), request.content,
+                                                  client_label(request.headers.get(CLIENT_HEADER))))
 
 
 async def batch_get(request: web.Request) -> web.StreamResponse:
@@ -88,7 +90,7 @@ async def lookup(request: web.Request) -> web.Response:
     tenant = principal(request).tenant
     ns_id = tenancy.stored_namespace_id(tenant, ns) if ns else None
     r = await call(request, request.app[STORE].lookup, keys, tenant, ns_id)
-    request.app[METRICS].count_lookup(len(keys), r.tiers)
+    request.app[METRICS].count_lookup(len(keys), r.tiers, client_label(request.headers.get(CLIENT_HEADER)))
     return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
 
 

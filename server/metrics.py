@@ -15,6 +15,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvcache.kvstore.types import Tier
 
+# The client software a request names (X-KVCache-Client; the shared-memory HELLO): its traffic gets
+# series of its own, labelled from this closed set (anything else is "other"), so a client cannot
+# grow the label's cardinality.
+CLIENT_HEADER = "X-KVCache-Client"
+KNOWN_CLIENTS = ("vllm", "sglang", "kvcache")
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -47,6 +52,14 @@ class _StoreCollector:
                                     "without a lease (the shared-memory read directory)", value=len(dram.directory))
 
 
+def client_label(name: str | None) -> str:
+    """The metrics label of a client name: "" (no series of its own) when none was given."""
+    if not name:
+        return ""
+    name = name.strip().lower()
+    return name if name in KNOWN_CLIENTS else "other"
+
+
 class Metrics:
     def __init__(self, store):
         disable_created_metrics()  # the *_created series only add noise to every scrape
@@ -58,13 +71,37 @@ class Metrics:
         self.blocks = Counter("kvcache_blocks", "Blocks looked up, read or written, by tier and result",
                               ["op", "tier", "result"], registry=r)
         self.bytes = Counter("kvcache_bytes", "Payload bytes read or written, by tier", ["op", "tier"], registry=r)
+        self.client_blocks = Counter("kvcache_client_blocks", "Blocks looked up, read or written by a named "
+                                     "client (vllm, sglang, ...), by tier and result",
+                                     ["client", "op", "tier", "result"], registry=r)
+        self.client_bytes = Counter("kvcache_client_bytes", "Payload bytes a named client read or wrote, by tier",
+                                    ["client", "op", "tier"], registry=r)
+        self.client_read_seconds = Histogram("kvcache_client_read_seconds", "How long the daemon took to serve a "
+                                             "named client's read, by the slowest tier it read from",
+                                             ["client", "tier"], buckets=LATENCY_BUCKETS, registry=r)
         r.register(_StoreCollector(store))
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()
         self.latency.labels(endpoint).observe(seconds)
 
-    def count_gets(self, got) -> None:
+    def _blocks(self, client: str, op: str, tier: str, result: str, n: int) -> None:
+        self.blocks.labels(op, tier, result).inc(n)
+        if client:
+            self.client_blocks.labels(client, op, tier, result).inc(n)
+
+    def _bytes(self, client: str, op: str, tier: str, n: int) -> None:
+        self.bytes.labels(op, tier).inc(n)
+        if client:
+            self.client_bytes.labels(client, op, tier).inc(n)
+
+    def observe_read(self, client: str, tiers, seconds: float) -> None:
+        """A named client's read took `seconds`; labelled by the slowest of `tiers` (Tier flags)."""
+        if client:
+            slowest = max((t for t in tiers if t is not None), default=None, key=lambda t: t.fastest().value)
+            self.client_read_seconds.labels(client, slowest.label if slowest is not None else "none").observe(seconds)
+
+    def count_gets(self, got, client: str = "") -> None:
         """got: (payload or None, tier) per block; one counter update per tier, not per block."""
         hits, nbytes, misses = collections.Counter(), collections.Counter(), 0
         for payload, tier in got:
@@ -74,27 +111,29 @@ class Metrics:
                 hits[tier] += 1
                 nbytes[tier] += len(payload)
         if misses:
-            self.blocks.labels("get", "none", "miss").inc(misses)
+            self._blocks(client, "get", "none", "miss", misses)
         for tier, n in hits.items():
-            self.blocks.labels("get", tier.label, "hit").inc(n)
-            self.bytes.labels("get", tier.label).inc(nbytes[tier])
+            self._blocks(client, "get", tier.label, "hit", n)
+            self._bytes(client, "get", tier.label, nbytes[tier])
 
-    def count_hits(self, op: str, tier, hits: int, nbytes: int, misses: int) -> None:
+    def count_hits(self, op: str, tier, hits: int, nbytes: int, misses: int, client: str = "") -> None:
         """Counters for reads that carry no payload here (shared-memory leases)."""
         if misses:
-            self.blocks.labels(op, "none", "miss").inc(misses)
+            self._blocks(client, op, "none", "miss", misses)
         if hits:
-            self.blocks.labels(op, tier.label, "hit").inc(hits)
-            self.bytes.labels(op, tier.label).inc(nbytes)
+            self._blocks(client, op, tier.label, "hit", hits)
+            self._bytes(client, op, tier.label, nbytes)
 
-    def count_puts(self, stored: int, present: int) -> None:
-        self.blocks.labels("put", "any", "stored").inc(stored)
-        self.blocks.labels("put", "any", "present").inc(present)
+    def count_puts(self, stored: int, present: int, client: str = "", nbytes: int = 0) -> None:
+        self._blocks(client, "put", "any", "stored", stored)
+        self._blocks(client, "put", "any", "present", present)
+        if client and nbytes:
+            self.client_bytes.labels(client, "put", "any").inc(nbytes)
 
-    def count_lookup(self, n_keys: int, tiers: tuple[Tier, ...]) -> None:
+    def count_lookup(self, n_keys: int, tiers: tuple[Tier, ...], client: str = "") -> None:
         for t, n in collections.Counter(tiers).items():
-            self.blocks.labels("lookup", t.label, "hit").inc(n)
-        self.blocks.labels("lookup", "none", "miss").inc(n_keys - len(tiers))
+            self._blocks(client, "lookup", t.label, "hit", n)
+        self._blocks(client, "lookup", "none", "miss", n_keys - len(tiers))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 
+from kvcache.server.metrics import client_label
 from kvcache.server.request_state import CONFIG, METRICS, STORE
 from kvcache.server.shm_leases import DENIED, LEASES
 from kvcache.kvstore import shm_wire as w
@@ -54,6 +55,7 @@ class ControlSession:
         self.app, self.store, self.config = app, app[STORE], app[CONFIG]
         self.leases = app[LEASES]
         self.tenant: str | None = None
+        self.client = ""              # the metrics label HELLO named (server/metrics.py: client_label)
         self.owned: set[int] = set()
         self.fds: list[int] = []      # sent with the next answer: HELLO's arena, a lease's segments
         self.owns_fds = False         # the segments' are ours to close once sent
@@ -64,7 +66,8 @@ class ControlSession:
         return [a.read_fd for a in (dram.arena, dram.directory_arena) if a is not None and a.read_fd is not None]
 
     def hello(self, body: bytes) -> tuple[int, bytes]:
-        token = body.decode("utf-8", "replace")
+        token, _, name = body.decode("utf-8", "replace").partition("\n")     # token [LF client name]
+        self.client = client_label(name)
         if not self.config.auth_required:
             self.tenant = ""
             return 0, b""              # the tenant's name: the client looks up its stored keys
@@ -91,10 +94,12 @@ class ControlSession:
         m = self.app[METRICS]
         leased = [s for s in slots if isinstance(s, tuple) and not isinstance(s, w.FileSlot)]
         from_files = [s for s in slots if isinstance(s, w.FileSlot)]
-        m.count_hits("get", Tier.DRAM, len(leased), sum(s[1] for s in leased), slots.count(None))
+        m.count_hits("get", Tier.DRAM, len(leased), sum(s[1] for s in leased), slots.count(None), self.client)
         if from_files:
-            m.count_hits("get", Tier.NVME, len(from_files), sum(s.nbytes for s in from_files), 0)
-        m.observe_request("shm:lease_files" if files else "shm:lease", 200, time.perf_counter() - t0)
+            m.count_hits("get", Tier.NVME, len(from_files), sum(s.nbytes for s in from_files), 0, self.client)
+        dt = time.perf_counter() - t0
+        m.observe_request("shm:lease_files" if files else "shm:lease", 200, dt)
+        m.observe_read(self.client, [Tier.NVME] if from_files else [Tier.DRAM] if leased else [], dt)
         return 0, w.encode_slots(lease_id, slots, files)
 
     def touch(self, body: bytes) -> None:
@@ -102,7 +107,7 @@ class ControlSession:
         keys = [tenant_key(self.tenant, k) for k in w.decode_keys(body, self.config.max_batch_blocks)]
         hits, nbytes = self.store.touch_dram(keys)
         m = self.app[METRICS]
-        m.count_hits("get", Tier.DRAM, hits, nbytes, 0)
+        m.count_hits("get", Tier.DRAM, hits, nbytes, 0, self.client)
         m.observe_request("shm:touch", 200, time.perf_counter() - t0)
 
     def handle(self, op: int, body: bytes) -> tuple[int, bytes] | None:

@@ -67,6 +67,14 @@ SEAM_RULES = (
     SeamRule(("policy",), ("kvstore", "tiering", "gc", "client", "server", "cli", "engine", "benchmarks",
                            "kernels"), (),
              "an eviction order is a leaf: it sees block keys as opaque hashables, never a tier or a store"),
+    SeamRule(("integrations",), ("kvstore", "tiering", "gc", "server", "client", "engine", "kernels"),
+             ("kvcache.kvstore.protocol", "kvcache.kvstore.types", "kvcache.kvstore.hashing",
+              "kvcache.kvstore.errors", "kvcache.client.open_store", "kvcache.engine.cache.connector",
+              "kvcache.engine.config"),
+             "a plug-in for another engine sees the store as the engine does (protocol, types, hashing, "
+             "errors, open_store) and through the engine's store seam (engine/cache/connector.py)"),
+    SeamRule(("kvstore", "tiering", "gc", "policy", "kernels", "engine", "server", "client"), ("integrations",), (),
+             "the plug-ins for other engines import vLLM or SGLang: nothing of the product imports them"),
 )
 # Packages that form one layer for the cycle rule: the store and its tiers call each other.
 LAYERS = {"tiering": "kvstore"}

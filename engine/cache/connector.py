@@ -8,6 +8,7 @@
     worker side (threads; the engine applies the results)
     fetch(keys, tiers, snapshot)  loader thread: soft pin (TTL, left to lapse) ─> get_many ─>
                                   payloads (None for a block that failed), the snapshot's bytes
+    fetch_into(keys, outs)        the same into the caller's buffers (get_many_into): lengths
     save(blocks)                  saver thread: put_many; only blocks whose tokens are all committed
     save_raw(key, data)           saver thread: a tail snapshot under its own key (exact mode)
     flush()                       wait until every save submitted so far has landed
@@ -192,6 +193,25 @@ class KVConnector:
         self.stats["failed_blocks"] += sum(p is None for p in blocks)
         return blocks, (got[-1] if snap_key else None), loaded, dt
 
+    def fetch_into(self, keys: list[bytes], outs: list) -> Future:
+        """Start loading blocks straight into the caller's buffers (one per key, each at least a
+        block); the future gives (lengths with None for a block that failed, bytes loaded,
+        seconds). A failed call leaves every block failed: a buffer it may have half filled is
+        the caller's to ignore."""
+        return self._loader.submit(self._fetch_into, list(keys), list(outs))
+
+    def _fetch_into(self, keys: list[bytes], outs: list):
+        t0 = time.perf_counter()
+        try:
+            self.store.pin(keys, ttl_s=self.config.pin_ttl_s)      # soft, left to lapse: see _fetch
+            got = list(self.store.get_many_into(keys, outs))
+        except Exception as e:
+            self._failed(e, f"cache fetch of {len(keys)} blocks", "they are recomputed")
+            got = [None] * len(keys)
+        self.stats["fetched_blocks"] += sum(n is not None for n in got)
+        self.stats["failed_blocks"] += sum(n is None for n in got)
+        return got, sum(n for n in got if n is not None), time.perf_counter() - t0
+
     def save(self, blocks: list[tuple[bytes, bytes]]) -> None:
         """Store (key, payload) blocks in the background: best effort, bounded."""
         self._submit([PutItem(k, p, self.namespace_id, self.layout) for k, p in blocks], "saved_blocks")
@@ -227,7 +247,10 @@ class KVConnector:
 
     def flush(self) -> None:
         """Wait until every save submitted so far has landed (or failed)."""
-        self._saver.submit(lambda: None).result()
+        try:
+            self._saver.submit(lambda: None).result()
+        except RuntimeError:        # the interpreter is exiting: its executors already ran their queues
+            pass
 
     def close(self) -> None:
         self.flush()

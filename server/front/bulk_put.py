@@ -45,6 +45,7 @@ from aiohttp import web
 from kvcache.server.front.bulk_body import CHUNK_BYTES, Body, RequestDeadline, StagingPool  # noqa: F401
 from kvcache.server.front.connection import HEAD_LIMIT, REFUSED, FrontConnection, UploadPath
 from kvcache.server.front.head import NOT_PLAIN, WINDOW, Head, head_end, parse_head, reply_head
+from kvcache.server.metrics import CLIENT_HEADER, client_label
 from kvcache.server.put_batch import ingest_puts_blocking
 from kvcache.server.quota import PendingBytes
 from kvcache.server.request_state import (CONFIG, METRICS, METRICS_FORBIDDEN, QUOTAS, STORE, UNAUTHORIZED,
@@ -122,7 +123,8 @@ def serve_blocking(app: web.Application, sock: socket.socket, head: Head, early:
     keep = head.headers.get("connection", "").lower() != "close"
     body.pool = pool
     try:
-        reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES, pending)
+        reply = ingest_puts_blocking(app, who, body.read, body.next_frame, body.next_chunk, CHUNK_BYTES, pending,
+                                     client_label(head.headers.get(CLIENT_HEADER.lower())))
         if body.remaining:
             raise BlockFormatError(f"{body.remaining} bytes follow the last frame of the batch")
         status = 200

@@ -1,0 +1,84 @@
+"""vLLM's KV tensors seen as whole blocks: one block of every layer is one store payload.
+
+`register_kv_caches` hands one tensor per layer, views into one buffer; where the block index
+sits depends on the attention backend:
+
+    CPU attention     [blocks, kv_heads, block_size, 2 x head_size]     block dim 0
+    FlashAttention    [2, blocks, block_size, kv_heads, head_size]      block dim 1
+
+so the block dimension is found as the one of vLLM's block count, and each layer is viewed with
+it first. A payload is the bytes of block b of every layer, layer after layer (the record's
+layout names each layer's part). Whole blocks are copied, never single tokens: inside a block
+the CPU backend packs K in an ISA-specific order that only it reads.
+
+    gather(ids)  layers ──index_select──> host staging [n, payload bytes] (one copy per layer)
+    scatter      host staging ──index_copy──> layers (only the rows that loaded)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcache.kvstore.types import TensorSpec
+
+
+@dataclass(frozen=True)
+class LayerPart:
+    name: str
+    offset: int             # bytes into the payload
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # one block of this layer
+
+
+class KVBlocks:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int):
+        if not kv_caches:
+            raise ValueError("vLLM registered no KV cache tensors")
+        self.views: list[torch.Tensor] = []
+        self.parts: list[LayerPart] = []
+        offset = 0
+        for name, t in kv_caches.items():
+            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+            if not dims:
+                raise ValueError(f"KV tensor {name} {tuple(t.shape)} has no dimension of vLLM's {num_blocks} blocks")
+            v = t.movedim(dims[0], 0)
+            shape = tuple(v.shape[1:])
+            nbytes = v[0].numel() * t.element_size()
+            self.views.append(v)
+            self.parts.append(LayerPart(name, offset, nbytes, t.dtype, shape))
+            offset += nbytes
+        self.payload_bytes = offset
+        self.device = next(iter(kv_caches.values())).device
+
+    @property
+    def layout(self) -> tuple[TensorSpec, ...]:
+        """The payload's layout as the store's records describe it."""
+        return tuple(TensorSpec(p.name[-255:], str(p.dtype).removeprefix("torch."), p.shape) for p in self.parts)
+
+    def staging(self, n: int) -> torch.Tensor:
+        """A host buffer for n payloads (uint8 rows); pinned where an accelerator copies into it."""
+        pin = self.device.type == "cuda"
+        return torch.empty((n, self.payload_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy blocks out of every layer into a new host staging buffer (row i: block_ids[i])."""
+        out = self.staging(len(block_ids))
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for v, p in zip(self.views, self.parts):
+            rows = v.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8)
+            out[:, p.offset:p.offset + p.nbytes].copy_(rows)
+        return out
+
+    def scatter(self, staging: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
+        """Copy staging rows `rows` into blocks `block_ids` of every layer."""
+        if not rows:
+            return
+        src_rows = torch.tensor(rows, dtype=torch.long)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        picked = staging.index_select(0, src_rows) if len(rows) != staging.shape[0] else staging
+        for v, p in zip(self.views, self.parts):
+            part = picked[:, p.offset:p.offset + p.nbytes].contiguous().view(p.dtype).view(len(rows), *p.shape)
+            v.index_copy_(0, ids, part.to(self.device, non_blocking=True))

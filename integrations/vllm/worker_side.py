@@ -1,0 +1,193 @@
+"""The connector in each vLLM worker: blocks copied between vLLM's KV tensors and the store.
+
+    start_load_kv      each load: get_many_into a host staging buffer (the seam's loader thread),
+                       then the rows that loaded are copied into the claimed blocks
+    wait_for_save      each save: the blocks are copied out (a copy thread) and handed to the
+                       seam's saver thread; once copied out, vLLM may reuse them
+    get_finished       loads done (finished_recving) and finished requests whose copies are done
+                       (finished_sending: vLLM held their blocks for us)
+    handle_preemptions blocks go back to the pool this step: wait until pending copies are out
+
+A load that fails, misses a block, or is not done within `load_timeout_s` reports its blocks in
+get_block_ids_with_load_errors, with the request finished receiving: vLLM recomputes them. An
+abandoned load never writes into vLLM's blocks afterwards (its job's lock and flag).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.integrations.vllm.kv_blocks import KVBlocks
+from kvcache.integrations.vllm.metadata import KVCacheMetadata, Transfer
+
+log = logging.getLogger(__name__)
+MAX_BLOCKS_PER_CALL = 64        # one get_many_into / one gather at most: bounds the staging buffers
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    block_ids: list[int]
+    started: float
+    pending: int = 0                    # fetches not finished yet
+    failed: set[int] = field(default_factory=set)
+    abandoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class WorkerCounters:
+    loaded_blocks: int = 0
+    failed_blocks: int = 0
+    abandoned_loads: int = 0
+    saved_blocks: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+
+
+class WorkerSide:
+    def __init__(self, seam, blocks: KVBlocks, rank: int, *, load_timeout_s: float, clock=time.monotonic):
+        self.seam, self.blocks, self.rank = seam, blocks, rank
+        self.load_timeout_s, self._clock = load_timeout_s, clock
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvcache-vllm-copy")
+        self._lock = threading.Lock()
+        self._loads: dict[str, LoadJob] = {}
+        self._copies: dict[str, list[Future]] = {}     # req_id -> its pending copy-outs
+        self._finishing: set[str] = set()              # finished requests whose copies we owe
+        self._errors: set[int] = set()
+        self.counters = WorkerCounters()
+
+    # ------------------------------------------------------------ loads
+    def start_loads(self, meta: KVCacheMetadata) -> None:
+        for t in meta.loads:
+            job = LoadJob(t.req_id, t.block_ids, self._clock())
+            keys = t.keys[self.rank]
+            chunks = [(i, min(i + MAX_BLOCKS_PER_CALL, len(keys))) for i in range(0, len(keys), MAX_BLOCKS_PER_CALL)]
+            job.pending = len(chunks)
+            with self._lock:
+                self._loads[t.req_id] = job
+            for a, b in chunks:
+                staging = self.blocks.staging(b - a)
+                outs = [memoryview(row.numpy()) for row in staging]
+                fut = self.seam.fetch_into(keys[a:b], outs)
+                fut.add_done_callback(lambda f, a=a, b=b, s=staging: self._fetched(job, a, b, s, f))
+
+    def _fetched(self, job: LoadJob, a: int, b: int, staging: torch.Tensor, fut: Future) -> None:
+        try:
+            lengths, nbytes, seconds = fut.result()
+        except Exception as e:                                  # the seam catches store errors; this is ours
+            log.warning("cache load of %d blocks failed (%s): they are recomputed", b - a, e)
+            lengths, nbytes, seconds = [None] * (b - a), 0, 0.0
+        want = self.blocks.payload_bytes
+        ok = [i for i, n in enumerate(lengths) if n == want]
+        bad = [job.block_ids[a + i] for i, n in enumerate(lengths) if n != want]
+        with job.lock:
+            if not job.abandoned:
+                try:
+                    self.blocks.scatter(staging, ok, [job.block_ids[a + i] for i in ok])
+                except Exception as e:
+                    log.warning("copying %d loaded blocks into vLLM's KV failed (%s): they are recomputed", len(ok), e)
+                    bad += [job.block_ids[a + i] for i in ok]
+                    ok = []
+                job.failed.update(bad)
+                self.counters.loaded_blocks += len(ok)
+                self.counters.failed_blocks += len(bad)
+                self.counters.load_bytes += nbytes
+                self.counters.load_seconds += seconds
+            job.pending -= 1
+
+    def _loads_done(self) -> set[str]:
+        done, now = set(), self._clock()
+        with self._lock:
+            jobs = list(self._loads.values())
+        for job in jobs:
+            with job.lock:
+                if job.pending and now - job.started > self.load_timeout_s:
+                    job.abandoned = True
+                    self.counters.abandoned_loads += 1
+                    log.warning("cache load of %d blocks took over %g s: abandoned, they are recomputed",
+                                len(job.block_ids), self.load_timeout_s)
+                    job.failed.update(job.block_ids)
+                if job.pending and not job.abandoned:
+                    continue
+                self._errors.update(job.failed)
+            done.add(job.req_id)
+            with self._lock:
+                self._loads.pop(job.req_id, None)
+        return done
+
+    # ------------------------------------------------------------ saves
+    def start_saves(self, meta: KVCacheMetadata) -> None:
+        if not meta.saves:
+            return
+        ready = None
+        if self.blocks.device.type == "cuda":          # the copy thread waits for this step's kernels
+            ready = torch.cuda.Event()
+            ready.record()
+        elif self.blocks.device.type != "cpu":
+            torch.accelerator.synchronize()
+        for t in meta.saves:
+            for a in range(0, len(t.block_ids), MAX_BLOCKS_PER_CALL):
+                b = min(a + MAX_BLOCKS_PER_CALL, len(t.block_ids))
+                fut = self._copier.submit(self._copy_out, t, a, b, ready)
+                with self._lock:
+                    self._copies.setdefault(t.req_id, []).append(fut)
+
+    def _copy_out(self, t: Transfer, a: int, b: int, ready) -> None:
+        if ready is not None:
+            ready.synchronize()
+        try:
+            staging = self.blocks.gather(t.block_ids[a:b])
+        except Exception as e:
+            log.warning("copying %d blocks out of vLLM's KV failed (%s): they stay uncached", b - a, e)
+            return
+        rows = staging.numpy()
+        self.seam.save([(k, memoryview(rows[i])) for i, k in enumerate(t.keys[self.rank][a:b])])
+        self.counters.saved_blocks += b - a
+
+    def wait_copies(self) -> None:
+        """Until every copy-out submitted so far is done (before vLLM reuses blocks)."""
+        with self._lock:
+            futs = [f for fs in self._copies.values() for f in fs]
+        for f in futs:
+            f.result()
+
+    def flush(self) -> None:
+        """Until everything copied out so far has landed in the store (or failed)."""
+        self.wait_copies()
+        self.seam.flush()
+
+    def _copies_done(self, finished_req_ids: set[str]) -> set[str]:
+        done = set()
+        with self._lock:
+            for rid in finished_req_ids:
+                if rid in self._copies:
+                    self._finishing.add(rid)
+            for rid in list(self._copies):
+                self._copies[rid] = [f for f in self._copies[rid] if not f.done()]
+            for rid in list(self._finishing):
+                if not self._copies.get(rid):
+                    self._finishing.discard(rid)
+                    self._copies.pop(rid, None)
+                    done.add(rid)
+        return done
+
+    # ------------------------------------------------------------ reports
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._copies_done(finished_req_ids), self._loads_done()
+        return sending or None, recving or None
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        self.seam.close()
