@@ -228,6 +228,18 @@ def salted_root(ns: Namespace, salt: str) -> bytes:
     return h.digest()
 
 
+def engine_key(ns: Namespace, key: bytes, part: str = "") -> bytes:
+    """A block key another engine computed itself (SGLang's chained SHA-256 page hashes), placed in
+    namespace `ns`: H("kvcache.engine-key" | root | key | part), framed, as long as the root. `part`
+    names one of several payloads under the same engine key (SGLang's pools: "kv", "mamba", ...);
+    "" is the first. The engine's chain already covers the tokens and their order; the root adds
+    what it does not (model, layout, dtype, rank, tenant salt)."""
+    h = ns.algo.new()
+    for p in (b"kvcache.engine-key", ns.root, key, part.encode()):
+        _frame(h, p)
+    return h.digest()
+
+
 def snapshot_key(block_key: bytes) -> bytes:
     """Where the tail snapshot taken right after block `block_key` lives (as long as the key)."""
     return hashlib.blake2b(b"kvcache-tail-snapshot-v1" + block_key, digest_size=len(block_key)).digest()

@@ -9,6 +9,8 @@
     fetch(keys, tiers, snapshot)  loader thread: soft pin (TTL, left to lapse) ─> get_many ─>
                                   payloads (None for a block that failed), the snapshot's bytes
     fetch_into(keys, outs)        the same into the caller's buffers (get_many_into): lengths
+    get_now / put_now             fetch_into / a put_many in the caller's thread, for engines that
+                                  call the store from threads of their own (SGLang's HiCache)
     save(blocks)                  saver thread: put_many; only blocks whose tokens are all committed
     save_raw(key, data)           saver thread: a tail snapshot under its own key (exact mode)
     flush()                       wait until every save submitted so far has landed
@@ -211,6 +213,32 @@ class KVConnector:
         self.stats["fetched_blocks"] += sum(n is not None for n in got)
         self.stats["failed_blocks"] += sum(n is None for n in got)
         return got, sum(n for n in got if n is not None), time.perf_counter() - t0
+
+    def get_now(self, keys: list[bytes], outs: list) -> list[int | None]:
+        """fetch_into in the caller's thread (for engines that call the store from threads of their
+        own): lengths, None per block that failed; all None while the store is down."""
+        if not self.available():
+            self.stats["store_down"] += 1
+            return [None] * len(keys)
+        return self._fetch_into(list(keys), list(outs))[0]
+
+    def put_now(self, blocks: list[tuple[bytes, object]], layout=None) -> bool:
+        """Store (key, payload) blocks in the caller's thread (`layout`: theirs, else the seam's);
+        True once stored (or already there), False when the store is down or failed."""
+        if not blocks:
+            return True
+        if not self.available():
+            self.stats["store_down"] += 1
+            return False
+        items = [PutItem(k, p, self.namespace_id, layout or self.layout or None) for k, p in blocks]
+        try:
+            self.store.put_many(items)
+        except Exception as e:
+            self.stats["save_errors"] += len(items)
+            self._failed(e, f"saving {len(items)} cache entries", "they stay uncached")
+            return False
+        self.stats["saved_blocks"] += len(items)
+        return True
 
     def save(self, blocks: list[tuple[bytes, bytes]]) -> None:
         """Store (key, payload) blocks in the background: best effort, bounded."""

@@ -24,7 +24,7 @@ from kvcache.integrations.vllm.kv_blocks import KVBlocks
 from kvcache.integrations.vllm.metadata import KVCacheMetadata
 from kvcache.integrations.vllm.naming import BlockNaming, ParallelLayout
 from kvcache.integrations.vllm.scheduler_side import SchedulerSide
-from kvcache.integrations.vllm.settings import ConnectorSettings
+from kvcache.integrations.settings import ConnectorSettings
 from kvcache.integrations.vllm.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             self.worker.close()
         if self.scheduler is not None:
             self.scheduler.seam.close()
+            self.scheduler.seam.store.close()
 
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

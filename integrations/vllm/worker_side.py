@@ -191,3 +191,4 @@ class WorkerSide:
     def close(self) -> None:
         self._copier.shutdown(wait=True)
         self.seam.close()
+        self.seam.store.close()

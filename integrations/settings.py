@@ -1,12 +1,18 @@
-"""The connector's settings: vLLM's `kv_connector_extra_config`, checked once at start.
+"""The plug-ins' settings: vLLM's `kv_connector_extra_config`, SGLang's storage backend extra config.
 
-    --kv-transfer-config '{"kv_connector": "KVCacheConnector",
-                           "kv_connector_module_path": "kvcache.integrations.vllm",
-                           "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"store": "http://127.0.0.1:8790", ...}}'
+    vLLM   --kv-transfer-config '{"kv_connector": "KVCacheConnector",
+                                  "kv_connector_module_path": "kvcache.integrations.vllm",
+                                  "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"store": "http://127.0.0.1:8790", ...}}'
+    SGLang --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+               '{"backend_name": "kvcache", "module_path": "kvcache.integrations.sglang",
+                 "class_name": "KVCacheStorage", "store": "http://127.0.0.1:8790", ...}'
 
-An unknown key or a value of the wrong type stops vLLM at start with a message naming it (a
-typo'd setting that silently did nothing would be found only in the hit rate).
+For vLLM an unknown key or a value of the wrong type stops it at start with a message naming it
+(a typo'd setting that silently did nothing would be found only in the hit rate). SGLang's extra
+config also carries SGLang's own keys, so there only the keys below are checked (`known_only`).
+Not every setting applies to both: SGLang calls the store synchronously from its own threads, so
+`load_timeout_s` and `max_pending_save_bytes` are vLLM's only.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ class ConnectorSettings:
     max_pending_save_bytes: int = 512 << 20   # saves beyond this wait nowhere: they are dropped (counted)
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "ConnectorSettings":
+    def from_extra_config(cls, extra: dict | None, known_only: bool = False) -> "ConnectorSettings":
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
+        if known_only:
+            extra = {k: v for k, v in extra.items() if k in known}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown setting(s) {unknown}; "
