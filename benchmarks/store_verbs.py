@@ -138,3 +138,37 @@ def add_lmcache_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEF
                         "(default: the current directory)")
     p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
                    help=f"where the JSON report goes (default: {default_out_dir})")
+
+
+VLLM_EPILOG = """what is measured (each engine its own process, `kvcache serve` another):
+  TTFT of a long prefix plus a short suffix, cold (vLLM, prefix caching off), warm from vLLM's own
+  prefix cache, and warm from the daemon through the connector (prefix caching off: a new process
+  would see the same); the connector's load throughput against the daemon's own get_many_into of
+  blocks of the same size.
+
+targets (reported, never enforced): vllm_warm_ttft_vs_cold <= 0.3 for a prefix of several
+thousand tokens, connector_load_vs_daemon_get >= 0.8.
+
+vLLM runs in a Python that has it: this one, --vllm-python or $KVCACHE_VLLM_PYTHON (on a CPU-only
+machine the [vllm] extra, in a venv of its own: README). Without one the benchmark exits 2.
+
+examples:
+  kvcache bench vllm --vllm-python /opt/vllm-venv/bin/python
+  kvcache bench vllm --prefix-tokens 2048 --repeats 2 --layers 4
+"""
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
+    p.add_argument("--prefix-tokens", type=checked(int, lambda v: v >= 256, "at least 256"), default=4096,
+                   metavar="N", help="tokens of the repeated prefix (default 4096)")
+    p.add_argument("--repeats", type=checked(int, what="a positive integer"), default=3, metavar="N",
+                   help="warm prompts after the first, each with another suffix (default 3)")
+    p.add_argument("--layers", type=checked(int, what="a positive integer"), default=8, metavar="N",
+                   help="layers of the random-weight Llama (default 8: prefill costs seconds on 2 cores)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="a python with vLLM (default: $KVCACHE_VLLM_PYTHON, else this one)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the model, the daemon's data and the logs go: a scratch directory inside DIR, "
+                        "removed afterwards (default: the system's temporary directory)")
+    p.add_argument("--out-dir", default=default_out_dir, metavar="DIR",
+                   help=f"where the JSON report goes (default: {default_out_dir})")

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcache.benchmarks.args import RESULTS, checked, counts, names
-from kvcache.benchmarks.store_verbs import (DAEMON_EPILOG, DEFAULT_OUT, LMCACHE_EPILOG, TIERS_EPILOG,
-                                            add_daemon_arguments, add_lmcache_arguments, add_tiers_arguments)
+from kvcache.benchmarks.store_verbs import (DAEMON_EPILOG, DEFAULT_OUT, LMCACHE_EPILOG, TIERS_EPILOG, VLLM_EPILOG,
+                                            add_daemon_arguments, add_lmcache_arguments, add_tiers_arguments,
+                                            add_vllm_arguments)
 
 SERVE_TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"   # the shared Mooncake trace
 EXPERTS = {"auto": None, "on": True, "off": False}      # --device-experts -> EngineConfig.device_experts
@@ -305,6 +306,11 @@ VERBS = {
                     "The daemon and LMCache's MP server on the same MLA- and MHA-shaped requests: store, warm "
                     "retrieve, and retrieve after restarting each server; prints a table, writes a JSON report.",
                     add_lmcache_arguments, LMCACHE_EPILOG),
+    "vllm": Verb("vllm_bench", "vLLM with the KV connector: TTFT warm from the daemon against cold and "
+                 "vLLM's own prefix cache",
+                 "TTFT of a repeated long prefix in vLLM with the kvcache connector against vLLM with prefix "
+                 "caching off and on, in the same run, and the connector's load throughput against the daemon's "
+                 "own gets; prints a table, writes a JSON report.", add_vllm_arguments, VLLM_EPILOG),
     "model": Verb("model", "V4 prefill/decode speed against transformers; KV bytes per token",
                   "Prefill tokens/s and decode ms/token of the engine's DeepSeek-V4 against transformers' "
                   "implementation on the same weights, and KV bytes per token of the real Flash configs; prints a "

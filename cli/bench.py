@@ -11,8 +11,8 @@ from kvcache.benchmarks.verbs import VERBS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="benchmarks: tiers, daemon, lmcache, model, engine, KV codecs, cold-warm, "
-                                            "decode profile, serve",
+    p = subparsers.add_parser("bench", help="benchmarks: tiers, daemon, lmcache, vllm, model, engine, KV codecs, "
+                                            "cold-warm, decode profile, serve",
                               description="Benchmarks on this machine, each against a baseline measured in the "
                                           "same run; JSON results go to benchmarks/results/.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)

@@ -41,6 +41,7 @@ PREFIX_BUCKETS = ((1 << 10, "<1k"), (4 << 10, "1-4k"), (16 << 10, "4-16k"), (64 
 AGE_BUCKETS = ((3600, "<1h"), (6 * 3600, "1-6h"), (86400, "6-24h"), (3 * 86400, "1-3d"), (math.inf, ">=3d"))
 _TIME_STEPS = (60, 300, 900, 3600, 3 * 3600, 6 * 3600, 86400, 7 * 86400)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_STRINGS = ("kind", "tenant", "tier", "client")
 _NUMERIC = ("time", "blocks", "tokens", "hit_blocks", "hits_dram", "hits_nvme", "hits_object", "nbytes",
             "latency_s", "mean_age_s")
 
@@ -127,6 +128,7 @@ def compute_report(table) -> dict:
     rep["prefill_tokens_saved"] = int(round((np.minimum(c["hit_blocks"][g], c["blocks"][g]) * bs[g]).sum()))
     rep["tiers"] = _tiers(c, lk, bs)
     rep["tenants"] = _tenants(c["tenant"][lk], req, hit)
+    rep["clients"] = _clients(c, lk, bs)
     rep["prefix_buckets"] = _prefix_buckets(req, hit)
     rep["timeline"], rep["timeline_step_s"] = _timeline(c["time"][lk], req, hit)
     rep["gets"] = _totals(c, c["kind"] == "get")
@@ -142,10 +144,11 @@ def _columns(table) -> dict[str, np.ndarray]:
     for name in _NUMERIC:
         raw = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) if table.num_rows else np.zeros(0)
         c[name] = np.where(np.isfinite(raw), raw, np.nan if name == "time" else 0.0)
-    for name in ("kind", "tenant", "tier"):
-        c[name] = np.array([s or "" for s in table.column(name).to_pylist()], dtype=object)
+    for name in _STRINGS:        # a table from before a column existed reads as all ""
+        values = table.column(name).to_pylist() if name in table.column_names else [""] * table.num_rows
+        c[name] = np.array([s or "" for s in values], dtype=object)
     keep = np.isfinite(c["time"])
-    return {k: (v[keep] if k in ("kind", "tenant", "tier", "time") else np.maximum(v[keep], 0.0))
+    return {k: (v[keep] if k in _STRINGS + ("time",) else np.maximum(v[keep], 0.0))
             for k, v in c.items()}
 
 
@@ -209,6 +212,19 @@ def _tenants(tenants: np.ndarray, req: np.ndarray, hit: np.ndarray) -> list[dict
     return sorted(rows, key=lambda x: (-x["requested"], x["tenant"]))
 
 
+def _clients(c, lk: np.ndarray, bs: np.ndarray) -> list[dict]:
+    """Lookups by the engine that asked (the daemon labels vllm, sglang, kvcache, other): hit rate,
+    hit tokens per tier, mean lookup latency. Lookups without a label are not listed."""
+    rows = []
+    for name in sorted(set(c["client"][lk]) - {""}):
+        m = lk & (c["client"] == name)
+        req, hit = c["blocks"][m] * bs[m], np.minimum(c["hit_blocks"][m], c["blocks"][m]) * bs[m]
+        rows.append({"client": str(name), "lookups": int(m.sum()), **_rate(req.sum(), hit.sum()),
+                     "hit_tokens_by_tier": {t: int(round((c[f"hits_{t}"][m] * bs[m]).sum())) for t in TIERS},
+                     "mean_lookup_ms": float(c["latency_s"][m].mean() * 1e3)})
+    return rows
+
+
 def _prefix_buckets(req: np.ndarray, hit: np.ndarray) -> list[dict]:
     idx = np.searchsorted([edge for edge, _ in PREFIX_BUCKETS], req, side="right")
     out = []
@@ -266,6 +282,11 @@ def print_summary(rep: dict, html_path: str | None = None) -> None:
            for r in rep["tenants"][:30]])
     if len(rep["tenants"]) > 30:
         print(f"  ... and {len(rep['tenants']) - 30} more (see --json)")
+    if rep.get("clients"):
+        print("\nper client (the engine that asked)")
+        _grid(["client", "lookups", f"requested {u}", f"hit {u}", "hit rate", "dram", "nvme", "object", "lookup ms"],
+              [[r["client"], r["lookups"], r["requested"], r["hit"], _pct(r["hit_rate"]),
+                *(r["hit_tokens_by_tier"][t] for t in TIERS), f"{r['mean_lookup_ms']:.2f}"] for r in rep["clients"]])
     print(f"\nper prompt length ({u} requested per lookup)")
     _grid(["length", "lookups", f"requested {u}", f"hit {u}", "hit rate"],
           [[b["bucket"], b["lookups"], b["requested"], b["hit"], _pct(b["hit_rate"])] for b in rep["prefix_buckets"]])

@@ -30,6 +30,7 @@ class Event:
     nbytes: int = 0             # payload bytes moved
     latency_s: float = 0.0
     mean_age_s: float = 0.0     # evict/expire: mean time since the blocks were written
+    client: str = ""            # lookup: the client software that asked (a daemon's metrics label: "vllm", ...)
 
 
 class EventSink(Protocol):

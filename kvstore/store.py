@@ -167,10 +167,12 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
                 log.error("access times not written (%s); blocks read meanwhile may look idle", e)
 
     # ---------------------------------------------------------------- lookup / get
-    def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None) -> LookupResult:
-        """`tenant` and `namespace_id` label the event for hit-rate reports (the namespace gives a
-        lookup that misses entirely its token count); `tenant` also picks the DRAM eviction order
-        that learns from the lookup, where [dram.tenants] gives it its own."""
+    def lookup(self, keys: Sequence[bytes], tenant: str = "", namespace_id: bytes | None = None,
+               client: str = "") -> LookupResult:
+        """`tenant`, `namespace_id` and `client` label the event for hit-rate reports (the namespace
+        gives a lookup that misses entirely its token count; `client` is the engine that asked, the
+        daemon's label of it); `tenant` also picks the DRAM eviction order that learns from the
+        lookup, where [dram.tenants] gives it its own."""
         t0, tiers, first, remote = time.perf_counter(), [], None, []
         if self.dram is not None:
             self.dram.begin(keys, tenant)
@@ -185,11 +187,12 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
             self._prefetch(remote)
         self.stats_counters["lookup_blocks"] += len(keys)
         self.stats_counters["lookup_hits"] += len(tiers)
-        self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0, namespace_id=namespace_id)
+        self._event("lookup", first, tenant, len(keys), tiers, time.perf_counter() - t0, namespace_id=namespace_id,
+                    client=client)
         return LookupResult(len(tiers), tuple(tiers))
 
     def _event(self, kind: str, meta: BlockMeta | None, tenant: str, blocks: int, tiers, latency_s: float,
-               nbytes: int = 0, namespace_id: bytes | None = None) -> None:
+               nbytes: int = 0, namespace_id: bytes | None = None, client: str = "") -> None:
         if not self._events_on:  # keep the hot read path free of event objects
             return
         ns_id = meta.namespace_id if meta is not None else namespace_id
@@ -197,7 +200,7 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         self.events.record(Event(
             self.clock(), kind, ns.id.hex() if ns else "", tenant or (meta.tenant if meta else ""), blocks,
             blocks * ns.block_size if ns else 0, len(tiers), tiers.count(Tier.DRAM), tiers.count(Tier.NVME),
-            tiers.count(Tier.OBJECT), nbytes=nbytes, latency_s=latency_s))
+            tiers.count(Tier.OBJECT), nbytes=nbytes, latency_s=latency_s, client=client))
 
     # ---------------------------------------------------------------- pins / delete
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:

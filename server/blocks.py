@@ -89,8 +89,9 @@ async def lookup(request: web.Request) -> web.Response:
         raise BlockFormatError('"namespace" is the 32-hex-digit namespace id (optional; labels hit-rate reports)')
     tenant = principal(request).tenant
     ns_id = tenancy.stored_namespace_id(tenant, ns) if ns else None
-    r = await call(request, request.app[STORE].lookup, keys, tenant, ns_id)
-    request.app[METRICS].count_lookup(len(keys), r.tiers, client_label(request.headers.get(CLIENT_HEADER)))
+    client = client_label(request.headers.get(CLIENT_HEADER))
+    r = await call(request, request.app[STORE].lookup, keys, tenant, ns_id, client)
+    request.app[METRICS].count_lookup(len(keys), r.tiers, client)
     return web.json_response({"num_hits": r.num_hits, "tiers": [t.label for t in r.tiers]})
 
 

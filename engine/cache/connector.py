@@ -240,29 +240,31 @@ class KVConnector:
         self.stats["saved_blocks"] += len(items)
         return True
 
-    def save(self, blocks: list[tuple[bytes, bytes]]) -> None:
-        """Store (key, payload) blocks in the background: best effort, bounded."""
-        self._submit([PutItem(k, p, self.namespace_id, self.layout) for k, p in blocks], "saved_blocks")
+    def save(self, blocks: list[tuple[bytes, bytes]], on_done=None) -> None:
+        """Store (key, payload) blocks in the background: best effort, bounded. `on_done()` runs
+        once the payloads are no longer needed (stored, failed or dropped): their buffers may be
+        reused then."""
+        self._submit([PutItem(k, p, self.namespace_id, self.layout) for k, p in blocks], "saved_blocks", on_done)
 
     def save_raw(self, key: bytes, data: bytes) -> None:
         """A snapshot (opaque bytes) under its own key."""
         self._submit([PutItem(key, data, self.namespace_id)], "saved_snapshots")
 
-    def _submit(self, items: list[PutItem], counter: str) -> None:
-        if not items:
-            return
-        if not self.available():
-            self.stats["store_down"] += 1
-            return
+    def _submit(self, items: list[PutItem], counter: str, on_done=None) -> None:
+        if not items or not self.available():
+            self.stats["store_down"] += bool(items)
+            return on_done() if on_done else None
         n = sum(len(i.payload) for i in items)
         with self._lock:
-            if self._pending_save + n > self.config.max_pending_save_bytes:
-                self.stats["save_dropped"] += len(items)
-                return
-            self._pending_save += n
-        self._saver.submit(self._put, items, n, counter)
+            dropped = self._pending_save + n > self.config.max_pending_save_bytes
+            if not dropped:
+                self._pending_save += n
+        if dropped:
+            self.stats["save_dropped"] += len(items)
+            return on_done() if on_done else None
+        self._saver.submit(self._put, items, n, counter, on_done)
 
-    def _put(self, items: list[PutItem], n: int, counter: str) -> None:
+    def _put(self, items: list[PutItem], n: int, counter: str, on_done=None) -> None:
         try:
             self.store.put_many(items)
             self.stats[counter] += len(items)
@@ -272,6 +274,8 @@ class KVConnector:
         finally:
             with self._lock:
                 self._pending_save -= n
+            if on_done is not None:
+                on_done()
 
     def flush(self) -> None:
         """Wait until every save submitted so far has landed (or failed)."""

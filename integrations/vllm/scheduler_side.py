@@ -117,7 +117,8 @@ class SchedulerSide:
         """The metadata of the step `out` (vLLM's SchedulerOutput) describes."""
         # a preempted request's blocks go back to vLLM's pool this step: the workers finish
         # copying out what they are saving before the forward overwrites them
-        meta = KVCacheMetadata(preempted=bool(getattr(out, "preempted_req_ids", None)))
+        meta = KVCacheMetadata(preempted=bool(getattr(out, "preempted_req_ids", None)),
+                               idle=not getattr(out, "total_num_scheduled_tokens", 1))
         for tr in self.tracked.values():
             if tr.load is not None:
                 meta.loads.append(tr.load)

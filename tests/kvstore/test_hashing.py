@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvcache.kvstore import HashAlgo, Namespace, hash_block, hash_blocks
-from kvcache.kvstore.hashing import end_snapshot_key, salted_root, snapshot_key
+from kvcache.kvstore.hashing import end_snapshot_key, engine_key, salted_root, snapshot_key
 
 NS = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256)
 NS_SHA = Namespace("deepseek-v4.1-flash@flash-1017", "v41-csa2-rows/bf16/v1", 256,
@@ -92,6 +92,20 @@ def test_the_empty_salt_keeps_todays_keys_and_salts_key_apart():
     a, b = (hash_blocks(NS, tokens, parent=salted_root(NS, s)) for s in ("a", "b"))
     assert not set(a) & set(b) and not set(a) & set(GOLDEN_KEYS)
     assert salted_root(NS, "a") != salted_root(dataclasses.replace(NS, block_size=128), "a")
+
+
+GOLDEN_ENGINE_KEYS = {"xxh3-128": "20781c54f8cd0ce6838a61fe31080cd0",
+                      "sha256": "4d4ddf5f9a35d87060f666808c52cf4be0c0ddaa286e7d4a14aa223242a1fd22"}
+
+
+def test_golden_engine_keys():
+    page = bytes.fromhex("ab" * 32)          # an SGLang page hash
+    assert engine_key(NS, page).hex() == GOLDEN_ENGINE_KEYS["xxh3-128"]
+    assert engine_key(NS_SHA, page, "swa").hex() == GOLDEN_ENGINE_KEYS["sha256"]
+    by_hand = xxhash.xxh3_128_digest(b"".join(_frame(p) for p in (b"kvcache.engine-key", NS.root, page, b"")))
+    assert engine_key(NS, page) == by_hand
+    keys = {engine_key(NS, page), engine_key(NS, page, "swa"), engine_key(dataclasses.replace(NS, kv_layout="x"), page)}
+    assert len(keys) == 3                    # a pool, a layout: other keys
 
 
 def _frame(b: bytes) -> bytes:
