@@ -26,8 +26,8 @@ _KINDS = {"bool": (bool,), "float": (int, float), "int": (int,), "str": (str,), 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    store: str = ""                 # open_store spec: the daemon's http://host:port or unix:///path.sock,
-                                    #   or a data directory (an in-process store: one vLLM process only);
+    store: str = ""                 # the daemon: http://host:port or unix:///path.sock (SGLang also takes
+                                    #   a data directory, an in-process store for one process);
                                     #   empty: $KVCACHE_STORE, else http://127.0.0.1:8790
     token: str | None = None        # the daemon's bearer token (names the tenant); None: $KVCACHE_TOKEN
     model_id: str = ""              # names the weights in block keys; empty: vllm:<model>@<revision>

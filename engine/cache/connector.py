@@ -51,7 +51,7 @@ RETRY_S = 10.0      # a store that did not answer is tried again after this many
 
 class KVConnector:
     def __init__(self, store, namespace: Namespace, layout: tuple[TensorSpec, ...], config: CacheConfig, *,
-                 retry_s: float | None = None, clock=time.monotonic):
+                 retry_s: float | None = None, clock=time.monotonic, refusal_is_miss: bool = False):
         self.store, self.namespace, self.layout, self.config = store, namespace, layout, config
         self.namespace_id = namespace.id              # what registering returns (a daemon checks it)
         self.where = config.store or getattr(store, "base_url", "") or type(store).__name__   # for log lines
@@ -67,7 +67,12 @@ class KVConnector:
         self.bandwidth = dict(config.bandwidth)       # bytes/s per tier label, measured as loads happen
         self.stats = {"lookups": 0, "lookup_errors": 0, "fetched_blocks": 0, "failed_blocks": 0, "saved_blocks": 0,
                       "saved_snapshots": 0, "save_errors": 0, "save_dropped": 0, "store_down": 0}
-        self._register()
+        try:
+            self._register()
+        except Exception as e:      # refused (a token, a namespace limit): raise, unless a plug-in asks
+            if not refusal_is_miss:   # for a miss (another engine's process must not die of its cache)
+                raise
+            self._refused(e)
 
     # ------------------------------------------------------------ a store that is down
     def _register(self) -> bool:

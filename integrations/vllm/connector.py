@@ -54,21 +54,42 @@ def block_naming(vllm_config, settings: ConnectorSettings) -> BlockNaming:
 
 
 def _backend_name(vllm_config) -> str:
+    """The attention backend as configured ("auto" unless set), the KV cache layout vLLM uses
+    (NHD, HND: the same bytes in another order) and vLLM's version (a release may pack a block
+    differently): blocks of another combination live in another namespace."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return str(getattr(backend, "name", backend) or "auto")
+    try:
+        layout = get_kv_connector_cache_layout(vllm_config)
+    except Exception:           # an older vLLM without it
+        layout = "NHD"
+    return f"{getattr(backend, 'name', backend) or 'auto'}/{layout}/vllm-{vllm.__version__}"
 
 
-def _seam(settings: ConnectorSettings, namespace, layout=()) -> StoreSeam:
-    http = "://" in settings.store_spec and not settings.store_spec.startswith("file://")
-    options = {"timeout_s": settings.timeout_s, "client_name": CLIENT_NAME} if http else {}
-    store = open_store(settings.store_spec, token=settings.bearer if http else None, **options)
-    config = CacheConfig(store=settings.store_spec, pin_ttl_s=settings.pin_ttl_s,
+def _seam(settings: ConnectorSettings, namespace, layout=(), retries: int = 3) -> StoreSeam:
+    """The store seam over the daemon. Only a daemon: vLLM's scheduler and each worker open the
+    store, and a data directory takes one process's lock. `retries`: the scheduler's lookups run
+    on vLLM's scheduling path, so a daemon that hangs costs them one timeout, not four."""
+    spec = settings.store_spec
+    if not spec.startswith(("http://", "https://", "unix://")):
+        raise ValueError(f"kv_connector_extra_config['store'] = {spec!r}: vLLM's scheduler and workers each "
+                         "open the store, so it must be a `kvcache serve` daemon (http://host:port or "
+                         "unix:///path.sock), not a data directory")
+    store = open_store(spec, token=settings.bearer, timeout_s=settings.timeout_s, retries=retries,
+                       client_name=CLIENT_NAME)
+    config = CacheConfig(store=spec, pin_ttl_s=settings.pin_ttl_s,
                          max_pending_save_bytes=settings.max_pending_save_bytes)
-    return StoreSeam(store, namespace, layout, config, retry_s=settings.retry_s)
+    return StoreSeam(store, namespace, layout, config, retry_s=settings.retry_s, refusal_is_miss=True)
 
 
 class KVCacheConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by a preemption is a later miss, never lost output."""
+        return False
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -83,7 +104,7 @@ class KVCacheConnector(KVConnectorBase_V1):
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.info("kvcache connector: kv_load_failure_policy set to recompute (a failed load is a miss)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            seam = _seam(self.settings, self.naming.namespace(0, 0))
+            seam = _seam(self.settings, self.naming.namespace(0, 0), retries=0)
             self.scheduler = SchedulerSide(seam, self.naming, load=self.settings.load, save=self.settings.save,
                                            block_ids_of=self._block_ids_of)
         log.info("kvcache connector (%s) on %s, namespace layout %s", role.name.lower(), self.settings.store_spec,
@@ -134,7 +155,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is not None and meta.idle:     # vLLM is only waiting: let the load threads run
             self.worker.wait_loads(IDLE_WAIT_S)
-        return self.worker.finished(finished_req_ids)
+        return self.worker.finished(finished_req_ids, meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
@@ -157,7 +178,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         return self.scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output):
-        self.scheduler.loaded(connector_output.finished_recving)
+        self.scheduler.loaded(connector_output.finished_recving, getattr(connector_output, "invalid_block_ids", ()))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request, list(block_ids)), None

@@ -24,4 +24,5 @@ class KVCacheMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: bool = False         # blocks go back to the pool this step: finish copying out first
+    holds: list[str] = field(default_factory=list)   # finished requests whose blocks vLLM holds for us
     idle: bool = False              # the step computes nothing: vLLM is only waiting (for loads, say)

@@ -18,7 +18,8 @@ Inside a block vLLM's CPU attention packs K in an order that depends on the ISA 
 blocks are copied whole and the ISA is part of the layout: a store shared by an AVX-512 and an
 AVX2 host keeps their blocks apart rather than serving one's bytes to the other. The scheduler
 knows every rank's namespace (it looks up rank 0's and names the keys each rank moves); a worker
-knows only its own rank, and checks its KV tensors against the layout string.
+knows only its own rank. Each record also carries its payload's layout (a tensor per layer), and
+a payload of another size than this deployment's blocks is a load error, never copied in.
 """
 
 from __future__ import annotations

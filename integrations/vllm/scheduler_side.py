@@ -40,8 +40,11 @@ class Tracked:
     saved: int = 0                  # blocks sent to be saved (or known stored)
     load: Transfer | None = None    # claimed, waiting for the next metadata
     loading: bool = False           # a load is in flight: its blocks are not the request's yet
+    loaded_ids: list[int] = field(default_factory=list)   # the last load's block ids (from block `local`)
     saves_sent: bool = False
     tiers: list[str] = field(default_factory=list)     # the tier of each stored block, from the start
+    answer: tuple | None = None     # (num_computed_tokens asked with, the answer): vLLM asks again each
+                                    #   step while the request waits for room; the store is asked once
 
 
 @dataclass
@@ -64,6 +67,7 @@ class SchedulerSide:
         self.bs = naming.block_size
         self.tracked: dict[str, Tracked] = {}
         self._final: list[Transfer] = []            # saves of finished requests, for the next metadata
+        self._holds: list[str] = []                 # finished requests vLLM holds blocks of, ditto
         self.counters = SchedulerCounters()
 
     # ------------------------------------------------------------ lookups
@@ -82,6 +86,13 @@ class SchedulerSide:
         tr = self._track(request)
         if tr is None:
             return 0, False
+        if tr.answer is not None and tr.answer[0] == num_computed_tokens:
+            return tr.answer[1]
+        answer = self._match(tr, request, num_computed_tokens)
+        tr.answer = (num_computed_tokens, answer)
+        return answer
+
+    def _match(self, tr: Tracked, request, num_computed_tokens: int) -> tuple[int, bool]:
         tr.local = num_computed_tokens // self.bs
         if not self.load:
             tr.stored = tr.saved = tr.local
@@ -108,7 +119,7 @@ class SchedulerSide:
             return
         first = tr.local
         count = num_external_tokens // self.bs
-        tr.loading = True
+        tr.loading, tr.loaded_ids = True, block_ids[first:first + count]
         tr.load = Transfer(request.request_id, block_ids[first:first + count], tr.chain.slice(first, first + count))
         self.counters.claimed_tokens += count * self.bs
 
@@ -123,15 +134,17 @@ class SchedulerSide:
             if tr.load is not None:
                 meta.loads.append(tr.load)
                 tr.load = None
-        if self.save:
-            spec = getattr(out, "scheduled_spec_decode_tokens", {}) or {}
-            for req_id, n_sched in out.num_scheduled_tokens.items():
-                tr = self.tracked.get(req_id)
-                if tr is not None:
-                    done = tr.request.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
-                    self._save_upto(tr, done, self._block_ids_of(req_id), meta)
+        spec = getattr(out, "scheduled_spec_decode_tokens", {}) or {}
+        for req_id, n_sched in out.num_scheduled_tokens.items():
+            tr = self.tracked.get(req_id)
+            if tr is None:
+                continue
+            tr.answer = None                    # scheduled: after a preemption the store is asked afresh
+            if self.save:
+                done = tr.request.num_computed_tokens + n_sched - len(spec.get(req_id, ()))
+                self._save_upto(tr, done, self._block_ids_of(req_id), meta)
         meta.saves.extend(self._final)
-        self._final = []
+        meta.holds, self._final, self._holds = self._holds, [], []
         return meta
 
     def _save_upto(self, tr: Tracked, computed: int, block_ids: list[int], meta: KVCacheMetadata) -> None:
@@ -145,14 +158,20 @@ class SchedulerSide:
         tr.saved, tr.saves_sent = full, True
 
     def finished(self, request, block_ids: list[int]) -> bool:
-        """Whether vLLM must hold the request's blocks until the workers report them saved."""
+        """Whether vLLM must hold the request's blocks until the workers report them copied out:
+        True exactly when the next metadata names the request in `holds` (the workers report
+        those, and only those, in finished_sending). Not while a load is in flight: vLLM holds
+        those blocks itself until the load is reported, and a preemption before the reload
+        already waited for the request's copy-outs."""
         tr = self.tracked.pop(request.request_id, None)
-        if tr is None:
+        if tr is None or tr.loading:
             return False
-        if self.save and not tr.loading:
+        if self.save:
             meta = KVCacheMetadata()
             self._save_upto(tr, request.num_computed_tokens, block_ids, meta)
             self._final.extend(meta.saves)
+        if tr.saves_sent:
+            self._holds.append(request.request_id)
         return tr.saves_sent
 
     def claimed_tiers(self, req_id: str, num_tokens: int) -> dict[str, int]:
@@ -165,9 +184,16 @@ class SchedulerSide:
             out[t] = out.get(t, 0) + self.bs
         return out
 
-    def loaded(self, req_ids) -> None:
-        """The workers finished these requests' loads (vLLM's finished_recving)."""
+    def loaded(self, req_ids, invalid_block_ids=()) -> None:
+        """The workers finished these requests' loads (vLLM's finished_recving); blocks that
+        failed to load are recomputed by vLLM, and saved again from the first of them (the store
+        no longer serves them: missing, or quarantined)."""
         for req_id in req_ids or ():
             tr = self.tracked.get(req_id)
             if tr is not None:
                 tr.loading = False
+        bad = set(invalid_block_ids or ())
+        for tr in self.tracked.values() if bad else ():
+            failed = [i for i, b in enumerate(tr.loaded_ids) if b in bad]
+            if failed:
+                tr.saved = tr.stored = min(tr.saved, tr.local + failed[0])

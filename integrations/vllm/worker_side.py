@@ -61,11 +61,14 @@ class WorkerSide:
     def __init__(self, seam, blocks: KVBlocks, rank: int, *, load_timeout_s: float, clock=time.monotonic):
         self.seam, self.blocks, self.rank = seam, blocks, rank
         self.load_timeout_s, self._clock = load_timeout_s, clock
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-vllm-load")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvcache-vllm-copy")
         self._lock = threading.Lock()
         self._loads: dict[str, LoadJob] = {}
         self._copies: dict[str, list[Future]] = {}     # req_id -> its pending copy-outs
-        self._finishing: set[str] = set()              # finished requests whose copies we owe
+        self._held: set[str] = set()                   # finished requests vLLM holds blocks of for us
+        self._finished: set[str] = set()               # ... of those, the ones vLLM said finished
+        self._ingested: KVCacheMetadata | None = None  # the step whose saves and holds were taken
         self._errors: set[int] = set()
         self._free_staging: list[torch.Tensor] = []
         self._load_done = threading.Event()
@@ -74,6 +77,8 @@ class WorkerSide:
 
     # ------------------------------------------------------------ loads
     def start_loads(self, meta: KVCacheMetadata) -> None:
+        """Queue each load's chunks for the loader thread: one chunk in flight at a time, so the
+        loads hold one staging buffer however much KV they claim."""
         for t in meta.loads:
             job = LoadJob(t.req_id, t.block_ids, self._clock())
             keys = t.keys[self.rank]
@@ -83,44 +88,58 @@ class WorkerSide:
             with self._lock:
                 self._loads[t.req_id] = job
             for a, b in chunks:
-                staging = self._take_staging()[: b - a]
-                outs = [memoryview(row.numpy()) for row in staging]
-                fut = self.seam.fetch_into(keys[a:b], outs)
-                fut.add_done_callback(lambda f, a=a, b=b, s=staging: self._fetched(job, a, b, s, f))
+                self._loader.submit(self._load_chunk, job, keys[a:b], a)
 
-    def _fetched(self, job: LoadJob, a: int, b: int, staging: torch.Tensor, fut: Future) -> None:
+    def _load_chunk(self, job: LoadJob, keys: list[bytes], a: int) -> None:
+        if job.abandoned:                   # timed out: its blocks are recomputed, nothing to fetch
+            return self._chunk_done(job)
+        staging = self._take_staging()[: len(keys)]
         try:
-            lengths, nbytes, seconds = fut.result()
-        except Exception as e:                                  # the seam catches store errors; this is ours
-            log.warning("cache load of %d blocks failed (%s): they are recomputed", b - a, e)
-            lengths, nbytes, seconds = [None] * (b - a), 0, 0.0
+            t0 = time.perf_counter()
+            lengths = self.seam.get_now(keys, [memoryview(row.numpy()) for row in staging])
+            self._scatter(job, a, staging, lengths, time.perf_counter() - t0)
+        except Exception as e:              # the seam turns store errors into misses; this is ours
+            log.warning("cache load of %d blocks failed (%s): they are recomputed", len(keys), e)
+            with job.lock:
+                job.failed.update(job.block_ids[a:a + len(keys)])
+        finally:
+            self._give_staging(staging)
+            self._chunk_done(job)
+
+    def _scatter(self, job: LoadJob, a: int, staging: torch.Tensor, lengths: list, seconds: float) -> None:
         want = self.blocks.payload_bytes
         ok = [i for i, n in enumerate(lengths) if n == want]
         bad = [job.block_ids[a + i] for i, n in enumerate(lengths) if n != want]
+        with job.lock:                      # an abandoned job's blocks are vLLM's again: never written
+            if job.abandoned:
+                return
+            t0 = time.perf_counter()
+            try:
+                self.blocks.scatter(staging, ok, [job.block_ids[a + i] for i in ok])
+                if self.blocks.device.type != "cpu":       # copied before the buffer is reused
+                    torch.accelerator.synchronize()
+            except Exception as e:
+                log.warning("copying %d loaded blocks into vLLM's KV failed (%s): they are recomputed", len(ok), e)
+                bad += [job.block_ids[a + i] for i in ok]
+                ok = []
+            job.failed.update(bad)
+            c = self.counters
+            c.loaded_blocks, c.failed_blocks = c.loaded_blocks + len(ok), c.failed_blocks + len(bad)
+            c.load_bytes += len(ok) * want
+            c.load_seconds += seconds
+            c.scatter_seconds += time.perf_counter() - t0
+
+    def _chunk_done(self, job: LoadJob) -> None:
         with job.lock:
-            if not job.abandoned:
-                t0 = time.perf_counter()
-                try:
-                    self.blocks.scatter(staging, ok, [job.block_ids[a + i] for i in ok])
-                except Exception as e:
-                    log.warning("copying %d loaded blocks into vLLM's KV failed (%s): they are recomputed", len(ok), e)
-                    bad += [job.block_ids[a + i] for i in ok]
-                    ok = []
-                job.failed.update(bad)
-                self.counters.loaded_blocks += len(ok)
-                self.counters.failed_blocks += len(bad)
-                self.counters.load_bytes += nbytes
-                self.counters.load_seconds += seconds
-                self.counters.scatter_seconds += time.perf_counter() - t0
             job.pending -= 1
-            if not job.pending:
-                self._load_done.set()
-            if not job.pending and not job.abandoned:
+            if job.pending:
+                return
+            self._load_done.set()
+            if not job.abandoned:
                 wall = self._clock() - job.started
                 self.counters.load_wall_s += wall
                 done = (len(job.block_ids) * self.blocks.payload_bytes, wall)
                 self.counters.loads = self.counters.loads[-(RECENT_LOADS - 1):] + [done]
-        self._give_staging(staging)
 
     def _take_staging(self) -> torch.Tensor:
         with self._lock:
@@ -167,6 +186,15 @@ class WorkerSide:
 
     # ------------------------------------------------------------ saves
     def start_saves(self, meta: KVCacheMetadata) -> None:
+        """This step's copy-outs, and the requests whose blocks vLLM now holds until they are
+        done. Once per step: vLLM calls wait_for_save, and with speculative decoding it asks
+        get_finished first (after the target's forward, before the drafter's); whichever comes
+        first takes them, so a finished request is never reported before its last copy-out."""
+        if meta is self._ingested:
+            return
+        self._ingested = meta
+        with self._lock:
+            self._held.update(meta.holds)
         if not meta.saves:
             return
         ready = None
@@ -210,23 +238,29 @@ class WorkerSide:
         self.seam.flush()
 
     def _copies_done(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests (the scheduler said so: exactly those it returned True for) that vLLM
+        has said finished and whose copy-outs are all done."""
         done = set()
         with self._lock:
-            for rid in finished_req_ids:
-                if rid in self._copies:
-                    self._finishing.add(rid)
+            self._finished.update(finished_req_ids & self._held)
             for rid in list(self._copies):
                 self._copies[rid] = [f for f in self._copies[rid] if not f.done()]
-            for rid in list(self._finishing):
+                if not self._copies[rid] and rid not in self._held:
+                    del self._copies[rid]               # a running request's copies, all done
+            for rid in list(self._finished):
                 if not self._copies.get(rid):
-                    self._finishing.discard(rid)
+                    self._finished.discard(rid)
+                    self._held.discard(rid)
                     self._copies.pop(rid, None)
                     done.add(rid)
         return done
 
     # ------------------------------------------------------------ reports
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._copies_done(finished_req_ids), self._loads_done()
+    def finished(self, finished_req_ids: set[str], meta: KVCacheMetadata | None = None):
+        """(finished sending, finished receiving), None for an empty set, as vLLM asks."""
+        if meta is not None:
+            self.start_saves(meta)
+        sending, recving = self._copies_done(set(finished_req_ids or ())), self._loads_done()
         return sending or None, recving or None
 
     def take_errors(self) -> set[int]:
@@ -235,6 +269,7 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)
         self._copier.shutdown(wait=True)
         self.seam.close()
         self.seam.store.close()

@@ -4,6 +4,8 @@ StoreUnavailableError: the store stays down for retry_s (no probe per lookup) wi
 import logging
 from types import SimpleNamespace
 
+import pytest
+
 from kvcache.client.common import AuthError, DaemonError
 from kvcache.engine.cache.connector import KVConnector
 from kvcache.engine.config import CacheConfig
@@ -91,3 +93,17 @@ def test_a_refusal_after_the_store_was_used_again_is_warned_of_again(caplog):
         assert _said(caplog, "refused the namespace") == 2 and _said(caplog, "is unreachable") == 2
     finally:
         conn.close()
+
+
+def test_a_refusal_at_start_raises_unless_the_caller_asks_for_a_miss(caplog):
+    with pytest.raises(AuthError):
+        _connector(RefusingStore(AuthError("token refused")), Clock())
+    clock = Clock()
+    with caplog.at_level(logging.WARNING):
+        conn = KVConnector(RefusingStore(AuthError("token refused")), SimpleNamespace(id=b"n" * 16), (),
+                           CacheConfig(), retry_s=10.0, clock=clock, refusal_is_miss=True)
+        assert not conn.available() and conn.lookup([b"k" * 32]) == []
+        assert _said(caplog, "refused the namespace") == 1
+        clock.now += 11
+        _lookups(conn, 1)                             # the probe registers: the store answers now
+        assert conn.available()

@@ -82,7 +82,18 @@ def backend(url: str, token: str | None = None, pool=None, **cfg) -> KVCacheStor
              "interface_v1": 1, "store": url, "timeout_s": 2.0, **({"token": token} if token else {})}
     b = KVCacheStorage(Config(extra, **cfg), {})
     b.register_mem_pool_host(pool or FakeHostPool())
+    OPENED.append(b)
     return b
+
+
+OPENED: list[KVCacheStorage] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_backends():
+    yield
+    while OPENED:
+        OPENED.pop().close()
 
 
 @pytest.fixture
@@ -105,7 +116,6 @@ def test_v1_pages_round_trip_between_processes_pools(daemon):
         assert torch.equal(dst.get_data_page(got * PAGE), src.get_data_page(want * PAGE))
     assert b.batch_get_v1(page_keys(1, "absent"), indices([4])) == [False]
     assert not dst.get_data_page(4 * PAGE).any()
-    a.close(), b.close()
 
 
 def test_tenants_and_layouts_do_not_share_pages(daemon):

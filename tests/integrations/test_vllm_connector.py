@@ -112,6 +112,7 @@ def test_restart_then_corrupt_block_recomputed(model, reference, tmp_path):
         stats = json.loads(d.call("GET", "/v1/stats")[1])
     same_output(again[0], reference[0])             # the bad block was recomputed, not served
     assert counters["worker"]["failed_blocks"] == 1 and counters["worker"]["loaded_blocks"] == 1
+    assert counters["worker"]["saved_blocks"] == 1             # the recomputed block is stored again
     assert stats["persistent_counters"].get("quarantined", 0) >= 1 or stats.get("quarantined", 0) >= 1, stats
 
 
