@@ -8,9 +8,8 @@
     worker side (threads; the engine applies the results)
     fetch(keys, tiers, snapshot)  loader thread: soft pin (TTL, left to lapse) ─> get_many ─>
                                   payloads (None for a block that failed), the snapshot's bytes
-    fetch_into(keys, outs)        the same into the caller's buffers (get_many_into): lengths
-    get_now / put_now             fetch_into / a put_many in the caller's thread, for engines that
-                                  call the store from threads of their own (SGLang's HiCache)
+    get_now / put_now             soft pin + get_many_into the caller's buffers / a put_many, in the
+                                  caller's thread (the plug-ins' own threads, SGLang's)
     save(blocks)                  saver thread: put_many; only blocks whose tokens are all committed
     save_raw(key, data)           saver thread: a tail snapshot under its own key (exact mode)
     flush()                       wait until every save submitted so far has landed
@@ -200,15 +199,14 @@ class KVConnector:
         self.stats["failed_blocks"] += sum(p is None for p in blocks)
         return blocks, (got[-1] if snap_key else None), loaded, dt
 
-    def fetch_into(self, keys: list[bytes], outs: list) -> Future:
-        """Start loading blocks straight into the caller's buffers (one per key, each at least a
-        block); the future gives (lengths with None for a block that failed, bytes loaded,
-        seconds). A failed call leaves every block failed: a buffer it may have half filled is
-        the caller's to ignore."""
-        return self._loader.submit(self._fetch_into, list(keys), list(outs))
-
-    def _fetch_into(self, keys: list[bytes], outs: list):
-        t0 = time.perf_counter()
+    def get_now(self, keys: list[bytes], outs: list) -> list[int | None]:
+        """Blocks straight into the caller's buffers (one per key, each at least a block), in the
+        caller's thread (for engines that call the store from threads of their own): lengths, None
+        per block that failed; all None while the store is down or when the call fails (a buffer
+        it may have half filled is the caller's to ignore)."""
+        if not self.available():
+            self.stats["store_down"] += 1
+            return [None] * len(keys)
         try:
             self.store.pin(keys, ttl_s=self.config.pin_ttl_s)      # soft, left to lapse: see _fetch
             got = list(self.store.get_many_into(keys, outs))
@@ -217,15 +215,7 @@ class KVConnector:
             got = [None] * len(keys)
         self.stats["fetched_blocks"] += sum(n is not None for n in got)
         self.stats["failed_blocks"] += sum(n is None for n in got)
-        return got, sum(n for n in got if n is not None), time.perf_counter() - t0
-
-    def get_now(self, keys: list[bytes], outs: list) -> list[int | None]:
-        """fetch_into in the caller's thread (for engines that call the store from threads of their
-        own): lengths, None per block that failed; all None while the store is down."""
-        if not self.available():
-            self.stats["store_down"] += 1
-            return [None] * len(keys)
-        return self._fetch_into(list(keys), list(outs))[0]
+        return got
 
     def put_now(self, blocks: list[tuple[bytes, object]], layout=None) -> bool:
         """Store (key, payload) blocks in the caller's thread (`layout`: theirs, else the seam's);
