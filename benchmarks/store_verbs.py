@@ -161,8 +161,9 @@ examples:
 def add_vllm_arguments(p: argparse.ArgumentParser, default_out_dir: str = DEFAULT_OUT) -> None:
     p.add_argument("--prefix-tokens", type=checked(int, lambda v: v >= 256, "at least 256"), default=4096,
                    metavar="N", help="tokens of the repeated prefix (default 4096)")
-    p.add_argument("--repeats", type=checked(int, what="a positive integer"), default=3, metavar="N",
-                   help="warm prompts after the first, each with another suffix (default 3)")
+    p.add_argument("--repeats", type=checked(int, what="a positive integer"), default=6, metavar="N",
+                   help="warm prompts after the first, each with another suffix (default 6; the load rate "
+                        "is the median of all but the first warm one)")
     p.add_argument("--layers", type=checked(int, what="a positive integer"), default=8, metavar="N",
                    help="layers of the random-weight Llama (default 8: prefill costs seconds on 2 cores)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",

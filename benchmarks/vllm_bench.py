@@ -60,8 +60,8 @@ def vllm_python(explicit: str | None) -> str:
 def run_engine(python: str, cfg: dict, log_path: str) -> tuple[list[dict], dict]:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     with open(log_path, "w") as log:
-        p = subprocess.run([python, "-m", "kvcache.benchmarks.vllm_runner", json.dumps(cfg)], stdout=subprocess.PIPE,
-                           stderr=log, text=True, env=env, timeout=1800)
+        p = subprocess.run([python, "-m", "kvcache.benchmarks.vllm_runner", "-"], input=json.dumps(cfg),
+                           stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=1800)
     if p.returncode:
         with open(log_path, errors="replace") as f:
             raise RuntimeError(f"the vLLM run failed ({p.returncode}); its log:\n{f.read()[-3000:]}")

@@ -1,6 +1,7 @@
 """One vLLM process over the tiny checkpoint: what the vLLM tests and `kvcache bench vllm` run.
 
     python -m kvcache.benchmarks.vllm_runner '{"model": DIR, "store": URL | null, "prompts": [[ids]], ...}'
+    python -m kvcache.benchmarks.vllm_runner - < config.json      (long prompts: argv holds 128 KiB)
 
 vLLM keeps process-wide state (its distributed groups, the connector agent), so every engine
 the tests and the benchmark need is its own process: this one. It runs the engine in-process
@@ -43,7 +44,7 @@ def _connector():
 
 
 def main(argv: list[str]) -> int:
-    cfg = json.loads(argv[0])
+    cfg = json.loads(argv[0] if argv and argv[0] != "-" else sys.stdin.read())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

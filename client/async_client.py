@@ -44,7 +44,8 @@ import aiohttp
 from kvcache.client.async_wire import error_for, layout_json, put_body, read_get_frames, read_into
 from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: public API)
     RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks,
-    _split_puts, _tier, fit_buffer, put_total)
+    _split_puts, _tier, put_total)
+from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
@@ -58,6 +59,7 @@ _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 
 class AsyncKVClient:
     """asyncio client of one daemon; one pooled aiohttp session, created on first use."""
+    reads_scatter = True      # get_into / get_many_into take a Scatter (client/scatter.py)
 
     def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, *,
                  unix_socket: str | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
@@ -202,8 +204,8 @@ class AsyncKVClient:
         return await self._call("GET", f"/v1/blocks/{key.hex()}", handle, miss_ok=True)
 
     async def get_into(self, key: bytes, out) -> int | None:
-        """Stream the payload straight into `out`; its length, or None on a miss."""
-        if await self._shared_arena() is not None:
+        """Stream the payload straight into `out` (a buffer or a `Scatter`); its length, or None on a miss."""
+        if await self._shared_arena() is not None or isinstance(out, Scatter):
             return (await self.get_many_into([key], [out]))[0]
         dst = memoryview(out).cast("B")
 
@@ -307,12 +309,12 @@ class AsyncKVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            fit_buffer(outs[i], view.nbytes)[: view.nbytes] = view
-            return view.nbytes
+            return copy_pieces(dest_pieces(outs[i], view.nbytes), view)
 
         async def over_socket(sub, idx):
             async def take(i, n, content):
-                await read_into(content, fit_buffer(outs[idx[i]], n), n)
+                for piece in dest_pieces(outs[idx[i]], n):
+                    await read_into(content, piece, piece.nbytes)
                 return n
             return await self._batch_get(sub, take)
         return await self._read_many(keys, copy, over_socket)

@@ -108,14 +108,6 @@ def put_total(replies: list[dict]) -> PutResult:
                      bool(replies) and all(r["durable"] for r in replies), sum(r.get("rejected", 0) for r in replies))
 
 
-def fit_buffer(out, n: int) -> memoryview:
-    """`out` as bytes, checked to hold an n-byte block (ValueError otherwise)."""
-    dst = memoryview(out).cast("B")
-    if dst.nbytes < n:
-        raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-    return dst
-
-
 def put_pieces(items: Sequence[PutItem]) -> list[bytes | memoryview]:
     """A KVB1 batch_put body as pieces: small parts joined, payloads as views (never copied)."""
     pieces: list[bytes | memoryview] = []

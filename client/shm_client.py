@@ -143,7 +143,8 @@ class LeasedCopies:
     (CLOCK_MONOTONIC is one clock for the host, and only durations are compared), so the release
     needs no answer and a read costs one round trip. Slower copies wait for the release's answer;
     when the lease had expired they move to the socket list. File slots (client/shm_files.py)
-    are verified, not leased: `into(i, n)` gives block i's destination, and its result is n."""
+    are verified, not leased: `into(i, n)` gives block i's destination (a list of pieces,
+    client/scatter.py), and its result is n."""
 
     def __init__(self, arena: LocalArena, take, lease_s: float, into=None, tenant: str = ""):
         self.arena, self.take, self.lease_s, self.into, self.tenant = arena, take, lease_s, into, tenant
@@ -168,9 +169,9 @@ class LeasedCopies:
         return done
 
     def _read_file(self, i: int, key: bytes, slot: FileSlot, fds: list[int]) -> None:
-        dst = self.into(i, slot.nbytes) if self.into is not None else memoryview(bytearray(slot.nbytes))
+        dst = self.into(i, slot.nbytes) if self.into is not None else [memoryview(bytearray(slot.nbytes))]
         if read_record_into(fds[slot.fd], slot, tenant_key(self.tenant, key), dst):
-            self.got[i] = slot.nbytes if self.into is not None else self.take(i, dst)
+            self.got[i] = slot.nbytes if self.into is not None else self.take(i, dst[0])
         else:
             self.rest.append(i)      # the daemon's read verifies it again and quarantines a damaged record
 

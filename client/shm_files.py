@@ -3,7 +3,7 @@ LEASE_FILES with where each record sits in a segment file and a read-only descri
 file, and the client reads the record straight into the caller's buffer and verifies it.
 
     daemon: index -> (segment, offset, header_len, nbytes), dup(segment fd) ──SCM_RIGHTS──>
-    client: preadv(fd, [header, dst[:nbytes]], offset)      one copy: page cache -> dst
+    client: preadv(fd, [header, *dst pieces], offset)     one copy: page cache -> dst
             header checksum, key == tenant_key(tenant, key), payload length, raw codec,
             xxh3-128 of dst                                 a mismatch: read over the socket
 
@@ -30,19 +30,18 @@ from kvcache.kvstore.errors import CorruptBlockError
 from kvcache.kvstore.shm_wire import FileSlot
 
 
-def read_record_into(fd: int, slot: FileSlot, stored_key: bytes, dst: memoryview) -> bool:
-    """Read the record `slot` names into `dst[:slot.nbytes]` (its payload) and verify it:
-    True when those bytes are the block `stored_key`; False otherwise (dst's bytes are then
-    undefined)."""
+def read_record_into(fd: int, slot: FileSlot, stored_key: bytes, dst: list[memoryview]) -> bool:
+    """Read the record `slot` names into `dst` (its payload, in order over the pieces, whose
+    lengths add up to slot.nbytes: client/scatter.py) and verify it: True when those bytes are
+    the block `stored_key`; False otherwise (dst's bytes are then undefined)."""
     hlen, n = slot.header_len, slot.nbytes
-    if not 0 < hlen <= MAX_HEADER or dst.nbytes < n:
+    if not 0 < hlen <= MAX_HEADER or sum(p.nbytes for p in dst) != n:
         return False
     head = bytearray(hlen)
-    body = dst[:n]
     try:
-        if os.preadv(fd, [head, body], slot.offset) != hlen + n:
+        if os.preadv(fd, [head, *dst], slot.offset) != hlen + n:
             return False
-        verify_raw_record(head, stored_key, body)
+        verify_raw_record(head, stored_key, dst[0] if len(dst) == 1 else dst)
     except (OSError, CorruptBlockError):
         return False
     return True

@@ -24,7 +24,8 @@ from typing import Sequence
 from kvcache.kvstore import wire
 from kvcache.client.blocking_http import BlockingHTTP, read_exact, read_exact_into
 from kvcache.client.async_client import AsyncKVClient
-from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts, fit_buffer, put_pieces, put_total
+from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts, put_pieces, put_total
+from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
 from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
@@ -58,6 +59,7 @@ class KVClient:
     """Blocking client with BlockStore's interface (kvstore/protocol.py's Store): each small call
     runs its AsyncKVClient coroutine on a private event loop in a daemon thread; put_many and the
     reads run in the calling thread (see the module docstring). Safe to share between threads."""
+    reads_scatter = True      # get_into / get_many_into take a Scatter (client/scatter.py)
 
     def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, **options):
         self._client = c = AsyncKVClient(base_url, token, **options)
@@ -173,21 +175,22 @@ class KVClient:
 
     # ------------------------------------------------------------------ reads
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
-        """Batched get_into: payloads land straight in the buffers (arena memcpy, or socket readinto).
+        """Batched get_into: payloads land straight in the buffers (arena memcpy, or socket readinto);
+        a buffer may be a `Scatter` (client/scatter.py: one payload split over several buffers).
         A too-small buffer raises ValueError (earlier buffers may already be filled)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            fit_buffer(outs[i], view.nbytes)[: view.nbytes] = view
-            return view.nbytes
+            return copy_pieces(dest_pieces(outs[i], view.nbytes), view)
 
         def over_socket(idx):
             def take(i, n, resp):
-                read_exact_into(resp, fit_buffer(outs[idx[i]], n)[:n])
+                for piece in dest_pieces(outs[idx[i]], n):
+                    read_exact_into(resp, piece)
                 return n
             return self._batch_get([keys[i] for i in idx], take)
-        return self._read_many(keys, copy, over_socket, lambda i, n: fit_buffer(outs[i], n)[:n])
+        return self._read_many(keys, copy, over_socket, lambda i, n: dest_pieces(outs[i], n))
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         def over_socket(idx):
@@ -200,8 +203,8 @@ class KVClient:
         return self._run(self._client.get(key))         # one GET, no batch framing
 
     def get_into(self, key: bytes, out) -> int | None:
-        """The payload copied into `out`; its length, or None on a miss."""
-        if self._shared() is not None:
+        """The payload copied into `out` (a buffer or a `Scatter`); its length, or None on a miss."""
+        if self._shared() is not None or isinstance(out, Scatter):
             return self.get_many_into([key], [out])[0]
         return self._run(self._client.get_into(key, out))
 

@@ -38,7 +38,6 @@ class ConnectorSettings:
     load_timeout_s: float = 10.0    # a load not done by then is abandoned: its blocks are recomputed
     timeout_s: float = 5.0          # one daemon call's deadline (a lookup runs on vLLM's scheduler path)
     retry_s: float = 10.0           # a store that did not answer is tried again after this long
-    pin_ttl_s: float = 30.0         # soft pin on blocks being loaded (lapses by itself)
     max_pending_save_bytes: int = 512 << 20   # saves beyond this wait nowhere: they are dropped (counted)
 
     @classmethod
@@ -56,8 +55,8 @@ class ConnectorSettings:
             if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):
                 raise ValueError(f"kv_connector_extra_config[{name!r}] must be {known[name].type}, got {value!r}")
         s = cls(**extra)
-        if s.load_timeout_s <= 0 or s.timeout_s <= 0 or s.retry_s <= 0 or s.pin_ttl_s <= 0:
-            raise ValueError("kv_connector_extra_config: load_timeout_s, timeout_s, retry_s and pin_ttl_s "
+        if s.load_timeout_s <= 0 or s.timeout_s <= 0 or s.retry_s <= 0:
+            raise ValueError("kv_connector_extra_config: load_timeout_s, timeout_s and retry_s "
                              "must be positive seconds")
         if s.max_pending_save_bytes < 0:
             raise ValueError("kv_connector_extra_config: max_pending_save_bytes must be >= 0")

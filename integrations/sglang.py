@@ -92,7 +92,7 @@ class KVCacheStorage(_Base):
         http = "://" in s.store_spec and not s.store_spec.startswith("file://")
         options = {"timeout_s": s.timeout_s, "client_name": CLIENT_NAME} if http else {}
         store = open_store(s.store_spec, token=s.bearer if http else None, **options)
-        config = CacheConfig(store=s.store_spec, pin_ttl_s=s.pin_ttl_s)
+        config = CacheConfig(store=s.store_spec)
         self.seam = StoreSeam(store, ns, (), config, retry_s=s.retry_s, refusal_is_miss=True)
         log.info("kvcache HiCache storage on %s, namespace layout %s", s.store_spec, ns.kv_layout)
 

@@ -187,6 +187,7 @@ def verify_raw_record(head, key: bytes, payload) -> None:
     """Check a raw (uncompressed, live) record of block `key`: the header's own checksum, its
     key, payload length and codec, then the payload's checksum. decode_header's checks without
     building its layout (the header checksum covers that): a local reader's per-block cost.
+    `payload`: a buffer, or a list of buffers holding it in order (a scattered read).
     Raises CorruptBlockError on any mismatch."""
     mv = memoryview(head)
     hlen = peek_header_len(mv)
@@ -195,11 +196,18 @@ def verify_raw_record(head, key: bytes, payload) -> None:
     if xxhash.xxh3_64_digest(mv[: hlen - 8]) != mv[hlen - 8: hlen]:
         raise CorruptBlockError("header checksum mismatch")
     (_, version, _, codec, flags, klen, _, plen, _, _, _) = _FIXED.unpack_from(mv)
-    body = memoryview(payload)
+    parts = [memoryview(p) for p in payload] if isinstance(payload, list) else [memoryview(payload)]
     if (version not in (FORMAT_VERSION, TENANT_VERSION) or codec != Codec.RAW or flags & FLAG_TOMBSTONE
-            or mv[_FIXED.size: _FIXED.size + klen] != key or plen != body.nbytes):
+            or mv[_FIXED.size: _FIXED.size + klen] != key or plen != sum(p.nbytes for p in parts)):
         raise CorruptBlockError("record does not hold the requested block")
-    if xxhash.xxh3_128_digest(body) != mv[hlen - _TRAILER: hlen - 8]:
+    if len(parts) == 1:
+        digest = xxhash.xxh3_128_digest(parts[0])
+    else:
+        h = xxhash.xxh3_128()
+        for p in parts:
+            h.update(p)
+        digest = h.digest()
+    if digest != mv[hlen - _TRAILER: hlen - 8]:
         raise CorruptBlockError("payload checksum mismatch")
 
 

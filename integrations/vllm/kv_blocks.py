@@ -14,6 +14,13 @@ the CPU backend packs K in an ISA-specific order that only it reads.
     gather(ids)  layers ──copy──> host staging [n, payload bytes], each block into its place
     scatter      host staging ──index_copy──> layers (only the rows that loaded), from strided
                  views of the rows: one copy, never an intermediate one
+    destinations(ids)   on the CPU, loads skip staging: each block's payload is read straight
+                 into its place in every layer (a client Scatter of the layers' byte runs)
+
+    payload of block b:  | layer 0's block b | layer 1's block b | ... |
+                                 │                   │
+    layer tensors:   L0 [.. b ..]        L1 [.. b ..]                   one run per layer
+                     (or one run per K/V half where a layer keeps them apart)
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache.client.scatter import Scatter
 from kvcache.kvstore.types import TensorSpec
 
 
@@ -53,6 +61,19 @@ class KVBlocks:
             offset += nbytes
         self.payload_bytes = offset
         self.device = next(iter(kv_caches.values())).device
+        self._runs = _byte_runs(self.views) if self.device.type == "cpu" else None
+
+    @property
+    def direct(self) -> bool:
+        """Whether loads can be read straight into the layers (`destinations`)."""
+        return self._runs is not None
+
+    def destinations(self, block_ids: list[int]) -> list[Scatter]:
+        """Per block, where its payload goes in every layer: views of vLLM's own memory, so the
+        caller must own those blocks until the read is done."""
+        assert self._runs is not None, "destinations need CPU tensors whose blocks are byte runs"
+        return [Scatter([mv[base + b * step + off: base + b * step + off + n]
+                         for mv, base, step, runs in self._runs for off, n in runs]) for b in block_ids]
 
     @property
     def layout(self) -> tuple[TensorSpec, ...]:
@@ -93,3 +114,24 @@ class KVBlocks:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for v, p in zip(self.views, self.parts):
             v.index_copy_(0, ids, self._part(picked, p).to(self.device, non_blocking=True))
+
+
+def _byte_runs(views: list[torch.Tensor]):
+    """Per layer (its storage's bytes, block 0's byte offset, bytes between blocks, block 0's runs
+    as (offset, length)), in payload order; None when some layer's block is not one run, or one
+    per slice of its first dimension (K/V halves)."""
+    storages: dict[int, memoryview] = {}
+    out = []
+    for v in views:
+        es, one = v.element_size(), v[0]
+        if one.is_contiguous():
+            runs = [(0, one.numel() * es)]
+        elif one.dim() > 1 and one[0].is_contiguous():
+            runs = [(j * one.stride(0) * es, one[0].numel() * es) for j in range(one.shape[0])]
+        else:
+            return None
+        st = v.untyped_storage()
+        if st.data_ptr() not in storages:
+            storages[st.data_ptr()] = memoryview(torch.empty(0, dtype=torch.uint8).set_(st).numpy())
+        out.append((storages[st.data_ptr()], v.storage_offset() * es, v.stride(0) * es, runs))
+    return out

@@ -1,7 +1,8 @@
 """The connector in each vLLM worker: blocks copied between vLLM's KV tensors and the store.
 
-    start_load_kv      each load: get_many_into a host staging buffer (the seam's loader thread),
-                       then the rows that loaded are copied into the claimed blocks
+    start_load_kv      each load, in the loader thread: on the CPU, get_many_into straight into
+                       the claimed blocks of every layer (a Scatter per block); on an accelerator,
+                       into a host staging buffer, then the rows that loaded are copied over
     wait_for_save      each save: the blocks are copied out (a copy thread) and handed to the
                        seam's saver thread; once copied out, vLLM may reuse them
     get_finished       loads done (finished_recving) and finished requests whose copies are done
@@ -10,7 +11,8 @@
 
 A load that fails, misses a block, or is not done within `load_timeout_s` reports its blocks in
 get_block_ids_with_load_errors, with the request finished receiving: vLLM recomputes them. An
-abandoned load never writes into vLLM's blocks afterwards (its job's lock and flag).
+abandoned load never writes into vLLM's blocks afterwards (its job's lock and flag); a load that
+is writing straight into them is abandoned only once that read returns.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvcache.integrations.vllm.kv_blocks import KVBlocks
 from kvcache.integrations.vllm.metadata import KVCacheMetadata, Transfer
 
 log = logging.getLogger(__name__)
-MAX_BLOCKS_PER_CALL = 64        # one get_many_into / one gather at most: bounds the staging buffers
+MAX_BLOCKS_PER_CALL = 64        # one get_many_into / one gather at most (and the staging buffers)
 STAGING_BYTES = 32 << 20        # ... and so does this: a load's chunk holds at most this many bytes
 RECENT_LOADS = 64               # loads whose (bytes, seconds) the counters keep
 KEEP_STAGING = 4                # staging buffers kept for the next copies (fresh ones page-fault in)
@@ -41,6 +43,7 @@ class LoadJob:
     pending: int = 0                    # fetches not finished yet
     failed: set[int] = field(default_factory=set)
     abandoned: bool = False
+    writing: bool = False               # a chunk is being read straight into the blocks
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -51,7 +54,7 @@ class WorkerCounters:
     abandoned_loads: int = 0
     saved_blocks: int = 0
     load_bytes: int = 0
-    load_seconds: float = 0.0           # in the store (soft pin, get_many_into)
+    load_seconds: float = 0.0           # in the store (get_many_into)
     scatter_seconds: float = 0.0        # copying loaded rows into vLLM's KV
     load_wall_s: float = 0.0            # loads from start to the last block copied into vLLM's KV
     loads: list = field(default_factory=list)   # (bytes, seconds) of recent loads, from start to last copy
@@ -73,6 +76,9 @@ class WorkerSide:
         self._free_staging: list[torch.Tensor] = []
         self._load_done = threading.Event()
         self.chunk_blocks = max(1, min(MAX_BLOCKS_PER_CALL, STAGING_BYTES // max(1, blocks.payload_bytes)))
+        self.direct = blocks.direct and getattr(getattr(seam, "store", None), "reads_scatter", False)
+        # a direct load needs no staging, so one read takes as many blocks as a call may
+        self.load_blocks = MAX_BLOCKS_PER_CALL if self.direct else self.chunk_blocks
         self.counters = WorkerCounters()
 
     # ------------------------------------------------------------ loads
@@ -82,7 +88,7 @@ class WorkerSide:
         for t in meta.loads:
             job = LoadJob(t.req_id, t.block_ids, self._clock())
             keys = t.keys[self.rank]
-            step = self.chunk_blocks
+            step = self.load_blocks
             chunks = [(i, min(i + step, len(keys))) for i in range(0, len(keys), step)]
             job.pending = len(chunks)
             with self._lock:
@@ -93,6 +99,8 @@ class WorkerSide:
     def _load_chunk(self, job: LoadJob, keys: list[bytes], a: int) -> None:
         if job.abandoned:                   # timed out: its blocks are recomputed, nothing to fetch
             return self._chunk_done(job)
+        if self.direct:
+            return self._load_direct(job, keys, a)
         staging = self._take_staging()[: len(keys)]
         try:
             t0 = time.perf_counter()
@@ -106,40 +114,67 @@ class WorkerSide:
             self._give_staging(staging)
             self._chunk_done(job)
 
+    def _load_direct(self, job: LoadJob, keys: list[bytes], a: int) -> None:
+        """The chunk read straight into vLLM's blocks (one copy). While it writes, the job is not
+        abandoned (`writing`): its blocks stay the request's until the read returns, which the
+        client's own timeouts bound."""
+        ids = job.block_ids[a:a + len(keys)]
+        with job.lock:
+            if job.abandoned:
+                return self._chunk_done(job, locked=True)
+            job.writing = True
+        lengths: list = [None] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            lengths = self.seam.get_now(keys, self.blocks.destinations(ids))
+        except Exception as e:              # the seam turns store errors into misses; this is ours
+            log.warning("cache load of %d blocks failed (%s): they are recomputed", len(keys), e)
+        finally:
+            with job.lock:
+                job.writing = False
+                self._count_load(job, ids, lengths, time.perf_counter() - t0)
+            self._chunk_done(job)
+
+    def _count_load(self, job: LoadJob, ids: list[int], lengths: list, seconds: float) -> None:
+        want = self.blocks.payload_bytes
+        ok = sum(n == want for n in lengths)
+        job.failed.update(b for b, n in zip(ids, lengths) if n != want)
+        c = self.counters
+        c.loaded_blocks, c.failed_blocks = c.loaded_blocks + ok, c.failed_blocks + len(ids) - ok
+        c.load_bytes += ok * want
+        c.load_seconds += seconds
+
     def _scatter(self, job: LoadJob, a: int, staging: torch.Tensor, lengths: list, seconds: float) -> None:
         want = self.blocks.payload_bytes
         ok = [i for i, n in enumerate(lengths) if n == want]
-        bad = [job.block_ids[a + i] for i, n in enumerate(lengths) if n != want]
+        ids = job.block_ids[a:a + len(lengths)]
         with job.lock:                      # an abandoned job's blocks are vLLM's again: never written
             if job.abandoned:
                 return
             t0 = time.perf_counter()
             try:
-                self.blocks.scatter(staging, ok, [job.block_ids[a + i] for i in ok])
+                self.blocks.scatter(staging, ok, [ids[i] for i in ok])
                 if self.blocks.device.type != "cpu":       # copied before the buffer is reused
                     torch.accelerator.synchronize()
             except Exception as e:
                 log.warning("copying %d loaded blocks into vLLM's KV failed (%s): they are recomputed", len(ok), e)
-                bad += [job.block_ids[a + i] for i in ok]
-                ok = []
-            job.failed.update(bad)
-            c = self.counters
-            c.loaded_blocks, c.failed_blocks = c.loaded_blocks + len(ok), c.failed_blocks + len(bad)
-            c.load_bytes += len(ok) * want
-            c.load_seconds += seconds
-            c.scatter_seconds += time.perf_counter() - t0
+                lengths = [None] * len(lengths)
+            self._count_load(job, ids, lengths, seconds)
+            self.counters.scatter_seconds += time.perf_counter() - t0
 
-    def _chunk_done(self, job: LoadJob) -> None:
-        with job.lock:
-            job.pending -= 1
-            if job.pending:
-                return
-            self._load_done.set()
-            if not job.abandoned:
-                wall = self._clock() - job.started
-                self.counters.load_wall_s += wall
-                done = (len(job.block_ids) * self.blocks.payload_bytes, wall)
-                self.counters.loads = self.counters.loads[-(RECENT_LOADS - 1):] + [done]
+    def _chunk_done(self, job: LoadJob, locked: bool = False) -> None:
+        if not locked:
+            with job.lock:
+                return self._chunk_done(job, locked=True)
+        job.pending -= 1
+        if job.pending:
+            return
+        self._load_done.set()
+        if not job.abandoned:
+            wall = self._clock() - job.started
+            self.counters.load_wall_s += wall
+            done = (len(job.block_ids) * self.blocks.payload_bytes, wall)
+            self.counters.loads = self.counters.loads[-(RECENT_LOADS - 1):] + [done]
 
     def _take_staging(self) -> torch.Tensor:
         with self._lock:
@@ -170,7 +205,7 @@ class WorkerSide:
             jobs = list(self._loads.values())
         for job in jobs:
             with job.lock:
-                if job.pending and now - job.started > self.load_timeout_s:
+                if job.pending and not job.writing and now - job.started > self.load_timeout_s:
                     job.abandoned = True
                     self.counters.abandoned_loads += 1
                     log.warning("cache load of %d blocks took over %g s: abandoned, they are recomputed",

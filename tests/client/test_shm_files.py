@@ -49,7 +49,7 @@ def test_lease_shared_answers_nvme_blocks_with_their_records_and_promotes_them_l
         assert lease.held == () and store.stats_counters["hits_nvme"] == 4
         for k, s in zip(keys, slots[:4]):
             out = memoryview(bytearray(N))
-            assert read_record_into(fds[s.fd], s, k, out) and bytes(out) == payload_for(k, N)
+            assert read_record_into(fds[s.fd], s, k, [out]) and bytes(out) == payload_for(k, N)
         w.close_fds(fds)
         store.release_dram(lease)
         wait_for(lambda: all(store.dram.contains(k) for k in keys), "the blocks were not promoted when idle")
@@ -122,11 +122,29 @@ def test_read_record_into_refuses_bad_places_and_short_files(tmp_path):
     try:
         out = memoryview(bytearray(len(payload)))
         good = w.FileSlot(0, 10, len(head), len(payload))
-        assert read_record_into(fd, good, b"k" * 16, out) and bytes(out) == payload
+        assert read_record_into(fd, good, b"k" * 16, [out]) and bytes(out) == payload
         for bad in (good._replace(offset=11), good._replace(header_len=0), good._replace(header_len=1 << 20),
                     good._replace(offset=20), good._replace(nbytes=len(payload) + 1)):
-            assert not read_record_into(fd, bad, b"k" * 16, memoryview(bytearray(len(payload) + 1)))
-        assert not read_record_into(fd, good, b"k" * 16, memoryview(bytearray(10)))   # too small
+            assert not read_record_into(fd, bad, b"k" * 16, [memoryview(bytearray(bad.nbytes))])
+        assert not read_record_into(fd, good, b"k" * 16, [memoryview(bytearray(10))])   # too small
+    finally:
+        os.close(fd)
+
+
+def test_a_record_read_into_pieces_is_verified_over_all_of_them(tmp_path):
+    head, payload = _record(payload=bytes(range(256)) * 4)
+    path = tmp_path / "seg"
+    path.write_bytes(head + payload)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slot = w.FileSlot(0, 0, len(head), len(payload))
+        parts = [memoryview(bytearray(n)) for n in (1, 500, 523)]
+        assert read_record_into(fd, slot, b"k" * 16, parts) and b"".join(map(bytes, parts)) == payload
+        verify_raw_record(head, b"k" * 16, [payload[:7], payload[7:]])
+        with pytest.raises(CorruptBlockError):       # a piece that is not the record's bytes
+            verify_raw_record(head, b"k" * 16, [payload[:7], b"\0" + payload[8:]])
+        with pytest.raises(CorruptBlockError):       # pieces missing a byte
+            verify_raw_record(head, b"k" * 16, [payload[:7], payload[8:]])
     finally:
         os.close(fd)
 

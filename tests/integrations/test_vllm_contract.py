@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is the [vllm] extra: pip install -e '.[vllm]'")
 
+from kvcache.client.scatter import copy_pieces, dest_pieces  # noqa: E402
 from kvcache.integrations.vllm.kv_blocks import KVBlocks  # noqa: E402
 from kvcache.integrations.vllm.naming import BlockNaming  # noqa: E402
 from kvcache.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402
@@ -26,6 +27,7 @@ class FakeSeam:
 
     def __init__(self):
         self.stored, self.lookups, self.gate = {}, 0, None
+        self.entered = threading.Event()              # set once a get has started
 
     def lookup(self, keys):
         self.lookups += 1
@@ -35,13 +37,14 @@ class FakeSeam:
         return ["dram"] * n
 
     def get_now(self, keys, outs):
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(10)
         got = []
         for k, o in zip(keys, outs):
             if k in self.stored:
-                o[:] = self.stored[k]
-                got.append(len(self.stored[k]))
+                data = memoryview(self.stored[k])
+                got.append(copy_pieces(dest_pieces(o, data.nbytes), data))
             else:
                 got.append(None)
         return got
@@ -146,6 +149,36 @@ def test_a_load_that_times_out_never_writes(sides):
     wk._loader.submit(lambda: None).result()
     assert all(torch.equal(v[9:11], b) for v, b in zip(kv.views, before))
     assert wk.counters.loaded_blocks == 0
+
+
+def test_a_direct_load_fills_the_blocks_and_is_not_abandoned_while_it_writes(sides):
+    """On the CPU a load reads straight into vLLM's blocks: past its timeout while that read is
+    in flight, it is not abandoned (the blocks would go back to vLLM mid-write), and once the
+    read returns it is done, without errors."""
+    seam, table, sch, kv, _ = sides
+    seam.store = types.SimpleNamespace(reads_scatter=True)     # a client that takes a Scatter
+    now = [0.0]
+    wk = WorkerSide(seam, kv, 0, load_timeout_s=1.0, clock=lambda: now[0])
+    assert wk.direct
+    req = request(9)
+    sch.matched_tokens(req, 0)
+    table["r"] = [1, 2, 3]
+    wk.start_saves(sch.build(step({"r": 9})))
+    wk.wait_copies()
+    other = request(9, "q")
+    assert sch.matched_tokens(other, 0) == (8, True)
+    sch.after_alloc(other, [9, 10, 11], 8)
+    seam.gate = threading.Event()                    # the daemon is slow
+    wk.start_loads(sch.build(step()))
+    assert seam.entered.wait(10)
+    now[0] = 5.0
+    assert wk.finished(set()) == (None, None) and wk.counters.abandoned_loads == 0
+    seam.gate.set()
+    wk._loader.submit(lambda: None).result()
+    assert wk.finished(set()) == (None, {"q"}) and wk.take_errors() == set()
+    assert all(torch.equal(v[9:11], v[1:3]) for v in kv.views)
+    assert wk.counters.loaded_blocks == 2 and wk.counters.scatter_seconds == 0.0
+    wk._loader.shutdown(wait=False)
 
 
 def test_the_store_is_asked_once_while_a_request_waits(sides):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcache.client.scatter import copy_pieces
 from kvcache.integrations.vllm.kv_blocks import KVBlocks
 from kvcache.integrations.vllm.naming import BlockNaming, KeyChain, ParallelLayout, request_salt
 from kvcache.integrations.settings import ConnectorSettings
@@ -75,6 +76,33 @@ def test_whole_blocks_gather_and_scatter_across_layers(block_dim):
         src, dst = layers[name].movedim(block_dim, 0), t.movedim(block_dim, 0)
         assert torch.equal(dst[0], src[1])
         assert not dst[1:].any()
+
+
+@pytest.mark.parametrize("block_dim,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.bfloat16)])
+def test_direct_destinations_are_where_gather_takes_each_block_from(block_dim, dtype):
+    """A payload read into destinations(ids) lands exactly where gather reads it back from:
+    one byte run per layer, or one per K/V half where the block dimension is not first."""
+    num_blocks = 5
+    shape = [num_blocks, 2, 4, 8] if block_dim == 0 else [2, num_blocks, 4, 2, 8]
+    per = torch.Size(shape).numel()
+    buf = torch.zeros(3 * per, dtype=dtype)            # layers as views into one buffer, as vLLM's are
+    layers = {f"layer{i}": buf[i * per:(i + 1) * per].view(*shape) for i in range(3)}
+    kv = KVBlocks(layers, num_blocks)
+    assert kv.direct
+    dests = kv.destinations([3, 0])
+    assert [d.nbytes for d in dests] == [kv.payload_bytes] * 2
+    assert len(dests[0].parts) == (3 if block_dim == 0 else 6)
+    payloads = [torch.randint(0, 255, (kv.payload_bytes,), dtype=torch.uint8) for _ in dests]
+    for d, p in zip(dests, payloads):
+        copy_pieces(d.pieces(kv.payload_bytes), memoryview(p.numpy()))
+    back = kv.gather([3, 0])
+    assert torch.equal(back[0], payloads[0]) and torch.equal(back[1], payloads[1])
+    assert not torch.stack([v[1] for v in kv.views]).any()          # other blocks untouched
+
+
+def test_no_direct_destinations_for_blocks_that_are_not_byte_runs():
+    t = torch.zeros(4, 6, 3).transpose(1, 2)         # a block is [3, 6] with strides (1, 3): no runs
+    assert not KVBlocks({"l": t}, 4).direct
 
 
 def test_a_tensor_without_the_block_count_is_refused():
