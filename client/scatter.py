@@ -28,7 +28,10 @@ class Scatter:
     __slots__ = ("parts", "nbytes")
 
     def __init__(self, parts: Sequence):
-        views = [memoryview(p).cast("B") for p in parts]
+        try:
+            views = [memoryview(p).cast("B") for p in parts]
+        except TypeError as e:          # not a buffer, or not contiguous
+            raise ValueError(f"a Scatter takes contiguous buffers: {e}") from e
         if not views or len(views) > MAX_PARTS:
             raise ValueError(f"a Scatter takes 1 to {MAX_PARTS} buffers, not {len(views)}")
         if any(v.readonly for v in views):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.client.scatter import Scatter
+from kvcache.client.scatter import MAX_PARTS, Scatter
 from kvcache.kvstore.types import TensorSpec
 
 
@@ -59,7 +59,7 @@ class KVBlocks:
             self.views.append(v)
             self.parts.append(LayerPart(name, offset, nbytes, t.dtype, shape))
             offset += nbytes
-        self.payload_bytes = offset
+        self.payload_bytes, self.num_blocks = offset, num_blocks
         self.device = next(iter(kv_caches.values())).device
         self._runs = _byte_runs(self.views) if self.device.type == "cpu" else None
 
@@ -72,6 +72,8 @@ class KVBlocks:
         """Per block, where its payload goes in every layer: views of vLLM's own memory, so the
         caller must own those blocks until the read is done."""
         assert self._runs is not None, "destinations need CPU tensors whose blocks are byte runs"
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids {block_ids} outside vLLM's {self.num_blocks} blocks")
         return [Scatter([mv[base + b * step + off: base + b * step + off + n]
                          for mv, base, step, runs in self._runs for off, n in runs]) for b in block_ids]
 
@@ -119,7 +121,8 @@ class KVBlocks:
 def _byte_runs(views: list[torch.Tensor]):
     """Per layer (its storage's bytes, block 0's byte offset, bytes between blocks, block 0's runs
     as (offset, length)), in payload order; None when some layer's block is not one run, or one
-    per slice of its first dimension (K/V halves)."""
+    per slice of its first dimension (K/V halves), or when a block would be more runs than a
+    Scatter takes."""
     storages: dict[int, memoryview] = {}
     out = []
     for v in views:
@@ -134,4 +137,4 @@ def _byte_runs(views: list[torch.Tensor]):
         if st.data_ptr() not in storages:
             storages[st.data_ptr()] = memoryview(torch.empty(0, dtype=torch.uint8).set_(st).numpy())
         out.append((storages[st.data_ptr()], v.storage_offset() * es, v.stride(0) * es, runs))
-    return out
+    return out if sum(len(r) for *_, r in out) <= MAX_PARTS else None     # a Scatter's limit

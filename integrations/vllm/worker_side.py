@@ -116,8 +116,9 @@ class WorkerSide:
 
     def _load_direct(self, job: LoadJob, keys: list[bytes], a: int) -> None:
         """The chunk read straight into vLLM's blocks (one copy). While it writes, the job is not
-        abandoned (`writing`): its blocks stay the request's until the read returns, which the
-        client's own timeouts bound."""
+        abandoned (`writing`): its blocks stay the request's until the read returns. A daemon
+        that stops answering fails the read after the client's timeout_s; one that keeps
+        sending, however slowly, holds the load until its bytes are in."""
         ids = job.block_ids[a:a + len(keys)]
         with job.lock:
             if job.abandoned:
@@ -130,10 +131,10 @@ class WorkerSide:
         except Exception as e:              # the seam turns store errors into misses; this is ours
             log.warning("cache load of %d blocks failed (%s): they are recomputed", len(keys), e)
         finally:
-            with job.lock:
+            with job.lock:                  # one hold: a finished read is never taken for a timeout
                 job.writing = False
                 self._count_load(job, ids, lengths, time.perf_counter() - t0)
-            self._chunk_done(job)
+                self._chunk_done(job, locked=True)
 
     def _count_load(self, job: LoadJob, ids: list[int], lengths: list, seconds: float) -> None:
         want = self.blocks.payload_bytes

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from kvcache.client import shm_client
 from kvcache.client.async_client import AsyncKVClient
 from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
 from kvcache.client.sync_client import KVClient
@@ -39,6 +40,8 @@ def test_a_scatter_splits_payloads_in_order_and_refuses_what_it_cannot_hold():
         Scatter([b"read-only"])
     with pytest.raises(ValueError, match="1 to"):
         Scatter([])
+    with pytest.raises(ValueError, match="contiguous"):
+        Scatter([memoryview(bytearray(8))[::2]])           # strided
     assert [p.nbytes for p in dest_pieces(bytearray(10), 4)] == [4]
     with pytest.raises(ValueError, match="output buffer"):
         dest_pieces(bytearray(3), 4)
@@ -62,7 +65,7 @@ def test_scattered_reads_from_shared_memory(served):
             c.get_many_into(keys[:1], [Scatter([bytearray(10), bytearray(10)])])
 
 
-def test_scattered_reads_from_the_segment_files_are_verified(restarted_daemon):
+def test_scattered_reads_from_the_segment_files_are_verified(restarted_daemon, monkeypatch):
     keys = make_keys(5)
     url, store = restarted_daemon(keys)
     bad = tenant_key("s", keys[1])
@@ -72,9 +75,18 @@ def test_scattered_reads_from_the_segment_files_are_verified(restarted_daemon):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+    read_here = []
+    real = shm_client.read_record_into
+
+    def spy(fd, slot, key, dst):
+        ok = real(fd, slot, key, dst)
+        read_here.append((len(dst), ok))
+        return ok
+    monkeypatch.setattr(shm_client, "read_record_into", spy)
     with KVClient(url, SHARER, shared_memory="on") as c:
         outs, bufs = scatters(len(keys))
         assert c.get_many_into(keys, outs) == [N, None, N, N, N]     # re-read by the daemon: quarantined
+        assert sorted(read_here) == [(3, False)] + [(3, True)] * 4    # each into its 3 pieces, here
         want = [payload_for(tenant_key("s", k), N) for k in keys]
         assert [joined(b) for i, b in enumerate(bufs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
         assert store.stats_counters["quarantined"] >= 1 and store.stats_counters["hits_nvme"] >= 4

@@ -49,9 +49,14 @@ def served(tmp_path):
 
 
 def no_socket_reads(client: KVClient) -> None:
+    """Fail any payload read over HTTP: the asyncio client's and the blocking reads' own."""
     async def refuse(*a, **kw):
         raise AssertionError("a payload was read over the socket")
+
+    def refuse_blocking(*a, **kw):
+        raise AssertionError("a payload was read over the socket")
     client._client._batch_get = refuse
+    client._batch_get = refuse_blocking
 
 
 # ---------------------------------------------------------------- the DRAM tier and the store

@@ -176,9 +176,9 @@ def test_a_waiting_hit_gives_its_blocks_to_a_better_request(model, tmp_path):
         e.step()
         holder = e.add_request(P + Qs[1], GREEDY)       # 6 blocks from the store; waits behind `busy`
         e.step()                                        # plans the hit: the loader thread fetches it
-        plan = e.cache.plans.get(holder.request_id)
-        if plan is not None and plan.future is not None:
-            plan.future.result(timeout=60)              # `busy` runs meanwhile: the step never waits on it
+        plan = e.cache.plans[holder.request_id]
+        assert plan.future is not None                  # loading from the store
+        plan.future.result(timeout=60)                  # `busy` runs meanwhile: the step never waits on it
         e.step()                                        # applies the load: holder waits for `busy`
         assert holder.status.value == "waiting" and len(holder.block_ids) == 6
         better = e.add_request(prompts(30, doc=40)[0], GREEDY, priority=-1)

@@ -103,6 +103,13 @@ def test_direct_destinations_are_where_gather_takes_each_block_from(block_dim, d
 def test_no_direct_destinations_for_blocks_that_are_not_byte_runs():
     t = torch.zeros(4, 6, 3).transpose(1, 2)         # a block is [3, 6] with strides (1, 3): no runs
     assert not KVBlocks({"l": t}, 4).direct
+    heads_first = {f"l{i}": torch.zeros(2, 8, 3, 4).movedim(0, 1) for i in range(300)}   # 2 runs a layer
+    assert not KVBlocks(heads_first, 8).direct      # 600 runs: more than a Scatter takes
+    kv = KVBlocks({"l": torch.zeros(4, 2, 8)}, 4)
+    with pytest.raises(ValueError, match="outside"):
+        kv.destinations([4])
+    with pytest.raises(ValueError, match="outside"):
+        kv.destinations([-1])
 
 
 def test_a_tensor_without_the_block_count_is_refused():
