@@ -45,12 +45,12 @@ from kvcache.client.async_wire import error_for, layout_json, put_body, read_get
 from kvcache.client.common import (  # noqa: F401  (the errors are re-exported: public API)
     RETRY_STATUS, AuthError, DaemonError, DaemonUnreachableError, QuotaExceededError, _check_item, _chunks,
     _split_puts, _tier, put_total)
-from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
 from kvcache.client.shm_client import ArenaUnavailable, LocalArena, ShmControl, attach_shared, read_shared
 from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.shm_wire import ShmProtocolError
-from kvcache.kvstore.types import LookupResult, PutItem, PutResult, StoreStats, Tier, TierStats
+from kvcache.kvstore.types import (LookupResult, PutItem, PutResult, Scatter, StoreStats, Tier, TierStats,
+                                   copy_pieces, dest_pieces)
 
 log = logging.getLogger(__name__)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
@@ -59,7 +59,7 @@ _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio
 
 class AsyncKVClient:
     """asyncio client of one daemon; one pooled aiohttp session, created on first use."""
-    reads_scatter = True      # get_into / get_many_into take a Scatter (client/scatter.py)
+    reads_scatter = True      # get_into / get_many_into take a Scatter (kvstore/types.py)
 
     def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, *,
                  unix_socket: str | None = None, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,

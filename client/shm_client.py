@@ -144,7 +144,7 @@ class LeasedCopies:
     needs no answer and a read costs one round trip. Slower copies wait for the release's answer;
     when the lease had expired they move to the socket list. File slots (client/shm_files.py)
     are verified, not leased: `into(i, n)` gives block i's destination (a list of pieces,
-    client/scatter.py), and its result is n."""
+    kvstore/types.py Scatter), and its result is n."""
 
     def __init__(self, arena: LocalArena, take, lease_s: float, into=None, tenant: str = ""):
         self.arena, self.take, self.lease_s, self.into, self.tenant = arena, take, lease_s, into, tenant

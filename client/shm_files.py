@@ -32,7 +32,7 @@ from kvcache.kvstore.shm_wire import FileSlot
 
 def read_record_into(fd: int, slot: FileSlot, stored_key: bytes, dst: list[memoryview]) -> bool:
     """Read the record `slot` names into `dst` (its payload, in order over the pieces, whose
-    lengths add up to slot.nbytes: client/scatter.py) and verify it: True when those bytes are
+    lengths add up to slot.nbytes: kvstore/types.py Scatter) and verify it: True when those bytes are
     the block `stored_key`; False otherwise (dst's bytes are then undefined)."""
     hlen, n = slot.header_len, slot.nbytes
     if not 0 < hlen <= MAX_HEADER or sum(p.nbytes for p in dst) != n:

@@ -25,12 +25,11 @@ from kvcache.kvstore import wire
 from kvcache.client.blocking_http import BlockingHTTP, read_exact, read_exact_into
 from kvcache.client.async_client import AsyncKVClient
 from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts, put_pieces, put_total
-from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
 from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.types import LookupResult, PutItem, PutResult, StoreStats
+from kvcache.kvstore.types import LookupResult, PutItem, PutResult, Scatter, StoreStats, copy_pieces, dest_pieces
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class KVClient:
     """Blocking client with BlockStore's interface (kvstore/protocol.py's Store): each small call
     runs its AsyncKVClient coroutine on a private event loop in a daemon thread; put_many and the
     reads run in the calling thread (see the module docstring). Safe to share between threads."""
-    reads_scatter = True      # get_into / get_many_into take a Scatter (client/scatter.py)
+    reads_scatter = True      # get_into / get_many_into take a Scatter (kvstore/types.py)
 
     def __init__(self, base_url: str = "http://127.0.0.1:8790", token: str | None = None, **options):
         self._client = c = AsyncKVClient(base_url, token, **options)
@@ -176,7 +175,7 @@ class KVClient:
     # ------------------------------------------------------------------ reads
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
         """Batched get_into: payloads land straight in the buffers (arena memcpy, or socket readinto);
-        a buffer may be a `Scatter` (client/scatter.py: one payload split over several buffers).
+        a buffer may be a `Scatter` (kvstore/types.py: one payload split over several buffers).
         A too-small buffer raises ValueError (earlier buffers may already be filled)."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")

@@ -53,7 +53,8 @@ class Store(Protocol):
         """The payload, verified; None on a miss."""
 
     def get_into(self, key: bytes, out) -> int | None:
-        """Copy the payload into `out` (any writable buffer); its length, or None on a miss.
+        """Copy the payload into `out` (any writable buffer; the daemon clients, whose
+        `reads_scatter` is True, also take a `types.Scatter`); its length, or None on a miss.
         A buffer smaller than the payload raises ValueError."""
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcache.client.scatter import MAX_PARTS, Scatter
-from kvcache.kvstore.types import TensorSpec
+from kvcache.kvstore.types import MAX_PARTS, Scatter, TensorSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 
 from kvcache.client import shm_client
 from kvcache.client.async_client import AsyncKVClient
-from kvcache.client.scatter import Scatter, copy_pieces, dest_pieces
+from kvcache.kvstore.types import Scatter, copy_pieces, dest_pieces
 from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.hashing import tenant_key
 from tests.client.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401 (served: a fixture)

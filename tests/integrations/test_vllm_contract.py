@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is the [vllm] extra: pip install -e '.[vllm]'")
 
-from kvcache.client.scatter import copy_pieces, dest_pieces  # noqa: E402
+from kvcache.kvstore.types import copy_pieces, dest_pieces  # noqa: E402
 from kvcache.integrations.vllm.kv_blocks import KVBlocks  # noqa: E402
 from kvcache.integrations.vllm.naming import BlockNaming  # noqa: E402
 from kvcache.integrations.vllm.scheduler_side import SchedulerSide  # noqa: E402

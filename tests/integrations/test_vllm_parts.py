@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.client.scatter import copy_pieces
+from kvcache.kvstore.types import copy_pieces
 from kvcache.integrations.vllm.kv_blocks import KVBlocks
 from kvcache.integrations.vllm.naming import BlockNaming, KeyChain, ParallelLayout, request_salt
 from kvcache.integrations.settings import ConnectorSettings
