@@ -127,10 +127,9 @@ def test_no_hold_while_a_reload_is_in_flight(sides):
     assert done_recving == {"r"} and not done_sending
 
 
-def test_a_load_that_times_out_never_writes(sides):
-    seam, table, sch, kv, _ = sides
-    now = [0.0]
-    wk = WorkerSide(seam, kv, 0, load_timeout_s=1.0, clock=lambda: now[0])
+def saved_then_claimed(sch, table, wk) -> None:
+    """Request r's blocks 1-3 saved (8 tokens in 2 full blocks), then request q with the same
+    prompt claiming them into its blocks 9-11: its load of blocks 9 and 10 comes next step."""
     req = request(9)
     sch.matched_tokens(req, 0)
     table["r"] = [1, 2, 3]
@@ -139,6 +138,13 @@ def test_a_load_that_times_out_never_writes(sides):
     other = request(9, "q")
     assert sch.matched_tokens(other, 0) == (8, True)
     sch.after_alloc(other, [9, 10, 11], 8)
+
+
+def test_a_load_that_times_out_never_writes(sides):
+    seam, table, sch, kv, _ = sides
+    now = [0.0]
+    wk = WorkerSide(seam, kv, 0, load_timeout_s=1.0, clock=lambda: now[0])
+    saved_then_claimed(sch, table, wk)
     before = [v[9:11].clone() for v in kv.views]
     seam.gate = threading.Event()                    # the daemon hangs
     wk.start_loads(sch.build(step()))
@@ -160,14 +166,7 @@ def test_a_direct_load_fills_the_blocks_and_is_not_abandoned_while_it_writes(sid
     now = [0.0]
     wk = WorkerSide(seam, kv, 0, load_timeout_s=1.0, clock=lambda: now[0])
     assert wk.direct
-    req = request(9)
-    sch.matched_tokens(req, 0)
-    table["r"] = [1, 2, 3]
-    wk.start_saves(sch.build(step({"r": 9})))
-    wk.wait_copies()
-    other = request(9, "q")
-    assert sch.matched_tokens(other, 0) == (8, True)
-    sch.after_alloc(other, [9, 10, 11], 8)
+    saved_then_claimed(sch, table, wk)
     seam.gate = threading.Event()                    # the daemon is slow
     wk.start_loads(sch.build(step()))
     assert seam.entered.wait(10)
