@@ -50,7 +50,7 @@ from kvcache.kvstore.errors import StoreError
 from kvcache.kvstore.hashing import Namespace
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.types import (LookupResult, PutItem, PutResult, Scatter, StoreStats, Tier, TierStats,
-                                   copy_pieces, dest_pieces)
+                                   copy_into, dest_pieces)
 
 log = logging.getLogger(__name__)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError,
@@ -309,7 +309,7 @@ class AsyncKVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            return copy_pieces(dest_pieces(outs[i], view.nbytes), view)
+            return copy_into(outs[i], view)
 
         async def over_socket(sub, idx):
             async def take(i, n, content):

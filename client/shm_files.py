@@ -41,7 +41,7 @@ def read_record_into(fd: int, slot: FileSlot, stored_key: bytes, dst: list[memor
     try:
         if os.preadv(fd, [head, *dst], slot.offset) != hlen + n:
             return False
-        verify_raw_record(head, stored_key, dst[0] if len(dst) == 1 else dst)
+        verify_raw_record(head, stored_key, dst)
     except (OSError, CorruptBlockError):
         return False
     return True

@@ -29,7 +29,7 @@ from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, Loca
 from kvcache.kvstore.shm_directory import DirectoryReader
 from kvcache.kvstore.shm_wire import ShmProtocolError
 from kvcache.kvstore.hashing import Namespace
-from kvcache.kvstore.types import LookupResult, PutItem, PutResult, Scatter, StoreStats, copy_pieces, dest_pieces
+from kvcache.kvstore.types import LookupResult, PutItem, PutResult, Scatter, StoreStats, copy_into, dest_pieces
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class KVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
 
         def copy(i, view):
-            return copy_pieces(dest_pieces(outs[i], view.nbytes), view)
+            return copy_into(outs[i], view)
 
         def over_socket(idx):
             def take(i, n, resp):

@@ -280,14 +280,26 @@ class Scatter:
         return out
 
 
-def dest_pieces(out, n: int) -> list[memoryview]:
-    """Where an n-byte payload goes: one view of a buffer, or a Scatter's pieces."""
-    if isinstance(out, Scatter):
-        return out.pieces(n)
+def _fit(out, n: int) -> memoryview:
     dst = memoryview(out).cast("B")
     if dst.nbytes < n:
         raise ValueError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-    return [dst[:n]]
+    return dst
+
+
+def dest_pieces(out, n: int) -> list[memoryview]:
+    """Where an n-byte payload goes: one view of a buffer, or a Scatter's pieces."""
+    return out.pieces(n) if isinstance(out, Scatter) else [_fit(out, n)[:n]]
+
+
+def copy_into(out, src: memoryview) -> int:
+    """src's bytes into `out` (a buffer or a Scatter); their length. A plain buffer takes one
+    slice assignment, no piece list: this is the shared-memory read's per-block copy."""
+    n = src.nbytes
+    if isinstance(out, Scatter):
+        return copy_pieces(out.pieces(n), src)
+    _fit(out, n)[:n] = src
+    return n
 
 
 def copy_pieces(pieces: list[memoryview], src: memoryview) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from kvcache.client import shm_client
 from kvcache.client.async_client import AsyncKVClient
-from kvcache.kvstore.types import Scatter, copy_pieces, dest_pieces
+from kvcache.kvstore.types import Scatter, copy_into, copy_pieces, dest_pieces
 from kvcache.client.sync_client import KVClient
 from kvcache.kvstore.hashing import tenant_key
 from tests.client.test_shm import ADMIN, SHARER, no_socket_reads, served  # noqa: F401 (served: a fixture)
@@ -45,6 +45,11 @@ def test_a_scatter_splits_payloads_in_order_and_refuses_what_it_cannot_hold():
     assert [p.nbytes for p in dest_pieces(bytearray(10), 4)] == [4]
     with pytest.raises(ValueError, match="output buffer"):
         dest_pieces(bytearray(3), 4)
+    plain = bytearray(5)
+    assert copy_into(plain, memoryview(b"wxyz")) == 4 and plain == b"wxyz\0"
+    assert copy_into(s, memoryview(b"0123456789")) == 10 and joined(s.parts)[:10] == b"0123456789"
+    with pytest.raises(ValueError, match="output buffer"):
+        copy_into(bytearray(3), memoryview(b"wxyz"))
 
 
 # ---------------------------------------------------------------- the read paths
