@@ -66,8 +66,18 @@ async def read_get_frames(content: aiohttp.StreamReader, keys: Sequence[bytes], 
         fkey, hit, _tier_bits, n = await wire.read_get_frame_header(read)
         if fkey != key:
             raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
+        if not hit:
+            await _skip(content, n)       # a padded miss's zeros (none for a plain miss)
         out.append(await take(i, n, content) if hit else None)
     return out
+
+
+async def _skip(content: aiohttp.StreamReader, n: int) -> None:
+    while n:
+        chunk = await content.read(min(n, 1 << 20))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        n -= len(chunk)
 
 
 def layout_json(layout: Sequence[TensorSpec]) -> str:

@@ -71,6 +71,19 @@ def read_exact(resp: http.client.HTTPResponse, n: int) -> bytes:
     return data
 
 
+SKIP_BYTES = 1 << 20      # the scratch buffer skip() reads through
+
+
+def skip(resp: http.client.HTTPResponse, n: int) -> None:
+    """Read and drop `n` bytes (a padded miss's zeros), through a bounded scratch buffer."""
+    if n:
+        scratch = memoryview(bytearray(min(n, SKIP_BYTES)))
+        while n:
+            step = min(n, scratch.nbytes)
+            read_exact_into(resp, scratch[:step])
+            n -= step
+
+
 def read_exact_into(resp: http.client.HTTPResponse, dst: memoryview) -> None:
     pos = 0
     while pos < dst.nbytes:

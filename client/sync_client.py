@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvcache.kvstore import wire
-from kvcache.client.blocking_http import BlockingHTTP, read_exact, read_exact_into
+from kvcache.client.blocking_http import BlockingHTTP, read_exact, read_exact_into, skip
 from kvcache.client.async_client import AsyncKVClient
 from kvcache.client.common import DaemonError, _check_item, _chunks, _split_puts, put_pieces, put_total
 from kvcache.client.shm_client import ArenaUnavailable, BlockingShmControl, LocalArena, read_shared_blocking
@@ -236,7 +236,8 @@ class KVClient:
         result: list = [None] * len(keys)
         base, limit = 0, self._client.max_batch_blocks
         for chunk in _chunks(keys, limit):
-            body = json.dumps({"keys": [k.hex() for k in chunk]}).encode()
+            # sized: a Content-Length answer, read without http.client's chunked decoding
+            body = json.dumps({"keys": [k.hex() for k in chunk], "sized": True}).encode()
 
             def handle(resp, chunk=chunk, base=base):
                 count = wire.parse_stream_header(read_exact(resp, wire.STREAM_HEADER_BYTES), len(chunk))
@@ -246,7 +247,11 @@ class KVClient:
                     fkey, hit, _tier, n = wire.parse_get_head(read_exact(resp, read_exact(resp, 1)[0] + 10))
                     if fkey != key:
                         raise DaemonError(f"batch_get frame {i} is for key {fkey.hex()}, expected {key.hex()}")
-                    result[base + i] = take(base + i, n, resp) if hit else None
+                    if hit:
+                        result[base + i] = take(base + i, n, resp)
+                    else:
+                        skip(resp, n)      # a padded miss's zeros (none for a plain miss)
+                        result[base + i] = None
             self._http.request("POST", "/v1/blocks/batch_get", [body],
                                {"Content-Type": "application/json", "Content-Length": str(len(body))}, handle)
             base += len(chunk)

@@ -9,6 +9,11 @@ A batch body is a stream of frames after one stream header; payloads are never J
     get frame (daemon -> client, one per requested key, in order):
              u8 key_len | key | u8 status (0 hit, 1 miss) | u8 tier bits | u64 len | payload
 
+A miss's len is 0, except in a sized stream (batch_get with "sized": true, whose response
+has a Content-Length computed before the first block is read): a block sized as present but
+gone, or of another size, by the time it is read keeps its promised bytes as a miss whose len
+zero bytes follow (a padded miss). Readers skip those bytes.
+
 All integers little-endian. Readers pull frames one at a time from an async byte stream,
 so neither side holds a whole batch in memory beyond what it chooses to.
 """
@@ -82,6 +87,17 @@ def get_frame_head(key: bytes, nbytes: int | None, tier: Tier | None) -> bytes:
     if nbytes is None:
         return _U8.pack(len(key)) + key + bytes([MISS, 0]) + _U64.pack(0)
     return _U8.pack(len(key)) + key + bytes([HIT, int(tier)]) + _U64.pack(nbytes)
+
+
+def padded_miss_head(key: bytes, padding: int) -> bytes:
+    """A miss followed by `padding` zero bytes: a sized stream's frame for a block that was
+    sized as `padding` bytes and could not be sent as such."""
+    return _U8.pack(len(key)) + key + bytes([MISS, 0]) + _U64.pack(padding)
+
+
+def frame_bytes(key: bytes, nbytes: int | None) -> int:
+    """Bytes on the wire of a get frame for `key` with an `nbytes` payload (None: a miss)."""
+    return 11 + len(key) + (nbytes or 0)
 
 
 STREAM_HEADER_BYTES = _STREAM.size
@@ -159,6 +175,8 @@ async def read_get_frame(read: ReadExactly) -> GetFrame:
     status, tier = await read(2)
     (plen,) = _U64.unpack(await read(8))
     if status == MISS:
+        if plen:
+            await read(plen)             # a padded miss (a sized stream): the promised bytes, zeros
         return GetFrame(key, None)
     return GetFrame(key, await read(plen), Tier(tier))
 

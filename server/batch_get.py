@@ -107,11 +107,15 @@ class GetStream:
 
 
 async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes],
-                        sent: Sequence[bytes]) -> web.StreamResponse:
-    """The KVB1 stream of `keys` (stored keys), framed with `sent` (the client's keys)."""
+                        sent: Sequence[bytes], sized: bool = False) -> web.StreamResponse:
+    """The KVB1 stream of `keys` (stored keys), framed with `sent` (the client's keys). `sized`:
+    every key is sized before the first group and the response has a Content-Length (a reader
+    then needs no chunked decoding, and aiohttp writes each slice as it is, where a chunked
+    write joins it with its chunk line, a copy, on Python before 3.12.9); a block that changes
+    after sizing is a padded miss (kvstore/wire.py)."""
     resp = web.StreamResponse(headers={"Content-Type": "application/x-kvcache-batch"})
     try:
-        await _stream(request, s, resp, keys, sent)
+        await _stream(request, s, resp, keys, sent, sized)
     except Exception:
         if resp.prepared:      # no answer can follow a started stream (it would land inside it): cut it short
             _abort(request)
@@ -119,16 +123,20 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
     return resp
 
 
-async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent) -> None:
+async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent, sized: bool) -> None:
     _write_limit_zero(request)
     i, t0, tiers = 0, time.perf_counter(), set()
+    every = await s.call(s.store.sizes_tiered, keys) if sized else None
+    if sized:
+        resp.content_length = wire.STREAM_HEADER_BYTES + group_bytes(every, sent)
     while i < len(keys):
-        sizes = await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
+        sizes = every[i: i + GROUP_BLOCKS] if sized else await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
         n = _group(sizes)
         charge = size_for(group_bytes(sizes[:n], sent[i: i + n]))
         held = await _take(request, s, charge, first=not resp.prepared)
         try:
-            group = await read_group(s.call, s.store, s.budget.buffers, keys[i: i + n], sizes[:n], sent[i: i + n])
+            group = await read_group(s.call, s.store, s.budget.buffers, keys[i: i + n], sizes[:n], sent[i: i + n],
+                                     sized)
             s.metrics.count_gets(group.frames, s.client)
             tiers.update(t for _, t in group.frames)
             if not resp.prepared:

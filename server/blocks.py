@@ -79,7 +79,10 @@ async def batch_get(request: web.Request) -> web.StreamResponse:
     app = request.app
     if len(keys) > app[CONFIG].max_batch_blocks:
         raise wire.FrameLimitError(f"at most {app[CONFIG].max_batch_blocks} blocks per batch_get")
-    return await stream_blocks(request, _get_stream(request), keys, [bytes.fromhex(k) for k in body["keys"]])
+    sized = body.get("sized", False)
+    if not isinstance(sized, bool):
+        raise BlockFormatError('"sized" is true or false (true: a Content-Length, and padded misses)')
+    return await stream_blocks(request, _get_stream(request), keys, [bytes.fromhex(k) for k in body["keys"]], sized)
 
 
 async def lookup(request: web.Request) -> web.Response:

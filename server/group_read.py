@@ -9,8 +9,10 @@ instead of two per block:
 
 A block gone between sizes_tiered and the read (deleted, expired) is a miss, and one stored
 again since is what get_many_into read, or a miss if it grew past its slot: their frames no
-longer fit that layout, so such a group goes out frame by frame. The buffer is reused
-(server/read_buffers.py): a payload is cut to what was read into it, never padded with an
+longer fit that layout, so such a group goes out frame by frame. In a sized stream (its
+Content-Length promised from the sizes) every frame must keep its bytes, so such a block is
+a padded miss instead, in place: its head rewritten, its slot zeroed. The buffer is reused
+(server/read_buffers.py): a payload is cut to what was read into it, and never padded with an
 earlier read's bytes. Without the client's keys (GET /v1/blocks/{key}) the parts are the bare
 payloads.
 """
@@ -35,19 +37,22 @@ class Group:
 
 def group_bytes(sizes, sent: Sequence[bytes] | None) -> int:
     """The buffer a group needs: its payloads, and with `sent` a frame head per key."""
-    payloads = sum(size[0] for size in sizes if size is not None)
-    return payloads + (0 if sent is None else sum(11 + len(k) for k in sent))
+    if sent is None:
+        return sum(size[0] for size in sizes if size is not None)
+    return sum(wire.frame_bytes(k, size and size[0]) for k, size in zip(sent, sizes))
 
 
 async def read_group(call: Callable[..., Awaitable], store: BlockStore, buffers: ReadBuffers, keys, sizes,
-                     sent: Sequence[bytes] | None = None) -> Group:
+                     sent: Sequence[bytes] | None = None, sized: bool = False) -> Group:
     """Read `keys` (stored keys, sized `sizes` by sizes_tiered) into one buffer from `buffers`;
-    `call` runs a blocking store call in the store's thread pool."""
+    `call` runs a blocking store call in the store's thread pool. `sized`: the frames take
+    exactly group_bytes (a block that changed is a padded miss)."""
     heads = [None] * len(sizes) if sent is None else [
         wire.get_frame_head(k, *(size or (None, None))) for k, size in zip(sent, sizes)]
     raw = buffers.take(group_bytes(sizes, sent))
-    buf, pos, slots = memoryview(raw), 0, []
+    buf, pos, slots, starts = memoryview(raw), 0, [], []
     for head, size in zip(heads, sizes):
+        starts.append(pos)
         if head is not None:
             buf[pos: pos + len(head)] = head
             pos += len(head)
@@ -56,16 +61,30 @@ async def read_group(call: Callable[..., Awaitable], store: BlockStore, buffers:
     want = [j for j, v in enumerate(slots) if v is not None]
     got = await call(_read_into, store, [keys[j] for j in want], [slots[j] for j in want])
     changed = [(j, n) for j, n in zip(want, got) if n != sizes[j][0]]
-    for j, n in changed:
-        slots[j] = None if n is None else slots[j][:n]
+    if sized and sent is not None:
+        for j, _ in changed:
+            _pad(buf, starts[j], sent[j], sizes[j][0])
+            slots[j] = None
+    else:
+        for j, n in changed:
+            slots[j] = None if n is None else slots[j][:n]
     frames = [(slots[j], sizes[j][1] if slots[j] is not None else None) for j in range(len(sizes))]
     if sent is None:
         parts = [p for p, _ in frames if p is not None]
-    elif changed:
+    elif changed and not sized:
         parts = [part for k, (payload, tier) in zip(sent, frames) for part in wire.encode_get_frame(k, payload, tier)]
     else:
         parts = [buf[:pos]]
     return Group(frames, parts, raw)
+
+
+def _pad(buf: memoryview, at: int, key: bytes, nbytes: int) -> None:
+    """Turn the frame at `at` into a padded miss of the same length: whatever the read left in
+    its slot (part of a block, or a reused buffer's older bytes) becomes zeros."""
+    head = wire.padded_miss_head(key, nbytes)
+    buf[at: at + len(head)] = head
+    start = at + len(head)
+    buf[start: start + nbytes] = bytes(nbytes)
 
 
 def _read_into(store: BlockStore, keys: list, slots: list) -> list:

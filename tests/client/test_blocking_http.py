@@ -35,7 +35,7 @@ class OneShotServer:
     """Answers each connection's first request, then closes it without saying so (no
     `Connection: close`): the client's pooled connection is stale on its next use."""
 
-    def __init__(self, status: int = 200, body: dict | None = None):
+    def __init__(self, status: int = 200, body: dict | bytes | None = None):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port, self.connections, self.requests = self.sock.getsockname()[1], 0, []
         self.status, self.body = status, body or {"ok": True}
@@ -58,7 +58,7 @@ class OneShotServer:
                 while len(rest) < length:
                     rest += conn.recv(65536)
                 self.requests.append(rest)
-                body = json.dumps(self.body).encode()
+                body = self.body if isinstance(self.body, bytes) else json.dumps(self.body).encode()
                 conn.sendall(f"HTTP/1.1 {self.status} X\r\nContent-Type: application/json\r\n"
                              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
@@ -104,3 +104,4 @@ def test_unreachable_daemon_is_a_daemon_error_after_the_retries():
     s.close()
     with pytest.raises(DaemonError, match="after 3 attempt"):
         http(port, retries=2).request("POST", "/x", [b"x"], {"Content-Length": "1"}, lambda resp: None)
+

@@ -39,14 +39,37 @@ def test_give_drops_what_is_still_referenced_or_past_the_limit():
     assert pool.idle_bytes == 2 << 20 and pool.take(1 << 21) is a
 
 
-async def batch_get(c, keys: list[str]) -> list:
-    r = await c.post("/v1/blocks/batch_get", json={"keys": keys}, headers=auth(ALICE))
+async def batch_get(c, keys: list[str], sized: bool = False) -> list:
+    r = await c.post("/v1/blocks/batch_get", json={"keys": keys, "sized": sized}, headers=auth(ALICE))
     assert r.status == 200, await r.text()
     read = r.content.readexactly
     n = await wire.read_stream_header(read, 1000)
     frames = [await wire.read_get_frame(read) for _ in range(n)]
     assert await r.content.read() == b""
+    assert (r.content_length is not None) == sized
     return frames
+
+
+async def sized_body(c, keys: list[str]) -> bytes:
+    """A sized batch_get's raw body, checked against its Content-Length."""
+    r = await c.post("/v1/blocks/batch_get", json={"keys": keys, "sized": True}, headers=auth(ALICE))
+    assert r.status == 200 and "chunked" not in r.headers.get("Transfer-Encoding", "")
+    body = await r.read()
+    assert len(body) == r.content_length
+    return body
+
+
+def frames_of(body: bytes) -> list[tuple[str, bool, bytes]]:
+    """(key hex, hit, the bytes after the head: payload or padding) of each frame of `body`."""
+    pos, out = wire.STREAM_HEADER_BYTES, []
+    while pos < len(body):
+        klen = body[pos]
+        key, hit, _, n = wire.parse_get_head(body[pos + 1: pos + 11 + klen])
+        pos += 11 + klen
+        out.append((key.hex(), hit, body[pos: pos + n]))
+        pos += n
+    assert pos == len(body)
+    return out
 
 
 async def test_a_buffer_used_before_serves_exact_frames_and_misses(make_client):  # noqa: F811
@@ -105,6 +128,52 @@ async def test_a_block_stored_again_smaller_or_larger_is_never_padded_with_older
         del store.sizes_tiered
     assert [f.payload for f in got] == [bytes([3]) * size, b"s" * 1000, None, bytes([2]) * size]
     assert [f.key.hex() for f in got] == [keys[3], keys[0], keys[1], keys[2]]
+
+
+async def test_a_sized_stream_has_the_same_frames_and_its_content_length(make_client):  # noqa: F811
+    c = await make_client()
+    keys = await put_blocks(c, 5, 300_000)
+    absent = os.urandom(16).hex()
+    asked = [keys[4], absent, *keys[:4]]
+    assert await batch_get(c, asked, sized=True) == await batch_get(c, asked)
+    frames = frames_of(await sized_body(c, asked))
+    assert [(k, hit, len(b)) for k, hit, b in frames] == [(keys[4], True, 300_000), (absent, False, 0),
+                                                         *[(k, True, 300_000) for k in keys[:4]]]
+    assert await batch_get(c, [], sized=True) == []
+
+
+async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(make_client):  # noqa: F811
+    """Sized, then deleted, stored again smaller, and stored again larger before the read: each
+    keeps the bytes the Content-Length promised, as a miss followed by zeros (never a reused
+    buffer's older bytes, nor part of the new block); the others arrive whole."""
+    c = await make_client()
+    size = 200_000
+    keys = await put_blocks(c, 5, size)
+    await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
+    store = c.server.app[STORE]
+    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
+
+    def sizes_then_change(ks):
+        sizes = real_sizes(ks)
+        store.delete([ks[1], ks[2], ks[3]])
+        store.put_many([PutItem(ks[2], b"s" * 1000, ns, tenant="alice"),
+                        PutItem(ks[3], b"g" * 300_000, ns, tenant="alice")])
+        return sizes
+    store.sizes_tiered = sizes_then_change
+    try:
+        frames = frames_of(await sized_body(c, keys))
+    finally:
+        del store.sizes_tiered
+    assert [k for k, _, _ in frames] == keys
+    assert [(hit, b) for _, hit, b in frames] == [(True, bytes([0]) * size), (False, bytes(size)),
+                                                  (False, bytes(size)), (False, bytes(size)),
+                                                  (True, bytes([4]) * size)]
+
+
+async def test_sized_must_be_a_boolean(make_client):  # noqa: F811
+    c = await make_client()
+    r = await c.post("/v1/blocks/batch_get", json={"keys": [], "sized": "yes"}, headers=auth(ALICE))
+    assert r.status == 400 and "sized" in await r.text()
 
 
 def _dechunk(raw: bytes) -> bytes:
