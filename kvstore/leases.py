@@ -45,7 +45,16 @@ class StoreLeases:
         slots, lease, _ = self.lease_shared(keys, max_files=0)
         return slots, lease
 
-    def lease_shared(self, keys: Sequence[bytes], max_files: int) -> tuple[list, DramLease, list[int]]:
+    def lease_views(self, keys: Sequence[bytes]) -> tuple[list, DramLease]:
+        """lease_dram for a reader in this process: per key a read-only view of its payload in the
+        arena (valid until release_dram(lease)), None (a miss) or SOCKET; nothing is published in
+        the read directory. The HTTP read path sends large blocks from these views, uncopied."""
+        slots, lease, _ = self.lease_shared(keys, max_files=0, publish=False)
+        with self.dram.arena_view() as arena:     # the slices keep the arena mapped, not this view
+            return [s if s is None or s == SOCKET else arena[s[0]: s[0] + s[1]] for s in slots], lease
+
+    def lease_shared(self, keys: Sequence[bytes], max_files: int,
+                     publish: bool = True) -> tuple[list, DramLease, list[int]]:
         """lease_dram, where a block only on NVMe, in at most `max_files` segments, may be
         answered with its record's place instead of being promoted first: a FileSlot whose fd
         indexes the descriptors returned (read-only; the caller sends, then closes them). The
@@ -63,7 +72,7 @@ class StoreLeases:
             cold = [i for i, e in zip(live, held) if e is None]
             files, fds = self._file_slots(metas, cold, max_files) if cold and max_files else ({}, [])
             held = self._acquire_cold(keys, metas, live, held, [i for i in cold if i not in files])
-            slots, lease = self._granted(keys, metas, live, held, cold, files)
+            slots, lease = self._granted(keys, metas, live, held, cold, files, publish)
             return slots, lease, fds
         except BaseException:    # acquired chunks stay unevictable until released: never leak them
             self.dram.release(held)
@@ -104,7 +113,7 @@ class StoreLeases:
         return held
 
     def _granted(self, keys, metas, live: list[int], held: list, cold: list[int],
-                 files: dict[int, FileSlot]) -> tuple[list, DramLease]:
+                 files: dict[int, FileSlot], publish: bool = True) -> tuple[list, DramLease]:
         slots: list = [None] * len(keys)
         for i, e in zip(live, held):
             slots[i] = files.get(i) or (SOCKET if e is None else (e.offset, e.nbytes))
@@ -119,7 +128,8 @@ class StoreLeases:
         self._count_dram_reads(warm, len(keys) - len(live), now, len(keys), label,
                                [m.residency.fastest() for m in found] + [Tier.NVME] * len(files),
                                lease.nbytes + file_bytes)
-        self._publish([keys[i] for i in got], found, now)
+        if publish:
+            self._publish([keys[i] for i in got], found, now)
         if files:
             self._count_file_reads([(keys[i], metas[i]) for i in files], now, file_bytes)
         return slots, lease

@@ -4,9 +4,16 @@ time, however slowly the client reads.
     keys ─> group (at most 32 blocks and GROUP_BYTES, or one larger block)
         ─> GetBudget.take(its buffer's bytes)   daemon-wide: server.max_batch_get_bytes
         ─> read_group(one buffer)               group_read.py; ReadBuffers: reused
+           or, blocks of ZERO_COPY_BYTES and up: lease_group (views of their leased DRAM chunks)
         ─> write the frames, WRITE_SLICE at a time, and drain the socket to empty,
            all within server.request_timeout_s
-        ─> ReadBuffers.give, GetBudget.give     nothing refers to the buffer any more
+        ─> ReadBuffers.give / release_dram,     nothing refers to the buffer (the chunks) any more
+           GetBudget.give
+
+A leased group's bytes are charged to the budget like a buffer's: they are arena a slow
+client keeps from eviction. If the stream fails while the transport may still hold views of
+the chunks, the connection is aborted (its unsent bytes dropped) before the lease is released,
+so a chunk reused for another block is never sent.
 
 A client that never reads cannot hold more than one group per connection, nor longer than the
 deadline: past it the connection is aborted, which drops the transport's unsent bytes too. The
@@ -23,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from kvcache.server.group_read import group_bytes, read_group
+from kvcache.server.group_read import group_bytes, lease_group, read_group
 from kvcache.server.metrics import Metrics
 from kvcache.server.read_buffers import KEEP_BYTES, ReadBuffers, size_for
 from kvcache.kvstore import wire
@@ -38,6 +46,7 @@ from kvcache.kvstore.store import BlockStore
 GROUP_BYTES = 8 << 20      # a group reads at most this much (or one block) per store call
 GROUP_BLOCKS = 32
 WRITE_SLICE = 256 << 10    # the most the transport holds per connection
+ZERO_COPY_BYTES = 256 << 10  # groups of blocks at least this large are sent from their DRAM chunks
 FIRST_WAIT_S = 1.0         # how long the first group waits for room before the 503
 DRAIN_POLL_S = 0.001
 
@@ -133,18 +142,30 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
         sizes = every[i: i + GROUP_BLOCKS] if sized else await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
         n = _group(sizes)
         charge = size_for(group_bytes(sizes[:n], sent[i: i + n]))
-        held = await _take(request, s, charge, first=not resp.prepared)
+        held, group = await _take(request, s, charge, first=not resp.prepared), None
         try:
-            group = await read_group(s.call, s.store, s.budget.buffers, keys[i: i + n], sizes[:n], sent[i: i + n],
-                                     sized)
+            args = (s.store, keys[i: i + n], sizes[:n], sent[i: i + n], sized)
+            if _zero_copy(s.store, sizes[:n]):
+                group = await lease_group(s.call, *args)
+            group = group or await read_group(s.call, args[0], s.budget.buffers, *args[1:])
             s.metrics.count_gets(group.frames, s.client)
             tiers.update(t for _, t in group.frames)
             if not resp.prepared:
                 await resp.prepare(request)
                 await resp.write(wire.stream_header(len(keys)))
             await _write_parts(request, resp, s.deadline_s, group.parts, "a batch_get group")
-            s.budget.buffers.give(group.raw, True)      # drained: the transport holds none of it
+            if group.raw is not None:
+                s.budget.buffers.give(group.raw, True)      # drained: the transport holds none of it
+        except BaseException as e:
+            if group is not None and group.lease is not None:
+                _abort(request)      # the transport may still hold views of the chunks: drop them first
+                traceback.clear_frames(e.__traceback__)      # and so may the frames the error passed
+            raise
         finally:
+            if group is not None and group.lease is not None:
+                group.parts.clear()
+                group.frames.clear()
+                await s.call(s.store.release_dram, group.lease)
             s.budget.give(held)
         i += n
     if not resp.prepared:              # no keys
@@ -152,6 +173,12 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
         await resp.write(wire.stream_header(0))
     await resp.write_eof()
     s.metrics.observe_read(s.client, tiers, time.perf_counter() - t0)
+
+
+def _zero_copy(store: BlockStore, sizes) -> bool:
+    """Whether a group goes out from leased DRAM chunks (lease_group): every block in it is at
+    least ZERO_COPY_BYTES, where a copy into a buffer costs more than a head's own write."""
+    return store.dram is not None and all(size is None or size[0] >= ZERO_COPY_BYTES for size in sizes) and any(sizes)
 
 
 def _group(sizes) -> int:

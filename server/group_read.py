@@ -24,7 +24,9 @@ from typing import Awaitable, Callable, Sequence
 
 from kvcache.kvstore import wire
 from kvcache.kvstore.errors import BufferTooSmallError
+from kvcache.kvstore.leases import SOCKET, DramLease
 from kvcache.kvstore.store import BlockStore
+from kvcache.kvstore.types import Tier
 from kvcache.server.read_buffers import ReadBuffers
 
 
@@ -32,7 +34,8 @@ from kvcache.server.read_buffers import ReadBuffers
 class Group:
     frames: list            # [(payload view or None, tier)], for the metrics and single GETs
     parts: list             # what goes on the wire, in order
-    raw: bytearray          # the buffer they sit in, for ReadBuffers.give
+    raw: bytearray | None   # the buffer they sit in, for ReadBuffers.give (None: leased chunks)
+    lease: DramLease | None = None     # the DRAM chunks the parts view, for release_dram
 
 
 def group_bytes(sizes, sent: Sequence[bytes] | None) -> int:
@@ -85,6 +88,36 @@ def _pad(buf: memoryview, at: int, key: bytes, nbytes: int) -> None:
     buf[at: at + len(head)] = head
     start = at + len(head)
     buf[start: start + nbytes] = bytes(nbytes)
+
+
+async def lease_group(call: Callable[..., Awaitable], store: BlockStore, keys, sizes,
+                      sent: Sequence[bytes], sized: bool) -> Group | None:
+    """A batch_get group sent from its blocks' DRAM chunks, leased (BlockStore.lease_views; a
+    block below DRAM is promoted first): frame heads between views of the arena, no copy into a
+    buffer. The caller must release the lease once the socket holds none of the views (or after
+    aborting the connection). None, and nothing held, when a live block cannot be placed in DRAM
+    (read_group then reads it through the tiers).
+
+        parts: [head 0] [arena view 0] [head 1 (a miss)] [head 2] [arena view 2] ...
+    """
+    views, lease = await call(store.lease_views, keys)
+    if any(v is SOCKET for v in views):
+        await call(store.release_dram, lease)
+        return None
+    parts, frames = [], []
+    for key, size, view in zip(sent, sizes, views):
+        promised = None if size is None else size[0]
+        if view is not None and (not sized or view.nbytes == promised):
+            tier = Tier.DRAM if size is None else size[1]
+            parts += [wire.get_frame_head(key, view.nbytes, tier), view]
+            frames.append((view, tier))
+        elif sized and promised is not None:       # sized, then gone or stored again at another size
+            parts += [wire.padded_miss_head(key, promised), bytes(promised)]
+            frames.append((None, None))
+        else:
+            parts.append(wire.get_frame_head(key, None, None))
+            frames.append((None, None))
+    return Group(frames, parts, None, lease)
 
 
 def _read_into(store: BlockStore, keys: list, slots: list) -> list:

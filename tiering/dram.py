@@ -363,6 +363,11 @@ class DramTier(DramEviction, DramLandings, BlockTier):
     def usage(self) -> TierUsage:
         return TierUsage(Tier.DRAM, len(self._entries), self._slab.used_bytes, self._slab.capacity)
 
+    def arena_view(self) -> memoryview:
+        """The arena, read-only, for readers of leased chunks (BlockStore.lease_views); release
+        it (and every slice of it) before close."""
+        return self._mv.toreadonly()
+
     def close(self) -> None:
         with self._lock:
             self._entries.clear()

@@ -6,8 +6,12 @@ import asyncio
 import json
 import os
 
+import pytest
+
 from kvcache.kvstore import wire
+from kvcache.kvstore.leases import SOCKET
 from kvcache.kvstore.types import PutItem
+from kvcache.server.batch_get import ZERO_COPY_BYTES
 from kvcache.server import tenancy
 from kvcache.server.read_buffers import ReadBuffers, size_for
 from kvcache.server.request_state import GET_BUDGET, STORE
@@ -74,7 +78,7 @@ def frames_of(body: bytes) -> list[tuple[str, bool, bytes]]:
 
 async def test_a_buffer_used_before_serves_exact_frames_and_misses(make_client):  # noqa: F811
     c = await make_client()
-    size = 300_000
+    size = 200_000                          # below ZERO_COPY_BYTES: read into a pooled buffer
     keys = await put_blocks(c, 6, size)
     pool = c.server.app[GET_BUDGET].buffers
     first = await batch_get(c, keys)
@@ -142,12 +146,18 @@ async def test_a_sized_stream_has_the_same_frames_and_its_content_length(make_cl
     assert await batch_get(c, [], sized=True) == []
 
 
-async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(make_client):  # noqa: F811
+def leases_held(c) -> int:
+    """Leases on the daemon's DRAM chunks (batch_get groups sent from them hold some)."""
+    return sum(e.leases for e in c.server.app[STORE].dram._entries.values())
+
+
+@pytest.mark.parametrize("size", [200_000, 300_000])      # read into a buffer; sent from leased chunks
+async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(make_client, size):  # noqa: F811
     """Sized, then deleted, stored again smaller, and stored again larger before the read: each
     keeps the bytes the Content-Length promised, as a miss followed by zeros (never a reused
     buffer's older bytes, nor part of the new block); the others arrive whole."""
+    assert (size >= ZERO_COPY_BYTES) == (size == 300_000)
     c = await make_client()
-    size = 200_000
     keys = await put_blocks(c, 5, size)
     await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
     store = c.server.app[STORE]
@@ -157,7 +167,7 @@ async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(m
         sizes = real_sizes(ks)
         store.delete([ks[1], ks[2], ks[3]])
         store.put_many([PutItem(ks[2], b"s" * 1000, ns, tenant="alice"),
-                        PutItem(ks[3], b"g" * 300_000, ns, tenant="alice")])
+                        PutItem(ks[3], b"g" * (size + 100_000), ns, tenant="alice")])
         return sizes
     store.sizes_tiered = sizes_then_change
     try:
@@ -168,6 +178,58 @@ async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(m
     assert [(hit, b) for _, hit, b in frames] == [(True, bytes([0]) * size), (False, bytes(size)),
                                                   (False, bytes(size)), (False, bytes(size)),
                                                   (True, bytes([4]) * size)]
+    assert leases_held(c) == 0
+
+
+async def test_large_blocks_go_out_from_their_leased_chunks_as_they_now_are(make_client):  # noqa: F811
+    """Blocks of ZERO_COPY_BYTES and up are sent from their DRAM chunks: one stored again at
+    another size after sizing arrives as it now is (its frame says so), and no lease outlives
+    the stream."""
+    c = await make_client()
+    size = 300_000
+    keys = await put_blocks(c, 4, size)
+    store = c.server.app[STORE]
+    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
+
+    def sizes_then_store_again(ks):
+        sizes = real_sizes(ks)
+        store.delete([ks[1], ks[2]])
+        store.put_many([PutItem(ks[1], b"s" * 1000, ns, tenant="alice"),
+                        PutItem(ks[2], b"g" * 400_000, ns, tenant="alice")])
+        return sizes
+    store.sizes_tiered = sizes_then_store_again
+    try:
+        got = await batch_get(c, keys)
+    finally:
+        del store.sizes_tiered
+    assert [f.payload for f in got] == [bytes([0]) * size, b"s" * 1000, b"g" * 400_000, bytes([3]) * size]
+    assert leases_held(c) == 0
+
+
+async def test_a_block_that_cannot_be_placed_in_dram_sends_the_group_through_a_buffer(make_client, monkeypatch):  # noqa: F811
+    c = await make_client()
+    keys = await put_blocks(c, 3, 300_000)
+    store = c.server.app[STORE]
+    real = store.lease_views
+
+    def one_on_the_socket(ks):            # as when DRAM is full of pinned blocks
+        views, lease = real(ks)
+        return [SOCKET, *views[1:]], lease
+    monkeypatch.setattr(store, "lease_views", one_on_the_socket)
+    got = await batch_get(c, keys, sized=True)
+    assert [f.payload for f in got] == [bytes([i]) * 300_000 for i in range(3)]
+    assert leases_held(c) == 0
+
+
+async def test_a_client_gone_mid_stream_leaves_no_lease_behind(make_client):  # noqa: F811
+    c = await make_client(request_timeout_s=30)
+    keys = await put_blocks(c, 3, 1 << 20)
+    budget = c.server.app[GET_BUDGET]
+    s = raw_post(c.server.port, "/v1/blocks/batch_get", json.dumps({"keys": keys}).encode(), rcvbuf=4096)
+    await until(lambda: budget.held > 0)
+    assert leases_held(c) > 0                    # in flight: the chunks being sent are held
+    s.close()
+    await until(lambda: leases_held(c) == 0 and budget.held == 0)
 
 
 async def test_sized_must_be_a_boolean(make_client):  # noqa: F811
