@@ -175,3 +175,24 @@ def test_a_full_index_map_costs_access_times_not_reads(tmp_path, monkeypatch):
     assert s.get_many([key_for(0)]) == [payload_for(0)]
     monkeypatch.undo()
     s.close()
+
+
+def test_lease_views_are_read_only_payload_views_held_until_released(tmp_path, monkeypatch):
+    from tests.client.test_shm import shm_store
+    store = shm_store(tmp_path / "d")
+    store.register_namespace(NS)
+    keys = [key_for(i) for i in range(3)]
+    store.put_many([PutItem(k, payload_for(i), NS.id) for i, k in enumerate(keys[:2])])
+    published = []
+    monkeypatch.setattr(store, "_publish", lambda *a: published.append(a))
+    views, lease = store.lease_views(keys)
+    assert [bytes(v) if v is not None else None for v in views] == [payload_for(0), payload_for(1), None]
+    assert all(v.readonly for v in views[:2]) and published == []     # the read directory is untouched
+    assert [store.dram._entries[k].leases for k in keys[:2]] == [1, 1]
+    store.delete(keys[:1])                                  # deleted while leased: its chunk is not reused
+    store.put_many([PutItem(key_for(9), payload_for(9), NS.id)])
+    assert bytes(views[0]) == payload_for(0)
+    store.release_dram(lease)
+    assert store.dram._entries[keys[1]].leases == 0
+    del views
+    store.close()
