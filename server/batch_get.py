@@ -15,8 +15,8 @@ client keeps from eviction. If the stream fails while the transport may still ho
 the chunks, the connection is aborted (its unsent bytes dropped) before the lease is released,
 so a chunk reused for another block is never sent.
 
-A client that never reads cannot hold more than one group per connection, nor longer than the
-deadline: past it the connection is aborted, which drops the transport's unsent bytes too. The
+A client that never reads cannot hold more than two groups per connection (the one being
+written and the next, read ahead while it is), nor longer than the deadline: past it the connection is aborted, which drops the transport's unsent bytes too. The
 transport's write limit is 0 (set once per connection): each write waits until the kernel took
 everything before it, so the transport holds at most the rest of one slice, whether it copied
 it (Python 3.11) or keeps a view of the buffer (3.12+), and a group's buffer is given back only
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from kvcache.server.group_read import group_bytes, lease_group, read_group
+from kvcache.server.group_read import Group, group_bytes, lease_group, read_group
 from kvcache.server.metrics import Metrics
 from kvcache.server.read_buffers import KEEP_BYTES, ReadBuffers, size_for
 from kvcache.kvstore import wire
@@ -133,46 +134,94 @@ async def stream_blocks(request: web.Request, s: GetStream, keys: Sequence[bytes
 
 
 async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, keys, sent, sized: bool) -> None:
+    """Each group is read while the one before it is written (two groups per stream at most):
+
+        store thread:  read 0 ─ read 1 ──────── read 2 ──────── ...
+        event loop:            write 0 ──────── write 1 ──────── ...
+    """
     _write_limit_zero(request)
-    i, t0, tiers = 0, time.perf_counter(), set()
+    t0, tiers = time.perf_counter(), set()
     every = await s.call(s.store.sizes_tiered, keys) if sized else None
     if sized:
         resp.content_length = wire.STREAM_HEADER_BYTES + group_bytes(every, sent)
-    while i < len(keys):
-        sizes = every[i: i + GROUP_BLOCKS] if sized else await s.call(s.store.sizes_tiered, keys[i: i + GROUP_BLOCKS])
-        n = _group(sizes)
-        charge = size_for(group_bytes(sizes[:n], sent[i: i + n]))
-        held, group = await _take(request, s, charge, first=not resp.prepared), None
-        try:
-            args = (s.store, keys[i: i + n], sizes[:n], sent[i: i + n], sized)
-            if _zero_copy(s.store, sizes[:n]):
-                group = await lease_group(s.call, *args)
-            group = group or await read_group(s.call, args[0], s.budget.buffers, *args[1:])
-            s.metrics.count_gets(group.frames, s.client)
-            tiers.update(t for _, t in group.frames)
-            if not resp.prepared:
-                await resp.prepare(request)
-                await resp.write(wire.stream_header(len(keys)))
-            await _write_parts(request, resp, s.deadline_s, group.parts, "a batch_get group")
-            if group.raw is not None:
-                s.budget.buffers.give(group.raw, True)      # drained: the transport holds none of it
-        except BaseException as e:
-            if group is not None and group.lease is not None:
-                _abort(request)      # the transport may still hold views of the chunks: drop them first
-                traceback.clear_frames(e.__traceback__)      # and so may the frames the error passed
-            raise
-        finally:
-            if group is not None and group.lease is not None:
-                group.parts.clear()
-                group.frames.clear()
-                await s.call(s.store.release_dram, group.lease)
-            s.budget.give(held)
-        i += n
+    i, ahead = 0, _ahead(request, s, keys, sent, every, 0, sized)
+    try:
+        while ahead is not None:
+            ready, ahead = await ahead, None
+            i += ready.n
+            if i < len(keys):
+                ahead = _ahead(request, s, keys, sent, every, i, sized)
+            s.metrics.count_gets(ready.group.frames, s.client)
+            tiers.update(t for _, t in ready.group.frames)
+            await _send(request, s, resp, ready, len(keys))
+    finally:
+        if ahead is not None:          # the stream failed: let the read ahead end, give back what it holds
+            with contextlib.suppress(Exception):
+                await _release(s, await ahead, drained=True)   # never written: nothing refers to it
     if not resp.prepared:              # no keys
         await resp.prepare(request)
         await resp.write(wire.stream_header(0))
     await resp.write_eof()
     s.metrics.observe_read(s.client, tiers, time.perf_counter() - t0)
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A group read and not yet sent: its keys' count, its budget bytes, its frames."""
+    n: int
+    held: int
+    group: Group
+
+
+def _ahead(request, s: GetStream, keys, sent, every, i: int, sized: bool) -> asyncio.Future | None:
+    return asyncio.ensure_future(_prepare(request, s, keys, sent, every, i, sized)) if i < len(keys) else None
+
+
+async def _prepare(request, s: GetStream, keys, sent, every, i: int, sized: bool) -> _Ready:
+    """The group starting at key i: sized (unless the stream was), its room taken, read."""
+    sizes = every[i: i + GROUP_BLOCKS] if every is not None else await s.call(s.store.sizes_tiered,
+                                                                             keys[i: i + GROUP_BLOCKS])
+    n = _group(sizes)
+    held = await _take(request, s, size_for(group_bytes(sizes[:n], sent[i: i + n])), first=i == 0)
+    try:
+        args = (s.store, keys[i: i + n], sizes[:n], sent[i: i + n], sized)
+        group = await lease_group(s.call, *args) if _zero_copy(s.store, sizes[:n]) else None
+        group = group or await read_group(s.call, args[0], s.budget.buffers, *args[1:])
+    except BaseException:
+        s.budget.give(held)
+        raise
+    return _Ready(n, held, group)
+
+
+async def _send(request, s: GetStream, resp: web.StreamResponse, ready: _Ready, count: int) -> None:
+    """Write a group and drain the socket to empty; then give back what it held."""
+    try:
+        if not resp.prepared:
+            await resp.prepare(request)
+            await resp.write(wire.stream_header(count))
+        await _write_parts(request, resp, s.deadline_s, ready.group.parts, "a batch_get group")
+    except BaseException as e:
+        if ready.group.lease is not None:
+            _abort(request)      # the transport may still hold views of the chunks: drop them first
+            traceback.clear_frames(e.__traceback__)      # and so may the frames the error passed
+        await _release(s, ready, drained=False)
+        raise
+    await _release(s, ready, drained=True)
+
+
+async def _release(s: GetStream, ready: _Ready, drained: bool) -> None:
+    """Give back a group's buffer (pooled again only if `drained`: nothing refers to it) or its
+    lease, then its budget bytes."""
+    g = ready.group
+    try:
+        if g.lease is not None:
+            g.parts.clear()
+            g.frames.clear()
+            await s.call(s.store.release_dram, g.lease)
+        elif g.raw is not None:
+            s.budget.buffers.give(g.raw, drained)
+    finally:
+        s.budget.give(ready.held)
 
 
 def _zero_copy(store: BlockStore, sizes) -> bool:

@@ -189,6 +189,19 @@ async def test_a_batch_get_never_read_holds_bounded_memory_for_a_bounded_time(ma
     no_errors_logged(caplog)
 
 
+async def test_a_stream_reads_one_group_ahead_and_no_more(make_client):
+    c = await make_client(request_timeout_s=30)
+    size = (1 << 20) - 4096
+    keys = await put_blocks(c, 20, size)         # groups of 8, 8 and 4 blocks
+    budget = c.server.app[GET_BUDGET]
+    s = raw_post(c.server.port, "/v1/blocks/batch_get", json.dumps({"keys": keys}).encode(), rcvbuf=4096)
+    await until(lambda: budget.held == 2 * (8 << 20))    # the group being written and the next one
+    await asyncio.sleep(0.3)
+    assert budget.held == 2 * (8 << 20)                  # not the third
+    s.close()
+    await until(lambda: budget.held == 0)
+
+
 @pytest.mark.parametrize("failure", [StoreError("the index cannot be read"), RuntimeError("a bug")])
 async def test_a_failure_after_the_stream_started_cuts_it_short(make_client, monkeypatch, failure):
     c = await make_client()
