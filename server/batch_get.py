@@ -16,7 +16,8 @@ the chunks, the connection is aborted (its unsent bytes dropped) before the leas
 so a chunk reused for another block is never sent.
 
 A client that never reads cannot hold more than two groups per connection (the one being
-written and the next, read ahead while it is), nor longer than the deadline: past it the connection is aborted, which drops the transport's unsent bytes too. The
+written and the next, read ahead while it is), nor longer than the deadline: past it the
+connection is aborted, which drops the transport's unsent bytes too. The
 transport's write limit is 0 (set once per connection): each write waits until the kernel took
 everything before it, so the transport holds at most the rest of one slice, whether it copied
 it (Python 3.11) or keeps a view of the buffer (3.12+), and a group's buffer is given back only
