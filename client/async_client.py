@@ -236,7 +236,7 @@ class AsyncKVClient:
                 result[base: base + len(chunk)] = await read_get_frames(
                     resp.content, chunk, lambda i, n, content: take(base + i, n, content))
             await self._call("POST", "/v1/blocks/batch_get", handle, stream=True,
-                             json_body={"keys": [k.hex() for k in chunk]})
+                             json_body={"keys": [k.hex() for k in chunk], "sized": True})   # no chunked copies
             base += len(chunk)
         return result
 
