@@ -10,14 +10,17 @@ time, however slowly the client reads.
         ─> ReadBuffers.give / release_dram,     nothing refers to the buffer (the chunks) any more
            GetBudget.give
 
-A leased group's bytes are charged to the budget like a buffer's: they are arena a slow
-client keeps from eviction. If the stream fails while the transport may still hold views of
-the chunks, the connection is aborted (its unsent bytes dropped) before the lease is released,
-so a chunk reused for another block is never sent.
+A leased group's bytes are charged to the budget like a buffer's (a group whose blocks grew
+after sizing is read through a buffer instead): they are arena a slow client keeps from
+eviction, so reads hold at most 1/LEASE_SHARE of DRAM leased and copy past that. If the
+stream fails while the transport may still hold views of the chunks, the connection is aborted
+(its unsent bytes dropped) before the lease is released, so a chunk reused for another block is
+never sent.
 
 A client that never reads cannot hold more than two groups per connection (the one being
-written and the next, read ahead while it is), nor longer than the deadline: past it the
-connection is aborted, which drops the transport's unsent bytes too. The
+written and the next, read ahead while it is), each no longer than the deadline (so a group
+read ahead, about twice it): past it the connection is aborted, which drops the transport's
+unsent bytes too. The
 transport's write limit is 0 (set once per connection): each write waits until the kernel took
 everything before it, so the transport holds at most the rest of one slice, whether it copied
 it (Python 3.11) or keeps a view of the buffer (3.12+), and a group's buffer is given back only
@@ -38,7 +41,7 @@ from typing import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from kvcache.server.group_read import Group, group_bytes, lease_group, read_group
+from kvcache.server.group_read import Group, group_bytes, lease_group, read_group, release
 from kvcache.server.metrics import Metrics
 from kvcache.server.read_buffers import KEEP_BYTES, ReadBuffers, size_for
 from kvcache.kvstore import wire
@@ -49,6 +52,7 @@ GROUP_BYTES = 8 << 20      # a group reads at most this much (or one block) per 
 GROUP_BLOCKS = 32
 WRITE_SLICE = 256 << 10    # the most the transport holds per connection
 ZERO_COPY_BYTES = 256 << 10  # groups of blocks at least this large are sent from their DRAM chunks
+LEASE_SHARE = 4            # reads hold at most 1/LEASE_SHARE of DRAM leased; past it they copy
 FIRST_WAIT_S = 1.0         # how long the first group waits for room before the 503
 DRAIN_POLL_S = 0.001
 
@@ -70,6 +74,7 @@ class GetBudget:
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
+        self.leased = 0                   # of held: groups sent from leased DRAM chunks (LEASE_SHARE)
         self.buffers = ReadBuffers(min(KEEP_BYTES, limit))     # what the bytes held are read into
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._started_waiting = 0         # later groups waiting: first groups let them go first
@@ -145,23 +150,26 @@ async def _stream(request: web.Request, s: GetStream, resp: web.StreamResponse, 
     every = await s.call(s.store.sizes_tiered, keys) if sized else None
     if sized:
         resp.content_length = wire.STREAM_HEADER_BYTES + group_bytes(every, sent)
-    i, ahead = 0, _ahead(request, s, keys, sent, every, 0, sized)
+    i, written, ahead = 0, 0, _ahead(request, s, keys, sent, every, 0, sized)
     try:
         while ahead is not None:
             ready, ahead = await ahead, None
             i += ready.n
             if i < len(keys):
                 ahead = _ahead(request, s, keys, sent, every, i, sized)
-            s.metrics.count_gets(ready.group.frames, s.client)
-            tiers.update(t for _, t in ready.group.frames)
-            await _send(request, s, resp, ready, len(keys))
+            written += await _send(request, s, resp, ready, len(keys), tiers)
     finally:
-        if ahead is not None:          # the stream failed: let the read ahead end, give back what it holds
-            with contextlib.suppress(Exception):
+        if ahead is not None:          # the stream failed: stop the read ahead, give back what it holds
+            ahead.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await _release(s, await ahead, drained=True)   # never written: nothing refers to it
     if not resp.prepared:              # no keys
         await resp.prepare(request)
         await resp.write(wire.stream_header(0))
+        written += wire.STREAM_HEADER_BYTES
+    if sized and written != resp.content_length:     # a bug: the client would wait for bytes never sent
+        _abort(request)
+        raise RuntimeError(f"a sized batch_get wrote {written} bytes of its Content-Length {resp.content_length}")
     await resp.write_eof()
     s.metrics.observe_read(s.client, tiers, time.perf_counter() - t0)
 
@@ -172,6 +180,7 @@ class _Ready:
     n: int
     held: int
     group: Group
+    leased: int = 0            # of held, counted in GetBudget.leased
 
 
 def _ahead(request, s: GetStream, keys, sent, every, i: int, sized: bool) -> asyncio.Future | None:
@@ -184,30 +193,41 @@ async def _prepare(request, s: GetStream, keys, sent, every, i: int, sized: bool
                                                                              keys[i: i + GROUP_BLOCKS])
     n = _group(sizes)
     held = await _take(request, s, size_for(group_bytes(sizes[:n], sent[i: i + n])), first=i == 0)
+    leased = held if _zero_copy(s, sizes[:n], held) else 0
+    s.budget.leased += leased
     try:
         args = (s.store, keys[i: i + n], sizes[:n], sent[i: i + n], sized)
-        group = await lease_group(s.call, *args) if _zero_copy(s.store, sizes[:n]) else None
-        group = group or await read_group(s.call, args[0], s.budget.buffers, *args[1:])
+        group = await lease_group(s.call, *args) if leased else None
+        if group is None:
+            s.budget.leased -= leased
+            leased, group = 0, await read_group(s.call, args[0], s.budget.buffers, *args[1:])
     except BaseException:
+        s.budget.leased -= leased
         s.budget.give(held)
         raise
-    return _Ready(n, held, group)
+    return _Ready(n, held, group, leased)
 
 
-async def _send(request, s: GetStream, resp: web.StreamResponse, ready: _Ready, count: int) -> None:
-    """Write a group and drain the socket to empty; then give back what it held."""
+async def _send(request, s: GetStream, resp: web.StreamResponse, ready: _Ready, count: int, tiers: set) -> int:
+    """Write a group and drain the socket to empty; then give back what it held. The bytes written."""
+    g, nbytes = ready.group, 0
     try:
+        s.metrics.count_gets(g.frames, s.client)
+        tiers.update(t for _, t in g.frames)
         if not resp.prepared:
             await resp.prepare(request)
             await resp.write(wire.stream_header(count))
-        await _write_parts(request, resp, s.deadline_s, ready.group.parts, "a batch_get group")
+            nbytes = wire.STREAM_HEADER_BYTES
+        await _write_parts(request, resp, s.deadline_s, g.parts, "a batch_get group")
+        nbytes += sum(memoryview(p).nbytes for p in g.parts)
     except BaseException as e:
-        if ready.group.lease is not None:
+        if g.lease is not None:
             _abort(request)      # the transport may still hold views of the chunks: drop them first
-            traceback.clear_frames(e.__traceback__)      # and so may the frames the error passed
+            traceback.clear_frames(e.__traceback__)      # frames the error passed keep views (not sent)
         await _release(s, ready, drained=False)
         raise
     await _release(s, ready, drained=True)
+    return nbytes
 
 
 async def _release(s: GetStream, ready: _Ready, drained: bool) -> None:
@@ -218,17 +238,23 @@ async def _release(s: GetStream, ready: _Ready, drained: bool) -> None:
         if g.lease is not None:
             g.parts.clear()
             g.frames.clear()
-            await s.call(s.store.release_dram, g.lease)
+            await release(s.call, s.store, g.lease)
         elif g.raw is not None:
             s.budget.buffers.give(g.raw, drained)
     finally:
+        s.budget.leased -= ready.leased
         s.budget.give(ready.held)
 
 
-def _zero_copy(store: BlockStore, sizes) -> bool:
+def _zero_copy(s: GetStream, sizes, charge: int) -> bool:
     """Whether a group goes out from leased DRAM chunks (lease_group): every block in it is at
-    least ZERO_COPY_BYTES, where a copy into a buffer costs more than a head's own write."""
-    return store.dram is not None and all(size is None or size[0] >= ZERO_COPY_BYTES for size in sizes) and any(sizes)
+    least ZERO_COPY_BYTES, where a copy into a buffer costs more than a head's own write, and
+    reads would not hold more than 1/LEASE_SHARE of DRAM leased (slow clients would keep that
+    much from eviction, and other tenants' puts out of DRAM)."""
+    if s.store.dram is None or not any(sizes):
+        return False
+    room = s.store.config.dram.capacity_bytes // LEASE_SHARE
+    return all(size is None or size[0] >= ZERO_COPY_BYTES for size in sizes) and s.budget.leased + charge <= room
 
 
 def _group(sizes) -> int:

@@ -19,6 +19,7 @@ payloads.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -95,14 +96,15 @@ async def lease_group(call: Callable[..., Awaitable], store: BlockStore, keys, s
     """A batch_get group sent from its blocks' DRAM chunks, leased (BlockStore.lease_views; a
     block below DRAM is promoted first): frame heads between views of the arena, no copy into a
     buffer. The caller must release the lease once the socket holds none of the views (or after
-    aborting the connection). None, and nothing held, when a live block cannot be placed in DRAM
-    (read_group then reads it through the tiers).
+    aborting the connection). None, and nothing held, when a live block cannot be placed in DRAM,
+    or when the blocks leased hold more bytes than were sized (stored again larger since: the
+    budget was charged from the sizes); read_group then reads the group through its buffer.
 
         parts: [head 0] [arena view 0] [head 1 (a miss)] [head 2] [arena view 2] ...
     """
-    views, lease = await call(store.lease_views, keys)
-    if any(v is SOCKET for v in views):
-        await call(store.release_dram, lease)
+    views, lease = await leased(call, store, keys)
+    if any(v is SOCKET for v in views) or lease.nbytes > sum(size[0] for size in sizes if size is not None):
+        await release(call, store, lease)
         return None
     parts, frames = [], []
     for key, size, view in zip(sent, sizes, views):
@@ -118,6 +120,22 @@ async def lease_group(call: Callable[..., Awaitable], store: BlockStore, keys, s
             parts.append(wire.get_frame_head(key, None, None))
             frames.append((None, None))
     return Group(frames, parts, None, lease)
+
+
+async def leased(call: Callable[..., Awaitable], store: BlockStore, keys) -> tuple[list, DramLease]:
+    """store.lease_views in the pool; a caller cancelled meanwhile still gets the lease released
+    once the pool returns it (else its chunks would stay unevictable for good)."""
+    fut = asyncio.ensure_future(call(store.lease_views, keys))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() or store.release_dram(f.result()[1]))
+        raise
+
+
+async def release(call: Callable[..., Awaitable], store: BlockStore, lease: DramLease) -> None:
+    """store.release_dram in the pool, carried out even if the caller is cancelled meanwhile."""
+    await asyncio.shield(call(store.release_dram, lease))
 
 
 def _read_into(store: BlockStore, keys: list, slots: list) -> list:
