@@ -103,7 +103,7 @@ async def lease_group(call: Callable[..., Awaitable], store: BlockStore, keys, s
         parts: [head 0] [arena view 0] [head 1 (a miss)] [head 2] [arena view 2] ...
     """
     views, lease = await leased(call, store, keys)
-    if any(v is SOCKET for v in views) or lease.nbytes > sum(size[0] for size in sizes if size is not None):
+    if any(v is SOCKET for v in views) or lease.nbytes > group_bytes(sizes, None):
         await release(call, store, lease)
         return None
     parts, frames = [], []

@@ -10,14 +10,11 @@ import time
 import pytest
 
 from kvcache.kvstore.leases import SOCKET
-from kvcache.kvstore.types import PutItem
 from kvcache.server import batch_get as batch_get_module
-from kvcache.server import tenancy
 from kvcache.server.request_state import GET_BUDGET, STORE
 
-from tests.server.test_read_buffers import batch_get, leases_held
+from tests.server.test_read_buffers import batch_get, changed_after_sizing, leases_held
 from tests.server.test_responses import make_client, put_blocks, raw_post, recv_all, until  # noqa: F401
-from tests.server.test_server import NS
 
 
 async def test_large_blocks_go_out_from_their_leased_chunks_as_they_now_are(make_client):  # noqa: F811
@@ -27,20 +24,8 @@ async def test_large_blocks_go_out_from_their_leased_chunks_as_they_now_are(make
     c = await make_client()
     size = 300_000
     keys = await put_blocks(c, 4, size)
-    store = c.server.app[STORE]
-    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
-
-    def sizes_then_store_again(ks):
-        sizes = real_sizes(ks)
-        store.delete([ks[1], ks[2]])
-        store.put_many([PutItem(ks[1], b"s" * 1000, ns, tenant="alice"),
-                        PutItem(ks[2], b"g" * 400_000, ns, tenant="alice")])
-        return sizes
-    store.sizes_tiered = sizes_then_store_again
-    try:
+    with changed_after_sizing(c, again={1: b"s" * 1000, 2: b"g" * 400_000}):
         got = await batch_get(c, keys)
-    finally:
-        del store.sizes_tiered
     assert [f.payload for f in got] == [bytes([0]) * size, b"s" * 1000, b"g" * 400_000, bytes([3]) * size]
     await until(lambda: leases_held(c) == 0)
 
@@ -76,19 +61,8 @@ async def test_blocks_grown_after_sizing_are_read_through_a_buffer_not_leased_pa
     are leased lets the lease go and is read through its buffer, where a grown block is a miss."""
     c = await make_client()
     keys = await put_blocks(c, 2, 300_000)
-    store = c.server.app[STORE]
-    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
-
-    def sizes_then_grow(ks):
-        sizes = real_sizes(ks)
-        store.delete([ks[1]])
-        store.put_many([PutItem(ks[1], b"g" * (1 << 20), ns, tenant="alice")])
-        return sizes
-    store.sizes_tiered = sizes_then_grow
-    try:
+    with changed_after_sizing(c, again={1: b"g" * (1 << 20)}):
         got = await batch_get(c, keys)
-    finally:
-        del store.sizes_tiered
     assert [f.payload for f in got] == [bytes([0]) * 300_000, None]
     await until(lambda: leases_held(c) == 0)
 

@@ -3,6 +3,7 @@ out in them are exact, whatever the buffer held before (a miss where the last re
 block gone between sizing the group and reading it)."""
 
 import asyncio
+import contextlib
 import json
 import os
 
@@ -75,6 +76,25 @@ def frames_of(body: bytes) -> list[tuple[str, bool, bytes]]:
     return out
 
 
+@contextlib.contextmanager
+def changed_after_sizing(c, gone=(), again: dict | None = None):
+    """While in it, each sizes_tiered answers and then, before the group is read, deletes the
+    keys at positions `gone` of what it sized and stores `again` ({position: payload}) as alice's."""
+    store = c.server.app[STORE]
+    real, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
+
+    def sizes_then_change(ks):
+        sizes = real(ks)
+        store.delete([ks[j] for j in (*gone, *(again or {}))])
+        store.put_many([PutItem(ks[j], payload, ns, tenant="alice") for j, payload in (again or {}).items()])
+        return sizes
+    store.sizes_tiered = sizes_then_change
+    try:
+        yield
+    finally:
+        del store.sizes_tiered
+
+
 async def test_a_buffer_used_before_serves_exact_frames_and_misses(make_client):  # noqa: F811
     c = await make_client()
     size = 200_000                          # below ZERO_COPY_BYTES: read into a pooled buffer
@@ -91,18 +111,12 @@ async def test_a_buffer_used_before_serves_exact_frames_and_misses(make_client):
     assert r.status == 200 and await r.read() == bytes([3]) * size
 
 
-async def test_a_block_gone_after_sizing_is_a_miss_and_the_rest_arrive_whole(make_client, monkeypatch):  # noqa: F811
+async def test_a_block_gone_after_sizing_is_a_miss_and_the_rest_arrive_whole(make_client):  # noqa: F811
     c = await make_client()
     size = 200_000
     keys = await put_blocks(c, 4, size)
-    store, real = c.server.app[STORE], c.server.app[STORE].sizes_tiered
-
-    def sizes_then_delete(ks):          # sized as present, deleted before the group is read
-        sizes = real(ks)
-        store.delete([ks[1]])          # a stored key (tenant-scoped)
-        return sizes
-    monkeypatch.setattr(store, "sizes_tiered", sizes_then_delete)
-    got = await batch_get(c, keys)
+    with changed_after_sizing(c, gone=[1]):       # sized as present, deleted before the group is read
+        got = await batch_get(c, keys)
     assert [f.key.hex() for f in got] == keys
     assert [f.payload for f in got] == [bytes([0]) * size, None, bytes([2]) * size, bytes([3]) * size]
 
@@ -115,20 +129,8 @@ async def test_a_block_stored_again_smaller_or_larger_is_never_padded_with_older
     size = 200_000
     keys = await put_blocks(c, 4, size)
     await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
-    store = c.server.app[STORE]
-    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
-
-    def sizes_then_store_again(ks):
-        sizes = real_sizes(ks)
-        store.delete([ks[1], ks[2]])
-        store.put_many([PutItem(ks[1], b"s" * 1000, ns, tenant="alice"),
-                        PutItem(ks[2], b"g" * 300_000, ns, tenant="alice")])
-        return sizes
-    store.sizes_tiered = sizes_then_store_again
-    try:
+    with changed_after_sizing(c, again={1: b"s" * 1000, 2: b"g" * 300_000}):
         got = await batch_get(c, [keys[3], keys[0], keys[1], keys[2]])
-    finally:
-        del store.sizes_tiered
     assert [f.payload for f in got] == [bytes([3]) * size, b"s" * 1000, None, bytes([2]) * size]
     assert [f.key.hex() for f in got] == [keys[3], keys[0], keys[1], keys[2]]
 
@@ -159,20 +161,8 @@ async def test_a_sized_stream_pads_blocks_that_changed_after_sizing_with_zeros(m
     c = await make_client()
     keys = await put_blocks(c, 5, size)
     await batch_get(c, keys)                      # the pool's buffer now holds these blocks' bytes
-    store = c.server.app[STORE]
-    real_sizes, ns = store.sizes_tiered, tenancy.stored_namespace_id("alice", NS.id.hex())
-
-    def sizes_then_change(ks):
-        sizes = real_sizes(ks)
-        store.delete([ks[1], ks[2], ks[3]])
-        store.put_many([PutItem(ks[2], b"s" * 1000, ns, tenant="alice"),
-                        PutItem(ks[3], b"g" * (size + 100_000), ns, tenant="alice")])
-        return sizes
-    store.sizes_tiered = sizes_then_change
-    try:
+    with changed_after_sizing(c, gone=[1], again={2: b"s" * 1000, 3: b"g" * (size + 100_000)}):
         frames = frames_of(await sized_body(c, keys))
-    finally:
-        del store.sizes_tiered
     assert [k for k, _, _ in frames] == keys
     assert [(hit, b) for _, hit, b in frames] == [(True, bytes([0]) * size), (False, bytes(size)),
                                                   (False, bytes(size)), (False, bytes(size)),
