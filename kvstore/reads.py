@@ -19,7 +19,9 @@ used on its own.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import time
 from typing import Sequence
 
@@ -30,6 +32,19 @@ from kvcache.tiering.base import BlockWrite, Placement
 
 log = logging.getLogger(__name__)
 MAX_BLOCK_BYTES = 1 << 30   # no block is larger: a bigger payload length in the index is damage
+
+
+def _fits(out, meta: BlockMeta) -> bool:
+    """Whether `out` holds the block; else BufferTooSmallError (sizes are checked before any copy)."""
+    nbytes = out.nbytes if type(out) is memoryview else memoryview(out).nbytes
+    if nbytes < meta.payload_len:
+        raise BufferTooSmallError(f"output buffer holds {nbytes} bytes, block has {meta.payload_len}")
+    return True
+
+
+def _has_none(items: list) -> bool:
+    """`None in items` without `==` per item."""
+    return any(map(operator.is_, items, itertools.repeat(None)))
 
 
 def _placement(meta: BlockMeta) -> Placement:
@@ -49,9 +64,7 @@ class StoreReads:
         meta = self._meta(key, now)
         if meta is None:
             return self._miss()
-        if memoryview(out).nbytes < meta.payload_len:
-            raise BufferTooSmallError(f"output buffer holds {memoryview(out).nbytes} bytes, "
-                                      f"block has {meta.payload_len}")
+        _fits(out, meta)
         return self._read(key, meta, out, now)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -104,44 +117,54 @@ class StoreReads:
 
     def get_many_into(self, keys: Sequence[bytes], outs: Sequence) -> list[int | None]:
         """Batched get_into (the engine's load path): one index transaction and one DRAM
-        lease round-trip for the whole batch; payload lengths or None per key."""
-        self._await_prefetch(keys)
+        lease round-trip for the whole batch; payload lengths or None per key.
+
+            metadata of all ──> sizes checked (before any copy) ──> DRAM copies all it holds
+                                                                    └─ the rest: NVMe, object
+        """
+        if self._prefetching:
+            self._await_prefetch(keys)
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         now = self.clock()
         metas = self._metas(list(keys), now)
-        in_dram, elsewhere = [], []           # one pass: sizes checked before any copy, tiers sorted
-        for i, (out, meta) in enumerate(zip(outs, metas)):
-            if meta is None:
-                continue
-            if memoryview(out).nbytes < meta.payload_len:
-                raise BufferTooSmallError(f"output buffer holds {memoryview(out).nbytes} bytes, "
-                                          f"block has {meta.payload_len}")
-            (in_dram if int(meta.residency) & 1 else elsewhere).append(i)     # Tier.DRAM
-        result: list[int | None] = [None] * len(keys)
-        if in_dram:
-            dram_keys = [keys[i] for i in in_dram]
-            got = self.dram.get_many_into(dram_keys, [outs[i] for i in in_dram])
-            for i, n in zip(in_dram, got):
-                result[i] = n
-            if None in got:       # evicted since the lookup: fall through to the other tiers
-                lost = [i for i, n in zip(in_dram, got) if n is None]
-                for i in lost:
-                    metas[i].residency &= ~Tier.DRAM
-                elsewhere = sorted(elsewhere + lost)
-                dram_keys = [keys[i] for i, n in zip(in_dram, got) if n is not None]
-            self._touch_many(dram_keys, now)
-            self.stats_counters["hits_dram"] += len(dram_keys)
-        for i in elsewhere:
-            result[i] = self._read(keys[i], metas[i], outs[i], now)
-        misses = len(keys) - len(in_dram) - len(elsewhere)
-        if misses:
-            self.stats_counters["misses"] += misses
+        live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
+        if len(live) < len(keys):
+            result = self._get_sparse(keys, outs, metas, live, now)
+        else:
+            got = self.dram.get_many_into(keys, outs) if self.dram is not None else [None] * len(keys)
+            result = self._get_rest(keys, outs, metas, got, now)
         if self._events_on:
             hits = [m.residency.fastest() for m, n in zip(metas, result) if n is not None]
             self._event("get", next((m for m in metas if m), None), "", len(keys), hits, 0.0,
                         sum(n for n in result if n))
         return result
+
+    def _get_sparse(self, keys, outs, metas, live: list[int], now: float) -> list[int | None]:
+        """get_many_into of a batch with misses: the live blocks, then None for the others."""
+        self.stats_counters["misses"] += len(keys) - len(live)
+        part = self._get_rest([keys[i] for i in live], [outs[i] for i in live], [metas[i] for i in live],
+                              self.dram.get_many_into([keys[i] for i in live], [outs[i] for i in live])
+                              if self.dram is not None and live else [None] * len(live), now)
+        result: list[int | None] = [None] * len(keys)
+        for i, n in zip(live, part):
+            result[i] = n
+        return result
+
+    def _get_rest(self, keys, outs, metas, got: list[int | None], now: float) -> list[int | None]:
+        """After DRAM copied the blocks it holds (`got`): count and touch them; read the others
+        (not in DRAM, or evicted since the lookup) from NVMe or object storage."""
+        if not _has_none(got):
+            self._touch_many(keys, now)
+            self.stats_counters["hits_dram"] += len(keys)
+            return got
+        self._touch_many([k for k, n in zip(keys, got) if n is not None], now)
+        self.stats_counters["hits_dram"] += len(got) - got.count(None)
+        for i, n in enumerate(got):
+            if n is None:
+                metas[i].residency &= ~Tier.DRAM
+                got[i] = self._read(keys[i], metas[i], outs[i], now)
+        return got
 
     def _read(self, key: bytes, meta: BlockMeta, out, now: float | None = None) -> int | None:
         now = self.clock() if now is None else now

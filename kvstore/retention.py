@@ -10,11 +10,14 @@ Defaults: 72 hours from last access, no maximum age.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from kvcache.kvstore.types import BlockMeta
+
+_EXPIRES_AT, _CREATED = operator.attrgetter("expires_at"), operator.attrgetter("created")
 
 HOUR = 3600.0
 
@@ -63,6 +66,15 @@ class RetentionPolicy:
             return now < meta.expires_at
         ttl, age = self._shortest
         return now < max(meta.last_access, meta.created) + ttl and now < meta.created + age
+
+    def surely_live_all(self, metas: Sequence[BlockMeta], now: float) -> bool:
+        """True when every one of `metas` is surely live because it is younger than the shortest
+        ttl and max age and has no deadline of its own: `surely_live` for a batch, its loops in C.
+        False says nothing about any one of them."""
+        if not metas:
+            return True
+        ttl, age = self._shortest
+        return not any(map(_EXPIRES_AT, metas)) and now < min(map(_CREATED, metas)) + min(ttl, age)
 
     def rule(self, namespace_name: str, tenant: str) -> RetentionRule:
         if tenant and tenant in self.tenants:

@@ -100,6 +100,25 @@ class Duel(EvictionOrder):
             if not s.order.touch(key):
                 s.access(key)
 
+    def hit_many(self, keys) -> None:
+        # `hit` of each key, batched: the held ones refreshed in C, then each shadow touches the
+        # longest run it holds at once and takes the rest one by one (a key it lacks is put, which
+        # may drop a later key of the batch: the order of steps is the unbatched one's)
+        held = self._held
+        keys = list(filter(held.__contains__, keys))
+        if not keys:
+            return
+        if self._offered is not None and self._offered in keys:
+            self._offered = None
+        deque(map(held.move_to_end, keys), 0)
+        for s in self.shadows:
+            order, i = s.order, 0
+            while i < len(keys):
+                i += order.touch_prefix(keys[i:] if i else keys)
+                if i < len(keys):
+                    s.access(keys[i])
+                    i += 1
+
     def remove(self, key) -> None:
         evicted, self._offered = key == self._offered, None
         held = key in self._held

@@ -13,11 +13,17 @@ whose reuse comes after the small queue has turned over many times (the next tur
 conversation, minutes later) into main on its second use.
 
 A skipped victim (pinned, being read) is treated as used: it goes to the main queue's tail.
+
+Batched reads (`hit_many`, `touch_prefix`) count into `_reads`, a Counter that C fills, and
+each count is folded into its key's frequency when that frequency is next read (at a queue's
+head, on a skip) or dropped with the key: the cap makes the order of adding irrelevant, so the
+queues end as they would after one `touch` per read.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from itertools import islice
 from typing import Iterator
 
 from kvcache.policy.order import EvictionOrder
@@ -38,6 +44,7 @@ class S3FIFO(EvictionOrder):
         self.main: OrderedDict = OrderedDict()
         self.ghost: OrderedDict = OrderedDict()      # keys evicted from small, oldest first
         self._peak = 0                               # most keys held at once: the ghost list's bound
+        self._reads: Counter = Counter()             # held key -> batched reads not yet in its freq
 
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
@@ -72,8 +79,31 @@ class S3FIFO(EvictionOrder):
             q[key] = freq + 1
         return True
 
+    def hit_many(self, keys) -> None:
+        small, main = self.small, self.main
+        self._reads.update([k for k in keys if k in small or k in main])
+
+    def touch_prefix(self, keys) -> int:
+        small, main, n = self.small, self.main, len(keys)
+        for i, k in enumerate(keys):
+            if k not in small and k not in main:
+                n = i
+                break
+        self._reads.update(keys if n == len(keys) else islice(keys, n))
+        return n
+
+    def _freq(self, q: OrderedDict, key) -> int:
+        """`key`'s frequency in `q` with its batched reads folded in."""
+        freq = q[key]
+        reads = self._reads.pop(key, 0) if self._reads else 0
+        if reads:
+            freq = q[key] = min(MAX_FREQ, freq + reads)
+        return freq
+
     def remove(self, key) -> None:
         evicted, self._offered = key == self._offered, None
+        if self._reads:
+            self._reads.pop(key, None)
         if self.small.pop(key, None) is not None and evicted:
             self.ghost[key] = None
             while len(self.ghost) > max(1, int(self.ghost_factor * self._peak)):
@@ -85,13 +115,14 @@ class S3FIFO(EvictionOrder):
         small, main = self.small, self.main
         while small or main:
             if small and (len(small) > self.small_fraction * len(self) or not main):
-                key, freq = next(iter(small.items()))
-                if freq > 0:                         # read while young: it earned main
+                key = next(iter(small))
+                if (self._freq(small, key) if self._reads else small[key]) > 0:   # read while young: earned main
                     del small[key]
                     main[key] = 0
                     continue
             else:
-                key, freq = next(iter(main.items()))
+                key = next(iter(main))
+                freq = self._freq(main, key) if self._reads else main[key]
                 if freq > 0:                         # reinserted, one read spent
                     main[key] = freq - 1
                     main.move_to_end(key)
@@ -100,9 +131,10 @@ class S3FIFO(EvictionOrder):
             yield key
             if key == self._offered:                 # skipped: counts as used
                 self._offered = None
-                if key in small or key in main:
-                    small.pop(key, None)
-                    main[key] = main.get(key, 0)
+                if small.pop(key, None) is not None:
+                    self._reads.pop(key, None)       # its reads in small do not follow it
+                    main[key] = 0
+                if key in main:
                     main.move_to_end(key)
 
     def state(self) -> dict:

@@ -46,6 +46,8 @@ from kvcache.tiering.dram_shares import REST, SharedOrder
 from kvcache.tiering.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
+HIT_BATCH = 64                # reads recorded before the order is told of them (see _hit)
+COPY_UNDER_LOCK = 1 << 20     # get_into copies blocks up to this with the lock held, no lease
 
 
 @dataclass(slots=True)
@@ -61,6 +63,22 @@ class _Entry:
     pins: int = 0
     pin_until: float = 0.0
     doomed: bool = False
+
+
+def _copy(out, src: memoryview) -> None:
+    """Copy `src` into the first bytes of `out`, any writable buffer: a flat byte view (the
+    usual one) takes it as it is; other formats and shapes are cast (a step fewer for the many)."""
+    try:
+        (out if type(out) is memoryview else memoryview(out))[: src.nbytes] = src
+    except (TypeError, ValueError, NotImplementedError):     # not flat bytes, or too small
+        _copy_cast(out, src)
+
+
+def _copy_cast(out, src: memoryview) -> None:
+    dst = memoryview(out).cast("B")
+    if dst.nbytes < src.nbytes:
+        raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {src.nbytes}")
+    dst[: src.nbytes] = src
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,6 +110,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         self._mv = self.arena.view
         self._entries: dict[bytes, _Entry] = {}
         self._order = self._new_order()   # which entry goes first: told every put, read and removal
+        self._hits: list[bytes] = []      # reads not yet told to the order (see _ordered)
         self._learns = any(type(o).begin is not EvictionOrder.begin            # else begin() costs no lock
                            for o in getattr(self._order, "orders", {"": self._order}).values())
         self._lock = threading.Lock()
@@ -118,14 +137,33 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         fractions[REST] = max(0.0, 1.0 - sum(fractions.values()))
         return SharedOrder(orders, fractions, self._slab.capacity, self._entries)
 
+    # ---------------------------------------------------------------- the order
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        """Record reads (under the lock); the order hears of them in batches (`hit_many` costs a
+        fraction of a `hit` per key), at the latest before it is asked or told anything else."""
+        hits = self._hits
+        hits.extend(keys)
+        if len(hits) >= HIT_BATCH:
+            self._order.hit_many(hits)
+            hits.clear()
+
+    def _ordered(self) -> EvictionOrder:
+        """The eviction order with every read recorded so far told to it, in order (under the
+        lock): what it then says is what it would say had each read been told at once."""
+        if self._hits:
+            self._order.hit_many(self._hits)
+            self._hits.clear()
+        return self._order
+
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
         # per block: one dict probe, one chunk, one copy, one entry, one order insert (a 64 KiB
         # copy is ~10 us here, so each Python step around it shows in the throughput)
         evicted: list[EvictedBlock] = []
-        entries, order, mv, sizes = self._entries, self._order, self._mv, []
-        shared = isinstance(order, SharedOrder)
+        entries, mv, sizes = self._entries, self._mv, []
+        shared = isinstance(self._order, SharedOrder)
         with self._lock:
+            order = self._ordered()
             for w in writes:
                 src = memoryview(w.payload).cast("B")
                 n = src.nbytes
@@ -167,19 +205,22 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             return None if mv is None else bytes(mv)
 
     def get_into(self, key: bytes, placement: Placement | None, out) -> int | None:
-        # the single-block twin of get_many_into, kept lean: every list costs on a 6 us copy
+        # the single-block twin of get_many_into, kept lean: every step costs beside a 6 us copy.
+        # A block up to COPY_UNDER_LOCK is copied with the lock held and no lease: the copy holds
+        # the GIL throughout anyway, so no other thread of ours could run meanwhile
         with self._lock:
             e = self._entries.get(key)
             if e is None:
                 return None
+            self._hit((key,))
+            n, off = e.nbytes, e.offset
+            if n <= COPY_UNDER_LOCK:
+                _copy(out, self._mv[off: off + n])
+                return n
             e.leases += 1
-            self._order.hit(key)
         try:
-            dst = memoryview(out).cast("B")
-            if dst.nbytes < e.nbytes:
-                raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {e.nbytes}")
-            dst[: e.nbytes] = self._mv[e.offset: e.offset + e.nbytes]
-            return e.nbytes
+            _copy(out, self._mv[off: off + n])
+            return n
         finally:
             with self._lock:
                 e.leases -= 1
@@ -198,11 +239,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                     result.append(None)
                     continue
                 n, off = e.nbytes, e.offset
-                flat = type(out) is memoryview and out.format == "B" and out.ndim == 1 and out.contiguous
-                dst = out if flat else memoryview(out).cast("B")
-                if dst.nbytes < n:
-                    raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-                dst[:n] = mv[off: off + n]
+                _copy(out, mv[off: off + n])
                 result.append(n)
             return result
         finally:
@@ -214,12 +251,11 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         path holds these across requests while a local client copies."""
         entries = self._entries
         with self._lock:
-            hit = self._order.hit
-            held = [entries.get(k) for k in keys]
-            for k, e in zip(keys, held):
+            held = list(map(entries.get, keys))
+            for e in held:
                 if e is not None:
                     e.leases += 1
-                    hit(k)
+            self._hit(keys)       # keys not held are ignored
         return held
 
     def release(self, held: Sequence["_Entry | None"]) -> None:
@@ -264,10 +300,8 @@ class DramTier(DramEviction, DramLandings, BlockTier):
     def touch(self, keys: Sequence[bytes]) -> list[int | None]:
         """A read that needed no lease (the directory): refresh recency; each block's size or None."""
         with self._lock:
-            held = [self._entries.get(k) for k in keys]
-            for k, e in zip(keys, held):
-                if e is not None:
-                    self._order.hit(k)
+            held = list(map(self._entries.get, keys))
+            self._hit(keys)
         return [None if e is None else e.nbytes for e in held]
 
     def _unpublish(self, key: bytes) -> None:
@@ -282,7 +316,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             e = self._entries.get(key)
             if e is not None:
                 e.leases += 1
-                self._order.hit(key)
+                self._hit((key,))
         if e is None:
             yield None
             return
@@ -309,7 +343,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             e = self._entries.pop(key, None)
             if e is None:
                 return
-            self._order.remove(key)
+            self._ordered().remove(key)
             self._unpublish(key)
             if e.leases:
                 e.doomed = True  # freed when the last lease ends
@@ -346,15 +380,17 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         only the order of `tenant`'s partition."""
         if self._learns:
             with self._lock:
-                if isinstance(self._order, SharedOrder):
-                    self._order.begin_for(tenant, keys)
+                order = self._ordered()
+                if isinstance(order, SharedOrder):
+                    order.begin_for(tenant, keys)
                 else:
-                    self._order.begin(keys)
+                    order.begin(keys)
 
     def policy_state(self) -> dict:
         """What the eviction order holds (sizes), for stats and its memory bound."""
         with self._lock:
-            return {"policy": self._order.name, **self._order.state()}
+            order = self._ordered()
+            return {"policy": order.name, **order.state()}
 
     def keys(self) -> list[bytes]:
         with self._lock:
@@ -371,7 +407,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._order = self._new_order()
+            self._order, self._hits = self._new_order(), []
             self._reserved.clear()
             if self.directory is not None:
                 self.directory.clear()

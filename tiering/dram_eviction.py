@@ -12,7 +12,7 @@ block is unlinked at once (and leaves the read directory), but its chunk is free
 `on_evict` has seen it: dirty blocks are demoted to NVMe from the arena before it is reused.
 
 `DramEviction` is a mixin of `DramTier` (tiering/dram.py), whose lock the caller holds and
-which provides `_entries`, `_order`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets`
+which provides `_entries`, `_ordered()`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets`
 and `_unpublish`; it is not meant to be used on its own.
 """
 
@@ -59,7 +59,7 @@ class DramEviction:
         now = self._clock() if off is None else 0.0     # one clock read for all the candidates
         if off is None:
             off = self._evict_fitting(nbytes, evicted, now)
-        candidates = self._order.victims() if off is None else iter(())
+        candidates = self._ordered().victims() if off is None else iter(())
         budget, freed = self.MAX_EVICT_PER_ALLOC, 0
         while off is None and budget > 0:
             key = next(candidates, None)
@@ -86,7 +86,7 @@ class DramEviction:
         as one model gives, the first evictable victim fits."""
         need, window = self._slab.chunk_size(nbytes), min(self.MAX_EVICT_PER_ALLOC, len(self._entries))
         larger = None
-        for key in itertools.islice(self._order.victims(), window):
+        for key in itertools.islice(self._ordered().victims(), window):
             e = self._entries[key]
             if not _evictable(e, now):
                 continue
@@ -107,7 +107,7 @@ class DramEviction:
         if self._slab.used_bytes <= self.config.high_watermark * cap:
             return
         used, now = self._slab.used_bytes, self._clock()
-        for key in itertools.islice(self._order.victims(), len(self._entries)):   # one pass at most
+        for key in itertools.islice(self._ordered().victims(), len(self._entries)):   # one pass at most
             used -= self._evict_one(key, evicted, now)
             if used <= self.config.low_watermark * cap:
                 break
@@ -119,7 +119,7 @@ class DramEviction:
         if e is None or not _evictable(e, now):
             return 0
         del self._entries[key]
-        self._order.remove(key)
+        self._ordered().remove(key)
         self._unpublish(key)
         write = BlockWrite(key, e.namespace_id, self._mv[e.offset: e.offset + e.nbytes], e.layout, e.created,
                                e.tenant)

@@ -76,6 +76,15 @@ class SharedOrder(EvictionOrder):
         if where is not None:
             self.orders[where[0]].hit(key)
 
+    def hit_many(self, keys) -> None:
+        parts: dict[str, list] = {}
+        for key in keys:
+            where = self._where.get(key)
+            if where is not None:
+                parts.setdefault(where[0], []).append(key)
+        for p, part in parts.items():
+            self.orders[p].hit_many(part)
+
     def remove(self, key) -> None:
         where = self._where.pop(key, None)
         if where is not None:

@@ -44,6 +44,28 @@ def test_surely_live_is_a_lower_bound_of_every_rule(default, ns_rule, tenant_rul
         assert not policy.is_expired(meta, now, namespace)
 
 
+@settings(max_examples=300, deadline=None)
+@given(default=_rule, ns_rule=_rule, created=st.lists(st.floats(0, 1e6), min_size=1, max_size=5),
+       age=st.floats(0, 3e6), deadline=st.lists(st.floats(0, 3e6), min_size=5, max_size=5))
+def test_surely_live_all_is_a_lower_bound_for_every_block(default, ns_rule, created, age, deadline):
+    """The batch shortcut never calls a batch live that holds a block is_expired would drop."""
+    policy = RetentionPolicy(default, {"a": ns_rule})
+    metas = [BlockMeta(NS.id, 1, created=c, last_access=c, expires_at=d if d > 2e6 else 0.0)
+             for c, d in zip(created, deadline)]
+    now = max(created) + age
+    if policy.surely_live_all(metas, now):
+        assert not any(policy.is_expired(m, now, ns) for m in metas for ns in ("", "a"))
+
+
+def test_surely_live_all_of_young_blocks_and_of_none():
+    policy = RetentionPolicy(RetentionRule(2 * HOUR, 3 * HOUR))
+    metas = [BlockMeta(NS.id, 1, created=c * HOUR, last_access=c * HOUR) for c in (0.0, 0.5)]
+    assert policy.surely_live_all(metas, 1.9 * HOUR) and policy.surely_live_all([], 1e9)
+    assert not policy.surely_live_all(metas, 2.1 * HOUR)                 # the older one may be expired
+    metas[1].expires_at = 10 * HOUR                                       # a deadline of its own: ask per block
+    assert not policy.surely_live_all(metas, 0.1 * HOUR)
+
+
 def test_surely_live_says_so_for_a_fresh_block():
     policy = RetentionPolicy(RetentionRule(2 * HOUR), {"a": RetentionRule(1 * HOUR, 3 * HOUR)})
     meta = BlockMeta(NS.id, 1, created=0.0, last_access=0.0)

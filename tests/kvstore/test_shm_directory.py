@@ -123,7 +123,7 @@ def test_touch_refreshes_recency_and_reports_sizes():
     put(t, b"a", 1)
     put(t, b"b", 2)
     assert t.touch([b"a", b"x"]) == [256 * KB, None]
-    assert next(t._order.victims()) == b"b"                        # a was read: b goes first
+    assert next(t._ordered().victims()) == b"b"                        # a was read: b goes first
     t.close()
 
 

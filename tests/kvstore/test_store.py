@@ -201,6 +201,29 @@ def test_batched_gets(make_store):
         s.get_many_into(keys[:1], [bytearray(10)])
 
 
+@pytest.mark.parametrize("nvme", [True, False])
+def test_batched_gets_miss_expired_blocks_and_check_every_size_first(make_store, clock, nvme):
+    """The batch path's shortcuts (all in DRAM, all young) never serve a block past its ttl, and
+    a buffer too small anywhere in a batch fails it before any block is copied."""
+    s = make_store(nvme=nvme)
+    keys = make_keys(4)
+    put_blocks(s, keys[:3])
+    outs = [bytearray(4096) for _ in keys]
+    assert s.get_many_into(keys[:3], outs[:3]) == [4096] * 3
+    clock.advance(hours=48)
+    assert s.get_many_into(keys[:1], outs[:1]) == [4096]          # block 0 read again: 72 h from now
+    clock.advance(hours=25)
+    outs = [bytearray(4096) for _ in keys]
+    assert s.get_many_into(keys, outs) == [4096, None, None, None]
+    assert s.get_many_into(keys[1:3], outs[1:3]) == [None, None] and outs[1] == bytes(4096)
+    fresh = make_keys(6)[4:]
+    put_blocks(s, fresh)
+    outs = [bytearray(4096), bytearray(10)]
+    with pytest.raises(ValueError, match="output buffer holds 10 bytes"):
+        s.get_many_into(fresh, outs)
+    assert outs[0] == bytes(4096)                                   # nothing copied
+
+
 def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
     from kvcache.kvstore.config import StoreConfig
     from kvcache.kvstore.store import BlockStore
