@@ -31,6 +31,7 @@ from kvcache.kvstore.types import BlockMeta, Tier
 from kvcache.tiering.base import BlockWrite, Placement
 
 log = logging.getLogger(__name__)
+_NBYTES, _PAYLOAD_LEN = operator.attrgetter("nbytes"), operator.attrgetter("payload_len")
 MAX_BLOCK_BYTES = 1 << 30   # no block is larger: a bigger payload length in the index is damage
 
 
@@ -40,6 +41,13 @@ def _fits(out, meta: BlockMeta) -> bool:
     if nbytes < meta.payload_len:
         raise BufferTooSmallError(f"output buffer holds {nbytes} bytes, block has {meta.payload_len}")
     return True
+
+
+def _all_fit(outs: Sequence, metas: Sequence[BlockMeta]) -> bool:
+    """Whether each of `outs`, all flat memoryviews (the usual buffers), holds its block: C-level
+    passes. False also when some are not memoryviews (the caller asks `_fits` of each)."""
+    return (set(map(type, outs)) == {memoryview}
+            and all(map(operator.ge, map(_NBYTES, outs), map(_PAYLOAD_LEN, metas))))
 
 
 def _has_none(items: list) -> bool:
@@ -128,7 +136,10 @@ class StoreReads:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         now = self.clock()
         metas = self._metas(list(keys), now)
-        live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
+        if _has_none(metas) or not _all_fit(outs, metas):
+            live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
+        else:
+            live = keys       # all of them (only its length is read)
         if len(live) < len(keys):
             result = self._get_sparse(keys, outs, metas, live, now)
         else:
@@ -155,7 +166,7 @@ class StoreReads:
         """After DRAM copied the blocks it holds (`got`): count and touch them; read the others
         (not in DRAM, or evicted since the lookup) from NVMe or object storage."""
         if not _has_none(got):
-            self._touch_many(keys, now)
+            self._touch_many(keys, now, metas)
             self.stats_counters["hits_dram"] += len(keys)
             return got
         self._touch_many([k for k, n in zip(keys, got) if n is not None], now)

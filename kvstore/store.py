@@ -57,6 +57,7 @@ MAX_PENDING_TOUCHES = 100_000
 MaintenanceFactory = Callable[["BlockStore"], Maintenance]
 
 
+_ACCESS_COUNT = operator.attrgetter("access_count")
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
 
 
@@ -159,8 +160,16 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
             self.index.touch(key, now)
             self._bound_touches()
 
-    def _touch_many(self, keys: Sequence[bytes], now: float) -> None:
-        dram_meta, in_index = self._dram_meta, []
+    def _touch_many(self, keys: Sequence[bytes], now: float, metas: Sequence[BlockMeta] | None = None) -> None:
+        """Count a read of each key at `now`. With `metas` (theirs, as the read found them) a batch
+        of DRAM-only blocks is counted by C-level passes over them, no Python per block."""
+        dram_meta = self._dram_meta
+        if metas is not None and all(map(operator.is_, metas, map(dram_meta.get, keys))):
+            collections.deque(map(setattr, metas, itertools.repeat("last_access"), itertools.repeat(now)), 0)
+            counts = map(operator.add, map(_ACCESS_COUNT, metas), itertools.repeat(1))
+            collections.deque(map(setattr, metas, itertools.repeat("access_count"), counts), 0)
+            return
+        in_index = []
         for key in keys:
             meta = dram_meta.get(key)
             if meta is not None:
