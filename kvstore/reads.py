@@ -50,8 +50,8 @@ def _all_fit(outs: Sequence, metas: Sequence[BlockMeta]) -> bool:
             and all(map(operator.ge, map(_NBYTES, outs), map(_PAYLOAD_LEN, metas))))
 
 
-def _has_none(items: list) -> bool:
-    """`None in items` without `==` per item."""
+def has_none(items: list) -> bool:
+    """`None in items` without `==` per item (a dataclass's __eq__ is Python, called per item)."""
     return any(map(operator.is_, items, itertools.repeat(None)))
 
 
@@ -136,36 +136,33 @@ class StoreReads:
             raise ValueError(f"{len(keys)} keys but {len(outs)} output buffers")
         now = self.clock()
         metas = self._metas(list(keys), now)
-        if _has_none(metas) or not _all_fit(outs, metas):
-            live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
+        if not has_none(metas) and _all_fit(outs, metas):     # the usual batch: all live, flat buffers
+            result = self._get_live(keys, outs, metas, now)
         else:
-            live = keys       # all of them (only its length is read)
-        if len(live) < len(keys):
-            result = self._get_sparse(keys, outs, metas, live, now)
-        else:
-            got = self.dram.get_many_into(keys, outs) if self.dram is not None else [None] * len(keys)
-            result = self._get_rest(keys, outs, metas, got, now)
+            result = self._get_sparse(keys, outs, metas, now)
         if self._events_on:
             hits = [m.residency.fastest() for m, n in zip(metas, result) if n is not None]
             self._event("get", next((m for m in metas if m), None), "", len(keys), hits, 0.0,
                         sum(n for n in result if n))
         return result
 
-    def _get_sparse(self, keys, outs, metas, live: list[int], now: float) -> list[int | None]:
-        """get_many_into of a batch with misses: the live blocks, then None for the others."""
+    def _get_sparse(self, keys, outs, metas, now: float) -> list[int | None]:
+        """A batch with misses or other buffers: every size checked (before any copy), then the
+        live blocks read."""
+        live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
         self.stats_counters["misses"] += len(keys) - len(live)
-        part = self._get_rest([keys[i] for i in live], [outs[i] for i in live], [metas[i] for i in live],
-                              self.dram.get_many_into([keys[i] for i in live], [outs[i] for i in live])
-                              if self.dram is not None and live else [None] * len(live), now)
         result: list[int | None] = [None] * len(keys)
-        for i, n in zip(live, part):
-            result[i] = n
+        if live:
+            got = self._get_live([keys[i] for i in live], [outs[i] for i in live], [metas[i] for i in live], now)
+            for i, n in zip(live, got):
+                result[i] = n
         return result
 
-    def _get_rest(self, keys, outs, metas, got: list[int | None], now: float) -> list[int | None]:
-        """After DRAM copied the blocks it holds (`got`): count and touch them; read the others
-        (not in DRAM, or evicted since the lookup) from NVMe or object storage."""
-        if not _has_none(got):
+    def _get_live(self, keys, outs, metas, now: float) -> list[int | None]:
+        """Blocks all live, each buffer big enough: DRAM copies those it holds; the others (not
+        in DRAM, or evicted since the lookup) are read from NVMe or object storage."""
+        got = self.dram.get_many_into(keys, outs) if self.dram is not None else [None] * len(keys)
+        if not has_none(got):
             self._touch_many(keys, now, metas)
             self.stats_counters["hits_dram"] += len(keys)
             return got

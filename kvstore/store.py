@@ -43,7 +43,7 @@ from kvcache.kvstore.leases import StoreLeases
 from kvcache.kvstore.namespaces import StoreNamespaces
 from kvcache.kvstore.protocol import Maintenance
 from kvcache.kvstore.quarantine import StoreQuarantine
-from kvcache.kvstore.reads import StoreReads
+from kvcache.kvstore.reads import StoreReads, has_none
 from kvcache.kvstore.rebuild import open_index
 from kvcache.kvstore.writes import StoreWrites
 from kvcache.kvstore.types import BlockMeta, LookupResult, Tier
@@ -116,9 +116,9 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         _check_keys(keys)
         now = self.clock() if now is None else now
         metas = list(map(self._dram_meta.get, keys))     # DRAM-only blocks are never in the index
-        if _has_none(metas):
+        if has_none(metas):
             self._index_metas(keys, metas)
-            if _has_none(metas):
+            if has_none(metas):
                 return [None if m is None or self._expired(m, now) else m for m in metas]
         if self.config.retention.surely_live_all(metas, now):
             return metas
@@ -370,11 +370,6 @@ def _warn_if_lifecycle_shorter(config: StoreConfig) -> None:
         log.warning("retention keeps blocks up to %.0f h but the bucket's lifecycle rule deletes objects after "
                     "%.1f days: older blocks are served from DRAM/NVMe only (raise the rule or lower retention)",
                     longest / 3600, obj.lifecycle_days)
-
-
-def _has_none(items: list) -> bool:
-    """`None in items` without `==` (a dataclass's __eq__ is Python, called per item)."""
-    return any(map(operator.is_, items, itertools.repeat(None)))
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:

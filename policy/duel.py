@@ -102,8 +102,9 @@ class Duel(EvictionOrder):
 
     def hit_many(self, keys) -> None:
         # `hit` of each key, batched: the held ones refreshed in C, then each shadow touches the
-        # longest run it holds at once and takes the rest one by one (a key it lacks is put, which
-        # may drop a later key of the batch: the order of steps is the unbatched one's)
+        # run it holds at once and, from the first key it lacks on, takes the rest one by one (a
+        # key it lacks is put, which may drop a later key of the batch: the steps stay those of
+        # the unbatched hits, and the cost never exceeds theirs)
         held = self._held
         keys = list(filter(held.__contains__, keys))
         if not keys:
@@ -112,12 +113,11 @@ class Duel(EvictionOrder):
             self._offered = None
         deque(map(held.move_to_end, keys), 0)
         for s in self.shadows:
-            order, i = s.order, 0
-            while i < len(keys):
-                i += order.touch_prefix(keys[i:] if i else keys)
-                if i < len(keys):
-                    s.access(keys[i])
-                    i += 1
+            order = s.order
+            n = order.touch_prefix(keys)
+            for key in keys[n:] if n < len(keys) else ():
+                if not order.touch(key):
+                    s.access(key)
 
     def remove(self, key) -> None:
         evicted, self._offered = key == self._offered, None
