@@ -33,9 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kvcache.kvstore.errors import BufferTooSmallError
 from kvcache.kvstore.shm_directory import Directory, table_bytes
-from kvcache.kvstore.types import TensorSpec, Tier
+from kvcache.kvstore.types import TensorSpec, Tier, copy_flat
 from kvcache.policy import EvictionOrder, make_order
 from kvcache.tiering.arena import Arena
 from kvcache.tiering.base import BlockTier, BlockWrite, Placement, TierUsage
@@ -46,7 +45,6 @@ from kvcache.tiering.dram_shares import REST, SharedOrder
 from kvcache.tiering.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
-HIT_BATCH = 64                # reads recorded before the order is told of them (see _hit)
 COPY_UNDER_LOCK = 1 << 20     # get_into copies blocks up to this with the lock held, no lease
 
 
@@ -63,22 +61,6 @@ class _Entry:
     pins: int = 0
     pin_until: float = 0.0
     doomed: bool = False
-
-
-def _copy(out, src: memoryview) -> None:
-    """Copy `src` into the first bytes of `out`, any writable buffer: a flat byte view (the
-    usual one) takes it as it is; other formats and shapes are cast (a step fewer for the many)."""
-    try:
-        (out if type(out) is memoryview else memoryview(out))[: src.nbytes] = src
-    except (TypeError, ValueError, NotImplementedError):     # not flat bytes, or too small
-        _copy_cast(out, src)
-
-
-def _copy_cast(out, src: memoryview) -> None:
-    dst = memoryview(out).cast("B")
-    if dst.nbytes < src.nbytes:
-        raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {src.nbytes}")
-    dst[: src.nbytes] = src
 
 
 @functools.lru_cache(maxsize=256)
@@ -136,24 +118,6 @@ class DramTier(DramEviction, DramLandings, BlockTier):
         fractions = {t: s for t, (s, _) in shares.items()}
         fractions[REST] = max(0.0, 1.0 - sum(fractions.values()))
         return SharedOrder(orders, fractions, self._slab.capacity, self._entries)
-
-    # ---------------------------------------------------------------- the order
-    def _hit(self, keys: Sequence[bytes]) -> None:
-        """Record reads (under the lock); the order hears of them in batches (`hit_many` costs a
-        fraction of a `hit` per key), at the latest before it is asked or told anything else."""
-        hits = self._hits
-        hits.extend(keys)
-        if len(hits) >= HIT_BATCH:
-            self._order.hit_many(hits)
-            hits.clear()
-
-    def _ordered(self) -> EvictionOrder:
-        """The eviction order with every read recorded so far told to it, in order (under the
-        lock): what it then says is what it would say had each read been told at once."""
-        if self._hits:
-            self._order.hit_many(self._hits)
-            self._hits.clear()
-        return self._order
 
     # ---------------------------------------------------------------- writes
     def put(self, writes: Sequence[BlockWrite], dirty: bool = False) -> list[Placement]:
@@ -215,11 +179,11 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             self._hit((key,))
             n, off = e.nbytes, e.offset
             if n <= COPY_UNDER_LOCK:
-                _copy(out, self._mv[off: off + n])
+                copy_flat(out, self._mv[off: off + n])
                 return n
             e.leases += 1
         try:
-            _copy(out, self._mv[off: off + n])
+            copy_flat(out, self._mv[off: off + n])
             return n
         finally:
             with self._lock:
@@ -239,7 +203,7 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                     result.append(None)
                     continue
                 n, off = e.nbytes, e.offset
-                _copy(out, mv[off: off + n])
+                copy_flat(out, mv[off: off + n])
                 result.append(n)
             return result
         finally:

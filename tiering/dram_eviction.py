@@ -12,8 +12,12 @@ block is unlinked at once (and leaves the read directory), but its chunk is free
 `on_evict` has seen it: dirty blocks are demoted to NVMe from the arena before it is reused.
 
 `DramEviction` is a mixin of `DramTier` (tiering/dram.py), whose lock the caller holds and
-which provides `_entries`, `_ordered()`, `_slab`, `_mv`, `_clock`, `_on_evict`, `_doomed_offsets`
-and `_unpublish`; it is not meant to be used on its own.
+which provides `_entries`, `_order`, `_hits`, `_slab`, `_mv`, `_clock`, `_on_evict`,
+`_doomed_offsets` and `_unpublish`; it is not meant to be used on its own.
+
+Reads reach the order in batches (`_hit`: `hit_many` costs a fraction of a `hit` per key);
+`_ordered()` tells it every read recorded so far before anything else asks or tells it anything,
+so it evicts what it would have evicted had each read been told at once.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvcache.kvstore.errors import TierFullError
+from kvcache.policy import EvictionOrder
 from kvcache.tiering.base import BlockWrite
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,24 @@ def _evictable(e, now: float) -> bool:
 
 class DramEviction:
     MAX_EVICT_PER_ALLOC = 256
+    HIT_BATCH = 64                # reads recorded before the order is told of them
+
+    def _hit(self, keys: Sequence[bytes]) -> None:
+        """Record reads (under the lock); the order hears of them in batches (`hit_many` costs a
+        fraction of a `hit` per key), at the latest before it is asked or told anything else."""
+        hits = self._hits
+        hits.extend(keys)
+        if len(hits) >= self.HIT_BATCH:
+            self._order.hit_many(hits)
+            hits.clear()
+
+    def _ordered(self) -> EvictionOrder:
+        """The eviction order with every read recorded so far told to it, in order (under the
+        lock): what it then says is what it would say had each read been told at once."""
+        if self._hits:
+            self._order.hit_many(self._hits)
+            self._hits.clear()
+        return self._order
 
     def _alloc(self, nbytes: int, evicted: list[EvictedBlock]) -> int:
         """A chunk for `nbytes`, evicting if needed: first one of the order's first victims whose

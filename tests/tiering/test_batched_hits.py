@@ -10,7 +10,7 @@ from kvcache.kvstore.errors import BufferTooSmallError
 from kvcache.policy import NAMES, make_order
 from kvcache.policy.s3fifo import MAX_FREQ
 from kvcache.tiering import dram as dram_module
-from kvcache.tiering.dram import HIT_BATCH
+from kvcache.tiering.dram import DramTier
 from tests.tiering.test_dram import KB, _k, _tier, _w
 
 _op = st.one_of(st.tuples(st.just("insert"), st.integers(0, 7)),
@@ -111,7 +111,7 @@ def test_reads_still_recorded_steer_the_next_eviction(read):
             assert mv is not None
     else:
         assert t.touch([_k(0)]) == [64 * KB]
-    assert 0 < len(t._hits) < HIT_BATCH                # held back: the order has not heard yet
+    assert 0 < len(t._hits) < DramTier.HIT_BATCH                # held back: the order has not heard yet
     t.put([_w(16)])
     assert [e[0] for e in evicted] == [_k(1)]         # 0 was read: 1 goes first
     t.close()
@@ -121,7 +121,7 @@ def test_a_full_batch_of_reads_reaches_the_order_at_once():
     t, _ = _tier(eviction="lru")
     t.put([_w(i) for i in range(4)])
     out = memoryview(bytearray(64 * KB))
-    for _ in range(HIT_BATCH // 2):
+    for _ in range(DramTier.HIT_BATCH // 2):
         t.get_many_into([_k(2), _k(0)], [out, out])
     assert t._hits == [] and list(t._order._d)[-2:] == [_k(2), _k(0)]
     t.close()
