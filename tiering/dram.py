@@ -18,7 +18,8 @@ tell a reused chunk from the block.
 
 Reads are zero-copy: `view(key)` leases the chunk (it cannot be evicted or reused while the
 lease is held) and yields a memoryview into the arena; `get_into` copies straight from the
-arena into the caller's buffer (one memcpy, no lock held while copying).
+arena into the caller's buffer (one memcpy: blocks up to COPY_UNDER_LOCK under the lock, which
+costs no concurrency because the copy holds the GIL anyway; larger ones leased, no lock held).
 When an accelerator is present the arena is page-locked so host->device copies run at
 full speed; on a CPU-only torch pinning raises, so it is off unless CUDA is available.
 """
