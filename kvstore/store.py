@@ -57,7 +57,7 @@ MAX_PENDING_TOUCHES = 100_000
 MaintenanceFactory = Callable[["BlockStore"], Maintenance]
 
 
-_ACCESS_COUNT = operator.attrgetter("access_count")
+_ACCESS_COUNT, _RESIDENCY = operator.attrgetter("access_count"), operator.attrgetter("residency")
 _WITH_DRAM = {t: t | Tier.DRAM for t in map(Tier, range(8))}   # IntFlag `|` costs ~0.5 us a call
 
 
@@ -117,12 +117,24 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         now = self.clock() if now is None else now
         metas = list(map(self._dram_meta.get, keys))     # DRAM-only blocks are never in the index
         if has_none(metas):
+            self._dram_held(keys, metas)
             self._index_metas(keys, metas)
             if has_none(metas):
                 return [None if m is None or self._expired(m, now) else m for m in metas]
+        elif not all(map(operator.is_, map(_RESIDENCY, metas), itertools.repeat(Tier.DRAM))):
+            self._dram_held(keys, metas)                 # a write-back flush is committing some
         if self.config.retention.surely_live_all(metas, now):
             return metas
         return [None if self._expired(m, now) else m for m in metas]
+
+    def _dram_held(self, keys: Sequence[bytes], metas: list[BlockMeta | None]) -> None:
+        """DRAM residency folded into DRAM-only metas that lack it: a write-back flush sets a
+        block's residency to NVMe before its index commit, while the block is still in DRAM
+        and readers, who take no store lock, still find it here."""
+        for key, meta in zip(keys, metas):
+            if meta is not None and meta.residency is not Tier.DRAM and self.dram is not None \
+                    and self.dram.contains(key):
+                meta.residency = _WITH_DRAM[meta.residency]
 
     def _index_metas(self, keys: Sequence[bytes], metas: list[BlockMeta | None]) -> None:
         """Fill the gaps of `metas` from the index, DRAM residency folded in; a block that no tier
@@ -144,6 +156,8 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
             metas = [None]
             self._index_metas((key,), metas)
             meta = metas[0]
+        elif meta.residency is not Tier.DRAM:
+            self._dram_held((key,), [meta])
         return None if meta is None or self._expired(meta, now) else meta
 
     def _expired(self, meta: BlockMeta, now: float) -> bool:

@@ -5,7 +5,7 @@ import pytest
 
 from kvcache.kvstore import Namespace, Tier
 from kvcache.kvstore.errors import BlockFormatError, StoreLockedError, UnknownNamespaceError
-from kvcache.kvstore.types import PutItem
+from kvcache.kvstore.types import PutItem, Tier
 from kvcache.kvstore.types import TensorSpec
 from tests.conftest import NS, make_keys, payload_for, put_blocks
 
@@ -225,6 +225,22 @@ def test_batched_gets_miss_expired_blocks_and_check_every_size_first(make_store,
         with pytest.raises(ValueError, match="output buffer holds 10 bytes"):
             s.get_many_into(fresh, outs)
         assert outs[0] == bytes(4096)                               # nothing copied
+
+
+def test_a_block_being_flushed_is_still_read_from_dram(make_store):
+    """A write-back flush marks a block's metadata NVMe-resident before its index commit; a read
+    meanwhile (readers take no store lock) still finds it in DRAM, never a miss or an NVMe read."""
+    s = make_store(write_policy="write-back")
+    keys = make_keys(2)
+    put_blocks(s, keys)
+    for k in keys:
+        s._dram_meta[k].residency = Tier.NVME          # mid-commit: no placement, no index entry yet
+    out = bytearray(4096)
+    assert s.get_into(keys[0], out) == 4096 and bytes(out) == payload_for(keys[0])
+    outs = [bytearray(4096) for _ in keys]
+    assert s.get_many_into(keys, outs) == [4096, 4096]
+    assert list(s.lookup(keys).tiers) == [Tier.DRAM] * 2
+    assert s.stats_counters["hits_nvme"] == 0 and s.stats_counters["misses"] == 0
 
 
 def test_second_hit_admission_keeps_one_off_puts_out_of_dram(tmp_path, clock):
