@@ -26,8 +26,8 @@ import time
 from typing import Sequence
 
 from kvcache.kvstore.block_format import check_layout
-from kvcache.kvstore.errors import BufferTooSmallError, TierFullError
-from kvcache.kvstore.types import BlockMeta, Tier
+from kvcache.kvstore.errors import TierFullError
+from kvcache.kvstore.types import BlockMeta, Tier, check_room
 from kvcache.tiering.base import BlockWrite, Placement
 
 log = logging.getLogger(__name__)
@@ -35,17 +35,9 @@ _NBYTES, _PAYLOAD_LEN = operator.attrgetter("nbytes"), operator.attrgetter("payl
 MAX_BLOCK_BYTES = 1 << 30   # no block is larger: a bigger payload length in the index is damage
 
 
-def _fits(out, meta: BlockMeta) -> bool:
-    """Whether `out` holds the block; else BufferTooSmallError (sizes are checked before any copy)."""
-    nbytes = out.nbytes if type(out) is memoryview else memoryview(out).nbytes
-    if nbytes < meta.payload_len:
-        raise BufferTooSmallError(f"output buffer holds {nbytes} bytes, block has {meta.payload_len}")
-    return True
-
-
 def _all_fit(outs: Sequence, metas: Sequence[BlockMeta]) -> bool:
     """Whether each of `outs`, all flat memoryviews (the usual buffers), holds its block: C-level
-    passes. False also when some are not memoryviews (the caller asks `_fits` of each)."""
+    passes. False also when some are not memoryviews (the caller checks each with check_room)."""
     return (set(map(type, outs)) == {memoryview}
             and all(map(operator.ge, map(_NBYTES, outs), map(_PAYLOAD_LEN, metas))))
 
@@ -72,7 +64,7 @@ class StoreReads:
         meta = self._meta(key, now)
         if meta is None:
             return self._miss()
-        _fits(out, meta)
+        check_room(out, meta.payload_len)
         return self._read(key, meta, out, now)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -149,7 +141,9 @@ class StoreReads:
     def _get_sparse(self, keys, outs, metas, now: float) -> list[int | None]:
         """A batch with misses or other buffers: every size checked (before any copy), then the
         live blocks read."""
-        live = [i for i, (out, meta) in enumerate(zip(outs, metas)) if meta is not None and _fits(out, meta)]
+        live = [i for i, meta in enumerate(metas) if meta is not None]
+        for i in live:
+            check_room(outs[i], metas[i].payload_len)
         self.stats_counters["misses"] += len(keys) - len(live)
         result: list[int | None] = [None] * len(keys)
         if live:
@@ -166,8 +160,10 @@ class StoreReads:
             self._touch_many(keys, now, metas)
             self.stats_counters["hits_dram"] += len(keys)
             return got
-        self._touch_many([k for k, n in zip(keys, got) if n is not None], now)
-        self.stats_counters["hits_dram"] += len(got) - got.count(None)
+        in_dram = [k for k, n in zip(keys, got) if n is not None]
+        if in_dram:
+            self._touch_many(in_dram, now)
+            self.stats_counters["hits_dram"] += len(in_dram)
         for i, n in enumerate(got):
             if n is None:
                 metas[i].residency &= ~Tier.DRAM

@@ -132,9 +132,12 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         block's residency to NVMe before its index commit, while the block is still in DRAM
         and readers, who take no store lock, still find it here."""
         for key, meta in zip(keys, metas):
-            if meta is not None and meta.residency is not Tier.DRAM and self.dram is not None \
-                    and self.dram.contains(key):
-                meta.residency = _WITH_DRAM[meta.residency]
+            if meta is not None and meta.residency is not Tier.DRAM:
+                self._fold_dram(key, meta)
+
+    def _fold_dram(self, key: bytes, meta: BlockMeta) -> None:
+        if self.dram is not None and self.dram.contains(key):
+            meta.residency = _WITH_DRAM[meta.residency]
 
     def _index_metas(self, keys: Sequence[bytes], metas: list[BlockMeta | None]) -> None:
         """Fill the gaps of `metas` from the index, DRAM residency folded in; a block that no tier
@@ -142,8 +145,7 @@ class BlockStore(StoreNamespaces, StoreReads, StoreWrites, StoreLeases, StoreQua
         todo = [i for i, m in enumerate(metas) if m is None and 1 <= len(keys[i]) <= 64]
         for i, meta in zip(todo, self.index.get_many([keys[i] for i in todo]) if todo else ()):
             if meta is not None:
-                if self.dram is not None and self.dram.contains(keys[i]):
-                    meta.residency = _WITH_DRAM[meta.residency]
+                self._fold_dram(keys[i], meta)
                 if meta.residency:
                     metas[i] = meta
 

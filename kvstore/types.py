@@ -282,11 +282,16 @@ class Scatter:
         return out
 
 
+def check_room(out, n: int) -> None:
+    """BufferTooSmallError unless `out` (any buffer) holds `n` bytes (a memoryview is not re-viewed)."""
+    nbytes = out.nbytes if type(out) is memoryview else memoryview(out).nbytes
+    if nbytes < n:
+        raise BufferTooSmallError(f"output buffer holds {nbytes} bytes, block has {n}")
+
+
 def _fit(out, n: int) -> memoryview:
-    dst = memoryview(out).cast("B")
-    if dst.nbytes < n:
-        raise BufferTooSmallError(f"output buffer holds {dst.nbytes} bytes, block has {n}")
-    return dst
+    check_room(out, n)
+    return memoryview(out).cast("B")
 
 
 def copy_flat(out, src: memoryview) -> None:

@@ -95,7 +95,7 @@ class S3FIFO(EvictionOrder):
     def _freq(self, q: OrderedDict, key) -> int:
         """`key`'s frequency in `q` with its batched reads folded in."""
         freq = q[key]
-        reads = self._reads.pop(key, 0) if self._reads else 0
+        reads = self._reads.pop(key, 0)
         if reads:
             freq = q[key] = min(MAX_FREQ, freq + reads)
         return freq
