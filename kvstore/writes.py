@@ -134,19 +134,36 @@ class StoreWrites:
         dirty = self.nvme is not None
         for w, meta in zip(writes, metas):
             meta.residency = Tier.DRAM
-            self._dram_meta[w.key] = meta
+            self._dram_meta[w.key] = meta           # before the put: a demotion inside it needs them
+        evictions = self.dram.evictions
         try:
             self.dram.put(writes, dirty=dirty)
         except (TierFullError, ValueError):
-            for w in writes:
-                if not self.dram.contains(w.key):
-                    self._dram_meta.pop(w.key, None)
+            self._keep_dram_metas(writes, metas)
             if not dirty:
                 raise
             self._put_through(writes, metas)  # no room in DRAM: go straight to NVMe
+            keys = [w.key for w in writes]
+            self.dram.mark_clean(keys)        # those that reached DRAM are on NVMe too now
+            for k in keys:
+                self._dram_meta.pop(k, None)
             return self._durable()
+        if self.dram.evictions != evictions:
+            self._keep_dram_metas(writes, metas)
         self._publish([w.key for w in writes], metas, self.clock())
         return False
+
+    def _keep_dram_metas(self, writes: list[BlockWrite], metas: list[BlockMeta]) -> None:
+        """After a put that evicted or failed: the metadata of the batch's blocks DRAM holds is
+        this put's, the others' is gone. A block whose older, clean copy the put evicted before
+        inserting it again lost its metadata with that copy (`_on_dram_evict`); one the put
+        inserted and then evicted was demoted (its metadata is the index's) or dropped."""
+        held, dram_meta = self.dram.contains, self._dram_meta
+        for w, meta in zip(writes, metas):
+            if held(w.key):
+                dram_meta[w.key] = meta
+            else:
+                dram_meta.pop(w.key, None)
 
     def _make_room(self) -> None:
         """The NVMe tier is over its high watermark: the collector handed to the store evicts.
@@ -164,9 +181,12 @@ class StoreWrites:
     def _on_dram_evict(self, evicted: list[EvictedBlock]) -> None:
         """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""
         dirty = [e for e in evicted if e.dirty]
-        for e in evicted:
-            if not e.dirty and self._dram_meta.pop(e.key, None) is not None:
-                self.stats_counters["evictions_dram_dropped"] += 1
+        if self.nvme is None:
+            # without NVMe a block's only metadata goes with it. With NVMe only dirty blocks have
+            # DRAM-only metadata: what a clean copy's key maps to is a newer put's, inserting it again
+            for e in evicted:
+                if self._dram_meta.pop(e.key, None) is not None:
+                    self.stats_counters["evictions_dram_dropped"] += 1
         self.stats_counters["evictions_dram"] += len(evicted)
         now = self.clock()
         if self._events_on:

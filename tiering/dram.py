@@ -134,10 +134,12 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 n = src.nbytes
                 sizes.append(n)
                 e = entries.get(w.key)
-                if e is not None:
+                if e is not None and e.nbytes == n:
                     e.dirty |= dirty
                     order.hit(w.key)
                     continue
+                if e is not None:        # another size under one key: the store's metadata is the new put's
+                    self._unlink(w.key, e)
                 off = self._adopt(w.payload, n) if self._reserved else None
                 if off is None:
                     if shared:
@@ -305,15 +307,19 @@ class DramTier(DramEviction, DramLandings, BlockTier):
 
     def delete(self, key: bytes, placement: Placement | None = None) -> None:
         with self._lock:
-            e = self._entries.pop(key, None)
-            if e is None:
-                return
-            self._ordered().remove(key)
-            self._unpublish(key)
-            if e.leases:
-                e.doomed = True  # freed when the last lease ends
-            else:
-                self._slab.free(e.offset)
+            e = self._entries.get(key)
+            if e is not None:
+                self._unlink(key, e)
+
+    def _unlink(self, key: bytes, e: _Entry) -> None:
+        """Unlink `key`'s entry `e` (under the lock); its chunk is freed now or by its last lease."""
+        del self._entries[key]
+        self._ordered().remove(key)
+        self._unpublish(key)
+        if e.leases:
+            e.doomed = True  # freed when the last lease ends
+        else:
+            self._slab.free(e.offset)
 
     @contextlib.contextmanager
     def leased_dirty(self) -> Iterator[list[BlockWrite]]:
