@@ -104,7 +104,7 @@ def attach_directory(info: dict | None, fd: int | None) -> tuple[LocalArena, Dir
     except (OSError, KeyError, TypeError, ValueError):   # ArenaUnavailable, or a malformed description
         return None
     try:
-        return table, DirectoryReader(table.view)
+        return table, DirectoryReader(table.view, table._map)
     except DirectoryError:
         table.close()
         return None
@@ -213,7 +213,8 @@ async def read_leased(ctl: ShmControl, arena: LocalArena, keys: list[bytes], max
     return c.result()
 
 
-PIPELINE_KEYS = 16    # keys per lease on the blocking path; the next lease is asked for before copying
+PIPELINE_KEYS = 16    # keys of the first lease on the blocking path; the next is asked for before copying
+LATER_KEYS = 64       # keys of each later lease: the first answer comes soon, later ones cost less per key
 
 
 def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[bytes], max_keys: int, take,
@@ -228,13 +229,13 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
     """
     c = LeasedCopies(arena, take, lease_s, into, ctl.tenant)
     files = into is not None
-    step = max(1, min(max_keys, PIPELINE_KEYS))
-    bases = list(range(0, len(keys), step))
+    bases = _lease_bases(len(keys), max_keys)
+    ends = bases[1:] + [len(keys)]
     sent: dict[int, float] = {}
 
     def ask(i: int) -> None:
         sent[i] = time.monotonic()
-        ctl.send_lease(keys[bases[i]: bases[i] + step], files)
+        ctl.send_lease(keys[bases[i]: ends[i]], files)
 
     def drop(reply) -> None:          # a reply we will not copy from: let its lease and fds go
         w.close_fds(reply[2])
@@ -254,7 +255,7 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
             if in_flight:
                 ask(i + 1)
             try:
-                done = c.copy(base, keys[base: base + step], slots, fds)
+                done = c.copy(base, keys[base: ends[i]], slots, fds)
             except BaseException:
                 ctl.forget(lease_id)
                 if in_flight:         # keep the channel in step: take the reply and let it go
@@ -277,6 +278,15 @@ def read_leased_blocking(ctl: BlockingShmControl, arena: LocalArena, keys: list[
                 c.rest += range(bases[i + 1], len(keys))
                 break
     return c.result()
+
+
+def _lease_bases(n: int, max_keys: int) -> list[int]:
+    """Where each lease of n keys starts: PIPELINE_KEYS first, then LATER_KEYS (at most max_keys).
+    Blocks not yet in the read directory are mostly NVMe-only ones, for which the daemon's
+    answer costs ~15 us a key plus a fixed part, and the client's read and check of a 64 KiB
+    record ~20 us: small leases keep the first wait short, larger ones halve the fixed parts."""
+    first, later = max(1, min(max_keys, PIPELINE_KEYS)), max(1, min(max_keys, LATER_KEYS))
+    return [0] + list(range(first, n, later)) if n else []
 
 
 def _direct_first(ctl, directory, arena: LocalArena, keys: list[bytes], take):

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import os
 
-from kvcache.kvstore.block_format import MAX_HEADER, verify_raw_record
-from kvcache.kvstore.errors import CorruptBlockError
+from kvcache.kvstore.block_format import MAX_HEADER, raw_record_problem
 from kvcache.kvstore.shm_wire import FileSlot
 
 
@@ -35,13 +34,12 @@ def read_record_into(fd: int, slot: FileSlot, stored_key: bytes, dst: list[memor
     lengths add up to slot.nbytes: kvstore/types.py Scatter) and verify it: True when those bytes are
     the block `stored_key`; False otherwise (dst's bytes are then undefined)."""
     hlen, n = slot.header_len, slot.nbytes
-    if not 0 < hlen <= MAX_HEADER or sum(p.nbytes for p in dst) != n:
+    if not 0 < hlen <= MAX_HEADER or (dst[0].nbytes if len(dst) == 1 else sum(p.nbytes for p in dst)) != n:
         return False
     head = bytearray(hlen)
     try:
         if os.preadv(fd, [head, *dst], slot.offset) != hlen + n:
             return False
-        verify_raw_record(head, stored_key, dst)
-    except (OSError, CorruptBlockError):
+    except OSError:
         return False
-    return True
+    return raw_record_problem(head, stored_key, dst, n) is None

@@ -183,32 +183,45 @@ def verify_payload(header: RecordHeader, payload) -> None:
         raise CorruptBlockError("payload checksum mismatch")
 
 
-def verify_raw_record(head, key: bytes, payload) -> None:
-    """Check a raw (uncompressed, live) record of block `key`: the header's own checksum, its
-    key, payload length and codec, then the payload's checksum. decode_header's checks without
-    building its layout (the header checksum covers that): a local reader's per-block cost.
-    `payload`: a buffer, or a list of buffers holding it in order (a scattered read).
-    Raises CorruptBlockError on any mismatch."""
-    mv = memoryview(head)
-    hlen = peek_header_len(mv)
-    if mv.nbytes != hlen:
-        raise CorruptBlockError("header length disagrees with the record's place")
-    if xxhash.xxh3_64_digest(mv[: hlen - 8]) != mv[hlen - 8: hlen]:
-        raise CorruptBlockError("header checksum mismatch")
-    (_, version, _, codec, flags, klen, _, plen, _, _, _) = _FIXED.unpack_from(mv)
-    parts = [memoryview(p) for p in payload] if isinstance(payload, list) else [memoryview(payload)]
-    if (version not in (FORMAT_VERSION, TENANT_VERSION) or codec != Codec.RAW or flags & FLAG_TOMBSTONE
-            or mv[_FIXED.size: _FIXED.size + klen] != key or plen != sum(p.nbytes for p in parts)):
-        raise CorruptBlockError("record does not hold the requested block")
-    if len(parts) == 1:
-        digest = xxhash.xxh3_128_digest(parts[0])
+_RAW_HEAD = struct.Struct("<4sHHBBBxQ")   # _FIXED's first fields: magic, version, header_len, codec, flags,
+_VERSIONS = (FORMAT_VERSION, TENANT_VERSION)   # key_len, (tensor count), payload_len
+
+
+def raw_record_problem(head, key: bytes, payload, nbytes: int) -> str | None:
+    """What is wrong with a raw (uncompressed, live) record of block `key` whose header is `head`
+    (bytes or bytearray, exactly the header) and whose `nbytes`-byte payload is `payload` (a
+    buffer, or a list of buffers holding it in order: a scattered read); None when nothing is.
+    decode_header's checks without building its layout (the header checksum covers that), and
+    no exception on the way: beside a 64 KiB read each Python step per block shows."""
+    try:
+        magic, version, hlen, codec, flags, klen, plen = _RAW_HEAD.unpack_from(head)
+    except struct.error:
+        return "truncated header"
+    if magic != MAGIC or hlen != len(head) or hlen < _FIXED.size + klen + _TRAILER:
+        return "header length disagrees with the record's place"
+    if xxhash.xxh3_64_digest(head[: hlen - 8]) != head[hlen - 8:]:
+        return "header checksum mismatch"
+    if (version not in _VERSIONS or codec or flags & FLAG_TOMBSTONE or plen != nbytes
+            or head[_FIXED.size: _FIXED.size + klen] != key):
+        return "record does not hold the requested block"
+    if type(payload) is not list:
+        digest = xxhash.xxh3_128_digest(payload)
+    elif len(payload) == 1:
+        digest = xxhash.xxh3_128_digest(payload[0])
     else:
         h = xxhash.xxh3_128()
-        for p in parts:
+        for p in payload:
             h.update(p)
         digest = h.digest()
-    if digest != mv[hlen - _TRAILER: hlen - 8]:
-        raise CorruptBlockError("payload checksum mismatch")
+    return None if digest == head[hlen - _TRAILER: hlen - 8] else "payload checksum mismatch"
+
+
+def verify_raw_record(head, key: bytes, payload) -> None:
+    """raw_record_problem as an exception: CorruptBlockError on any mismatch."""
+    parts = payload if isinstance(payload, list) else [payload]
+    problem = raw_record_problem(head, key, parts, sum(memoryview(p).nbytes for p in parts))
+    if problem is not None:
+        raise CorruptBlockError(problem)
 
 
 def decode_payload(header: RecordHeader, payload) -> bytes | memoryview:

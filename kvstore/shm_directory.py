@@ -120,7 +120,9 @@ class Directory:
 class DirectoryReader:
     """A local client's side, over a read-only mapping of the daemon's table."""
 
-    def __init__(self, buf):
+    def __init__(self, buf, search=None):
+        """`buf`: the table's bytes; `search`: the same bytes as an object with a C-level
+        find(sub, start, end) (the mmap `buf` views), which answers most misses in one call."""
         if len(buf) < HEADER_BYTES:
             raise DirectoryError(f"the read directory is {len(buf)} bytes, shorter than its header")
         magic, buckets, ways, entry = _HEADER.unpack_from(buf, 0)
@@ -130,11 +132,14 @@ class DirectoryReader:
         if buckets < 1 or buckets & (buckets - 1) or HEADER_BYTES + buckets * ways * entry > len(buf):
             raise DirectoryError(f"read directory claims {buckets} buckets in {len(buf)} bytes")
         self.buf, self.buckets = buf, buckets
+        self._search = search.find if search is not None else None
 
     def find(self, key: bytes, now: float) -> tuple[int, int, int, int] | None:
         """(position, seq, offset, nbytes) of a valid entry for `key`, or None. The caller copies
         arena[offset : offset + nbytes] and then asks unchanged(position, seq)."""
         first = HEADER_BYTES + bucket_of(key, self.buckets) * WAYS * ENTRY_BYTES
+        if self._search is not None and self._search(key, first + _KEY_AT, first + WAYS * ENTRY_BYTES) < 0:
+            return None        # its bytes are nowhere in its bucket (after a restart: every key)
         buf, n = self.buf, len(key)
         for pos in range(first, first + WAYS * ENTRY_BYTES, ENTRY_BYTES):
             seq, valid_until, offset, nbytes, key_len = _ENTRY.unpack_from(buf, pos)

@@ -190,10 +190,14 @@ def test_an_expired_lease_voids_the_copy_and_the_client_rereads(served):
 
 
 def test_blocking_reads_pipeline_leases_and_stay_in_step(served, monkeypatch):
-    """KVClient keeps one lease in flight ahead (PIPELINE_KEYS per lease): slow copies void
-    their leases and are reread, a copy that fails leaves the channel usable, misses stay None."""
+    """KVClient keeps one lease in flight ahead (PIPELINE_KEYS keys, then LATER_KEYS a lease):
+    slow copies void their leases and are reread, a copy that fails leaves the channel usable,
+    misses stay None."""
     from kvcache.client import shm_client
     monkeypatch.setattr(shm_client, "PIPELINE_KEYS", 3)
+    monkeypatch.setattr(shm_client, "LATER_KEYS", 4)
+    assert shm_client._lease_bases(10, 100) == [0, 3, 7] and shm_client._lease_bases(10, 2) == [0, 2, 4, 6, 8]
+    assert shm_client._lease_bases(0, 100) == [] and shm_client._lease_bases(2, 100) == [0]
     url, store = served(lease_s=0.2)
     with KVClient(url, ADMIN, shared_memory="on") as c:
         c.register_namespace(NS)

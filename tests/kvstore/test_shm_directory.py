@@ -25,14 +25,21 @@ KB = 1 << 10
 FAR = time.time() + 3600
 
 
-def table(buckets: int = 1) -> tuple[sd.Directory, sd.DirectoryReader]:
-    buf = memoryview(bytearray(sd.HEADER_BYTES + buckets * sd.WAYS * sd.ENTRY_BYTES))
-    return sd.Directory(buf), sd.DirectoryReader(buf.toreadonly())
+def table(buckets: int = 1, search: bool = False) -> tuple[sd.Directory, sd.DirectoryReader]:
+    """A table and a reader of it; with `search`, the reader's misses go through the bytes' own
+    find() first, as a client's do over the mapped table."""
+    raw = bytearray(sd.HEADER_BYTES + buckets * sd.WAYS * sd.ENTRY_BYTES)
+    buf = memoryview(raw)
+    return sd.Directory(buf), sd.DirectoryReader(buf.toreadonly(), raw if search else None)
+
+
+searching = pytest.mark.parametrize("search", [False, True], ids=["ways", "find-first"])
 
 
 # ---------------------------------------------------------------- the table
-def test_published_entries_are_found_until_removed_or_stale():
-    w, r = table(buckets=4)
+@searching
+def test_published_entries_are_found_until_removed_or_stale(search):
+    w, r = table(buckets=4, search=search)
     w.publish(b"k" * 16, 4096, 100, FAR)
     pos, seq, off, n = r.find(b"k" * 16, time.time())
     assert (off, n) == (4096, 100) and seq % 2 == 0 and r.unchanged(pos, seq)
@@ -45,8 +52,9 @@ def test_published_entries_are_found_until_removed_or_stale():
     assert r.find(b"k" * 16, time.time()) is None and not r.unchanged(pos, seq2) and len(w) == 0
 
 
-def test_a_full_bucket_overwrites_a_way_and_forgets_its_key():
-    w, r = table(buckets=1)
+@searching
+def test_a_full_bucket_overwrites_a_way_and_forgets_its_key(search):
+    w, r = table(buckets=1, search=search)
     keys = [bytes([i]) * 16 for i in range(sd.WAYS + 2)]
     for i, k in enumerate(keys):
         w.publish(k, i * 4096, 10, FAR)
@@ -57,8 +65,9 @@ def test_a_full_bucket_overwrites_a_way_and_forgets_its_key():
     assert all(r.find(k, time.time()) is None for k in keys) and len(w) == 0
 
 
-def test_a_half_written_entry_is_skipped():
-    w, r = table()
+@searching
+def test_a_half_written_entry_is_skipped(search):
+    w, r = table(search=search)
     w.publish(b"a" * 16, 0, 10, FAR)
     pos = r.find(b"a" * 16, time.time())[0]
     seq = int.from_bytes(w.buf[pos: pos + 8], "little")
