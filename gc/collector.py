@@ -135,9 +135,7 @@ class Collector:
                 store._dram_meta.pop(k, None)
             still = [k for k, m in zip(expired, store.index.get_many(expired)) if m and store._expired(m, now)]
             store.index.commit(updates, deletes=still, counters={"expired": len(still) + len(dram_expired)})
-            if store.dram is not None:
-                for k in still + dram_expired:
-                    store.dram.delete(k)
+            store._drop_dram_copies(still + dram_expired)
         r.expired, r.soft_pins_cleared = len(still) + len(dram_expired), len(updates)
         if still:
             gone = set(still)
@@ -196,8 +194,7 @@ class Collector:
             store.index.commit({key: meta}, counters={"evicted_nvme": 1})
         else:
             store.index.commit(deletes=[key], counters={"evicted_nvme": 1})
-            if store.dram is not None:
-                store.dram.delete(key)
+            store._drop_dram_copies([key])
 
     def _evict_segment(self, sid: int, records: list[ScannedRecord], r: GcReport) -> None:
         """Evict the unpinned live blocks of sealed segment `sid` (its scanned `records`), whatever

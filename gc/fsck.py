@@ -174,9 +174,7 @@ def _fix(store, rep: CheckReport, recount: dict[int, list[int]]) -> None:
         store.index.commit(object_drops=drops)
     bad = [bytes.fromhex(k) for k in rep.bad_blocks]
     store.index.commit(deletes=bad, counters={"quarantined": len(bad)} if bad else None)
-    if store.dram is not None:
-        for k in bad:
-            store.dram.delete(k)
+    store._drop_dram_copies(bad)
     usage = {sid: (b, n) for sid, (b, n) in recount.items() if sid not in rep.missing_segments}
     for sid in rep.orphan_segments:
         usage.setdefault(sid, (0, 0))

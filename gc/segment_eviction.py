@@ -68,9 +68,7 @@ def evict_cold(store, sid: int, threshold: float, now: float) -> tuple[int, int]
         n = len(updates) + len(deletes)
         if n:
             store.index.commit(updates, deletes=deletes, counters={"evicted_nvme": n})
-        if store.dram is not None:
-            for key in deletes:
-                store.dram.delete(key)
+        store._drop_dram_copies(deletes)
     return freed, n
 
 

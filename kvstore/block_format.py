@@ -183,8 +183,9 @@ def verify_payload(header: RecordHeader, payload) -> None:
         raise CorruptBlockError("payload checksum mismatch")
 
 
-_RAW_HEAD = struct.Struct("<4sHHBBBxQ")   # _FIXED's first fields: magic, version, header_len, codec, flags,
-_VERSIONS = (FORMAT_VERSION, TENANT_VERSION)   # key_len, (tensor count), payload_len
+# _FIXED's first fields: magic, version, header_len, codec, flags, key_len, (tensor count), payload_len
+_RAW_HEAD = struct.Struct("<4sHHBBBxQ")
+_VERSIONS = (FORMAT_VERSION, TENANT_VERSION)
 
 
 def raw_record_problem(head, key: bytes, payload, nbytes: int) -> str | None:

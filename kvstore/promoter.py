@@ -12,7 +12,7 @@ came for `idle_s`, and the client has had time to read what it was last given.
     submit(blocks) ── bounded queue (oldest dropped) ──> worker: wait until quiet_from, promote
                                                           one block, yield, repeat
 
-The second term matters on a cold page cache: a client reading a lease's 16 MiB from disk asks
+The second term matters on a cold page cache: a client reading a lease's blocks (MiBs) from disk asks
 for its next lease tens of milliseconds later, past `idle_s`, and a promotion that starts then
 reads the same disk. On the 2-core VM that cut cold reads of 1 MiB blocks from ~2 GB/s to 0.6.
 """

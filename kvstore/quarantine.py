@@ -69,8 +69,7 @@ class StoreQuarantine:
                 self.index.commit({key: meta}, counters={"quarantined": 1})
             else:
                 self.index.commit(deletes=[key], counters={"quarantined": 1})
-                if self.dram is not None:        # no index entry: nothing may serve or hold it
-                    self.dram.delete(key)
+                self._drop_dram_copies([key])    # no index entry: nothing may serve or hold it
             self.stats_counters["quarantined"] += 1
             line = json.dumps({"time": self.clock(), "key": key.hex(), "reason": reason})
             with open(os.path.join(self.config.data_dir, "quarantine.jsonl"), "a") as f:

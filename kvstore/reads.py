@@ -291,6 +291,8 @@ class StoreReads:
         with self._lock:
             if self.index.get(key) is None:  # deleted while we read it: do not resurrect it in DRAM
                 return
+            if key in self._dram_meta:       # put again meanwhile (write-back): DRAM holds the newer copy
+                return
             try:
                 self.dram.put([BlockWrite(key, meta.namespace_id, payload, layout, meta.created, meta.tenant)])
             except (TierFullError, ValueError) as e:

@@ -101,7 +101,10 @@ class StoreWrites:
                 self.dram.put(cached)
             except (TierFullError, ValueError) as e:
                 log.debug("write-through blocks not cached in DRAM: %s", e)
+                cached = []
             self._publish([w.key for w in writes], metas, self.clock())   # those not in DRAM are skipped
+        if self.dram is not None and len(cached) < len(writes):
+            self.dram.drop_resized(writes)      # what the DRAM put did not reach may hold an older size
 
     def _admitted(self, writes: list[BlockWrite]) -> list[BlockWrite]:
         """DRAM admission of write-through puts: all, or ("second-hit") only keys refused before;
@@ -165,6 +168,15 @@ class StoreWrites:
             else:
                 dram_meta.pop(w.key, None)
 
+    def _drop_dram_copies(self, keys: list[bytes]) -> None:
+        """Drop the DRAM copies of blocks whose index entries were just deleted (expired, evicted,
+        damaged), under the store lock. A key with DRAM-only metadata is kept: its copy is a newer
+        write-back put of the block (put again once the old entry had expired), not yet on NVMe."""
+        if self.dram is not None:
+            for k in keys:
+                if k not in self._dram_meta:
+                    self.dram.delete(k)
+
     def _make_room(self) -> None:
         """The NVMe tier is over its high watermark: the collector handed to the store evicts.
         A store without one has nothing to evict with, and the put goes on (see kvstore/store.py)."""
@@ -182,8 +194,9 @@ class StoreWrites:
         """Called by the DRAM tier (under the store lock) before evicted chunks are reused."""
         dirty = [e for e in evicted if e.dirty]
         if self.nvme is None:
-            # without NVMe a block's only metadata goes with it. With NVMe only dirty blocks have
-            # DRAM-only metadata: what a clean copy's key maps to is a newer put's, inserting it again
+            # without NVMe each block's only metadata goes with it. With NVMe only dirty copies have
+            # DRAM-only metadata; if a clean copy's key has some, it is a newer put's, which is
+            # about to insert the block again: keep it
             for e in evicted:
                 if self._dram_meta.pop(e.key, None) is not None:
                     self.stats_counters["evictions_dram_dropped"] += 1

@@ -134,9 +134,9 @@ class DramTier(DramEviction, DramLandings, BlockTier):
                 n = src.nbytes
                 sizes.append(n)
                 e = entries.get(w.key)
-                if e is not None and e.nbytes == n:
-                    e.dirty |= dirty
-                    order.hit(w.key)
+                if e is not None and (e.nbytes == n or e.dirty and not dirty):
+                    e.dirty |= dirty     # the same block, or a clean copy (a promotion of an older
+                    order.hit(w.key)     # record) meeting a dirty one, a newer put not yet on NVMe
                     continue
                 if e is not None:        # another size under one key: the store's metadata is the new put's
                     self._unlink(w.key, e)
@@ -310,6 +310,15 @@ class DramTier(DramEviction, DramLandings, BlockTier):
             e = self._entries.get(key)
             if e is not None:
                 self._unlink(key, e)
+
+    def drop_resized(self, writes: Sequence[BlockWrite]) -> None:
+        """Unlink the copies of `writes`' keys whose size is not the write's: left from an older
+        put of the key, they would answer a read sized by the new put's metadata."""
+        with self._lock:
+            for w in writes:
+                e = self._entries.get(w.key)
+                if e is not None and e.nbytes != memoryview(w.payload).nbytes:
+                    self._unlink(w.key, e)
 
     def _unlink(self, key: bytes, e: _Entry) -> None:
         """Unlink `key`'s entry `e` (under the lock); its chunk is freed now or by its last lease."""

@@ -5,14 +5,17 @@ on the way, so that every later flush, eviction and read works and nothing is qu
 import logging
 import random
 
+import pytest
+
+from kvcache.kvstore.reads import _placement
 from kvcache.kvstore.types import PutItem
 from tests.conftest import NS, make_keys
 
 BLOCK = 64 << 10
 
 
-def _wb_store(make_store, subdir: str = "data"):
-    return make_store(dram_mib=1, write_policy="write-back", subdir=subdir)
+def _wb_store(make_store, subdir: str = "data", dram_mib: float = 1):
+    return make_store(dram_mib=dram_mib, write_policy="write-back", subdir=subdir)
 
 
 def test_an_expired_block_put_again_while_the_put_evicts_its_clean_copy(make_store, clock, caplog):
@@ -96,3 +99,70 @@ def test_a_write_back_put_that_does_not_fit_in_dram_goes_to_nvme_whole(make_stor
     s.flush()
     assert s.stats_counters["demotions"] - demoted == len(pinned)      # the pinned ones, once
     assert [s.get(k) for k in batch] == list(batch.values())
+
+
+@pytest.mark.parametrize("drop", ["expiry", "capacity eviction", "quarantine"])
+def test_dropping_an_expired_record_keeps_the_newer_write_back_copy(make_store, clock, drop):
+    """The old record goes (the collector's expiry or capacity eviction, or quarantine); the copy a
+    write-back put stored since is newer and not yet on NVMe: it stays readable and reaches NVMe
+    at the next flush, so it survives a restart."""
+    from kvcache.gc.collector import Collector
+    s = _wb_store(make_store)
+    key = make_keys(1)[0]
+    s.put_many([PutItem(key, b"a" * 4096, NS.id, ttl_s=5.0)])
+    s.flush()
+    clock.advance(seconds=10)
+    assert s.put_many([PutItem(key, b"a" * 4096, NS.id)]).stored == 1     # acknowledged
+    old = s.index.get(key)
+    if drop == "expiry":
+        Collector(s).step()
+    elif drop == "capacity eviction":
+        with s._lock:
+            Collector(s)._evict_locked(key, old)
+    else:
+        s._quarantine(key, _placement(old), "a damaged record")
+    assert s.index.get(key) is None and s.dram.contains(key)
+    assert s.get(key) == b"a" * 4096
+    s.flush()
+    s.close()
+    assert _wb_store(make_store).get(key) == b"a" * 4096
+
+
+def test_a_promotion_of_an_older_record_leaves_a_newer_write_back_copy_alone(make_store, clock):
+    """A reader read the old record from NVMe; before it promotes those bytes, the block expires
+    and is put again, at another size, into DRAM (dirty). The promotion must not replace it."""
+    s = _wb_store(make_store, dram_mib=4)
+    key = make_keys(1)[0]
+    s.put_many([PutItem(key, b"a" * 1000, NS.id, ttl_s=5.0)])
+    s.flush()
+    s.dram.delete(key)
+    old = s._meta(key, clock())
+    buf = bytearray(old.payload_len)
+    header = s.nvme.read_into(key, _placement(old), buf)
+    clock.advance(seconds=10)
+    s.put_many([PutItem(key, b"b" * 4000, NS.id)])
+    s._promote(key, old, header.layout, memoryview(buf))
+    assert s.get(key) == b"b" * 4000
+    s.flush()
+    s.dram.delete(key)
+    assert s.get(key) == b"b" * 4000                  # the flush wrote the newer copy
+
+
+def test_a_write_through_put_dram_does_not_admit_drops_a_copy_of_another_size(tmp_path, clock):
+    """Second-hit admission refuses a block put again after it expired; the copy a read promoted
+    before, of another size, must not answer reads sized by the new metadata."""
+    from kvcache.kvstore.config import StoreConfig
+    from kvcache.kvstore.store import BlockStore
+    from kvcache.tiering.config import DramConfig, NvmeConfig
+    cfg = StoreConfig(str(tmp_path / "s"), nvme=NvmeConfig(segment_bytes=1 << 20),
+                      dram=DramConfig(capacity_bytes=4 << 20, page_bytes=1 << 20, prefault=False,
+                                      admission="second-hit", admission_memory=1))
+    with BlockStore(cfg, clock=clock) as s:
+        s.register_namespace(NS)
+        key, other = make_keys(2)
+        s.put_many([PutItem(key, b"a" * 1000, NS.id, ttl_s=5.0)])     # refused, remembered
+        s.get(key)                                                     # promoted: 1000 bytes in DRAM
+        s.put_many([PutItem(other, b"o" * 1000, NS.id)])               # the key falls out of the memory
+        clock.advance(seconds=10)
+        s.put_many([PutItem(key, b"b" * 4000, NS.id)])                 # refused again
+        assert s.get(key) == b"b" * 4000 and s.get_many([key]) == [b"b" * 4000]
