@@ -69,10 +69,10 @@ class LocalArena:
         return self.view[offset: offset + nbytes]
 
     def close(self) -> None:
-        self.view.release()
         try:
+            self.view.release()
             self._map.close()
-        except BufferError:   # a caller's slice is still alive; the GC unmaps it later
+        except BufferError:   # a caller's slice (or a directory reader's arrays) is still alive; the GC unmaps it later
             pass
 
 
@@ -113,18 +113,16 @@ def attach_directory(info: dict | None, fd: int | None) -> tuple[LocalArena, Dir
 def read_direct(directory: DirectoryReader, arena: LocalArena, tenant: str, keys: list[bytes], take):
     """Copy the blocks the read directory knows, with no round trip: ({i: take's result},
     [indices to lease]). A copy whose entry changed meanwhile is thrown away and leased."""
-    got, ask, now = {}, [], time.time()
-    for i, key in enumerate(keys):
-        hit = directory.find(tenant_key(tenant, key), now)
-        if hit is not None:
-            pos, seq, offset, nbytes = hit
-            if 0 <= offset and offset + nbytes <= arena.size:
-                value = take(i, arena.view[offset: offset + nbytes])
-                if directory.unchanged(pos, seq):
-                    got[i] = value
-                    continue
-        ask.append(i)
-    return got, ask
+    stored = keys if not tenant else [tenant_key(tenant, k) for k in keys]
+    found, rows, seqs, offsets, sizes = directory.find_many(stored, time.time())
+    values, view, size = {}, arena.view, arena.size
+    for i, offset, nbytes in zip(found, offsets, sizes):
+        if offset + nbytes <= size:
+            values[i] = take(i, view[offset: offset + nbytes])
+    # one check after all the copies: an entry unchanged now was unchanged all along (seqs only grow)
+    same = directory.unchanged_many(rows, seqs).tolist()
+    got = {i: values[i] for i, ok in zip(found, same) if ok and i in values}
+    return got, [i for i in range(len(keys)) if i not in got]
 
 
 def merge_leased(got: dict, ask: list[int], leased: tuple[dict, list[int]]) -> tuple[dict, list[int]]:

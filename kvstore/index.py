@@ -105,9 +105,15 @@ class Index:
         """Metadata per key (None if absent), with access times not yet flushed folded in."""
         touches, flushing, objects = self._touches, self._flushing, self._objects
         with self._read(db=self._blocks, buffers=True) as txn:
-            out = []
+            if objects is not None and not txn.stat(objects)["entries"]:
+                objects = None     # no object copy of any block (no object tier): no second get per key
+            out, get, unpack = [], txn.get, BlockMeta.unpack
             for k in keys:
-                meta = unpack_meta(k, txn.get(k))
+                raw = get(k)
+                try:               # unpack_meta's work without its call on the common path
+                    meta = None if raw is None else unpack(raw)
+                except (struct.error, IndexError, UnicodeDecodeError):
+                    meta = unpack_meta(k, raw)              # damaged: warns, reads as absent
                 if meta is not None:
                     if touches and k in touches:
                         ts, n = touches[k]

@@ -87,16 +87,17 @@ class StoreLeases:
         index_of: dict[int, int | None] = {}
         if self.nvme is None:
             return files, fds
+        on_nvme = int(Tier.NVME)            # an int bit test, not Flag.__contains__: this runs per block
         for i in cold:
             m = metas[i]
-            if Tier.NVME not in m.residency:
+            if not int(m.residency) & on_nvme:
                 continue
-            if m.segment_id not in index_of:
+            at = index_of.get(m.segment_id, -1)
+            if at == -1:
                 fd = self.nvme.dup_reader(m.segment_id) if len(fds) < max_files else None
-                index_of[m.segment_id] = None if fd is None else len(fds)
+                at = index_of[m.segment_id] = None if fd is None else len(fds)
                 if fd is not None:
                     fds.append(fd)
-            at = index_of[m.segment_id]
             if at is not None:
                 files[i] = FileSlot(at, m.offset, m.record_len - m.payload_len, m.payload_len)
         return files, fds

@@ -31,6 +31,7 @@ from __future__ import annotations
 import platform
 import struct
 
+import numpy as np
 import xxhash
 
 MAGIC = b"KVCDIR01"
@@ -46,6 +47,8 @@ _HEADER = struct.Struct("<8sIII")
 _ENTRY = struct.Struct("<QdQQB")    # seq, valid_until, offset, nbytes, key_len; the key follows
 _SEQ = struct.Struct("<Q")
 _KEY_AT = _ENTRY.size
+_KEY_LEN_AT, _VALID_AT, _OFFSET_AT, _NBYTES_AT = _KEY_AT - 1, 8, 16, 24
+BATCH_FROM = 8              # keys from which find_many's fixed cost (~20 us of numpy calls) pays off
 
 
 class DirectoryError(ValueError):
@@ -133,20 +136,76 @@ class DirectoryReader:
             raise DirectoryError(f"read directory claims {buckets} buckets in {len(buf)} bytes")
         self.buf, self.buckets = buf, buckets
         self._search = search.find if search is not None else None
+        # the same entries as arrays, for find_many: rows of ENTRY_BYTES, and each row's seq
+        self._rows = np.frombuffer(buf, np.uint8, buckets * WAYS * ENTRY_BYTES, HEADER_BYTES).reshape(-1, ENTRY_BYTES)
+        self._seqs = self._rows[:, :8].view("<u8")[:, 0]
 
     def find(self, key: bytes, now: float) -> tuple[int, int, int, int] | None:
         """(position, seq, offset, nbytes) of a valid entry for `key`, or None. The caller copies
-        arena[offset : offset + nbytes] and then asks unchanged(position, seq)."""
+        arena[offset : offset + nbytes] and then asks unchanged(position, seq).
+        With `search`, the key's bytes are looked for first: absent, a miss; at a key field, that
+        way is checked alone. Anything else (the bytes elsewhere, a stale entry that kept them)
+        checks every way, as without `search`."""
         first = HEADER_BYTES + bucket_of(key, self.buckets) * WAYS * ENTRY_BYTES
-        if self._search is not None and self._search(key, first + _KEY_AT, first + WAYS * ENTRY_BYTES) < 0:
-            return None        # its bytes are nowhere in its bucket (after a restart: every key)
-        buf, n = self.buf, len(key)
-        for pos in range(first, first + WAYS * ENTRY_BYTES, ENTRY_BYTES):
-            seq, valid_until, offset, nbytes, key_len = _ENTRY.unpack_from(buf, pos)
-            if (key_len == n and not seq & 1 and valid_until > now and buf[pos + _KEY_AT: pos + _KEY_AT + n] == key
-                    and self.unchanged(pos, seq)):   # the fields were read whole: no torn offset or size
-                return pos, seq, offset, nbytes
+        end = first + WAYS * ENTRY_BYTES
+        if self._search is not None:
+            at = self._search(key, first + _KEY_AT, end)
+            if at < 0:
+                return None        # its bytes are nowhere in its bucket (after a restart: every key)
+            if (at - _KEY_AT - first) % ENTRY_BYTES == 0:
+                hit = self._valid(at - _KEY_AT, key, now)
+                if hit is not None:
+                    return hit
+        for pos in range(first, end, ENTRY_BYTES):
+            hit = self._valid(pos, key, now)
+            if hit is not None:
+                return hit
         return None
+
+    def _valid(self, pos: int, key: bytes, now: float) -> tuple[int, int, int, int] | None:
+        buf, n = self.buf, len(key)
+        seq, valid_until, offset, nbytes, key_len = _ENTRY.unpack_from(buf, pos)
+        if (key_len == n and not seq & 1 and valid_until > now and buf[pos + _KEY_AT: pos + _KEY_AT + n] == key
+                and self.unchanged(pos, seq)):   # the fields were read whole: no torn offset or size
+            return pos, seq, offset, nbytes
+        return None
+
+    def find_many(self, keys: list[bytes], now: float) -> tuple[list[int], np.ndarray, np.ndarray, list, list]:
+        """find() of many keys in a few array passes (per key: a hash, no Python loop over ways):
+        (indices of the keys found, their entries' rows and seqs, offsets, sizes). Pass rows and
+        seqs to unchanged_many after copying. The seqlock, for all keys at once:
+
+            seq1 = seqs[rows] ── entries = rows' bytes ── seq2 = seqs[rows]     (three passes, in order)
+            valid: seq1 == seq2, even, key and key_len equal, valid_until > now; the first valid way
+
+        Keys of several lengths, or fewer than BATCH_FROM, go through find() one by one."""
+        n = len(keys)
+        klen = len(keys[0]) if keys else 0
+        if n < BATCH_FROM or len(set(map(len, keys))) != 1 or not 1 <= klen <= MAX_KEY:
+            found = [(i, self.find(k, now)) for i, k in enumerate(keys)]
+            hits = [(i, h) for i, h in found if h is not None]
+            rows = np.array([(h[0] - HEADER_BYTES) // ENTRY_BYTES for _, h in hits], np.intp)
+            return ([i for i, _ in hits], rows, np.array([h[1] for _, h in hits], np.uint64),
+                    [h[2] for _, h in hits], [h[3] for _, h in hits])
+        buckets = np.fromiter(map(xxhash.xxh3_64_intdigest, keys), np.uint64, n) & np.uint64(self.buckets - 1)
+        rows = buckets.astype(np.intp)[:, None] * WAYS + np.arange(WAYS)
+        seq1 = self._seqs[rows]
+        entries = self._rows[rows]
+        seq2 = self._seqs[rows]
+        want = np.frombuffer(b"".join(keys), np.uint8).reshape(n, 1, klen)
+        valid_until = entries[:, :, _VALID_AT: _VALID_AT + 8].copy().view("<f8")[..., 0]
+        ok = ((seq1 == seq2) & (seq1 & np.uint64(1) == 0) & (entries[:, :, _KEY_LEN_AT] == klen)
+              & (valid_until > now) & (entries[:, :, _KEY_AT: _KEY_AT + klen] == want).all(axis=2))
+        found = np.flatnonzero(ok.any(axis=1))
+        way = ok[found].argmax(axis=1)
+        hit = entries[found, way]
+        return (found.tolist(), rows[found, way], seq1[found, way],
+                hit[:, _OFFSET_AT: _OFFSET_AT + 8].copy().view("<u8").ravel().tolist(),
+                hit[:, _NBYTES_AT: _NBYTES_AT + 8].copy().view("<u8").ravel().tolist())
+
+    def unchanged_many(self, rows: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """unchanged() of find_many's entries, as booleans."""
+        return self._seqs[rows] == seqs
 
     def unchanged(self, pos: int, seq: int) -> bool:
         return _SEQ.unpack_from(self.buf, pos)[0] == seq

@@ -75,6 +75,54 @@ def test_a_half_written_entry_is_skipped(search):
     assert r.find(b"a" * 16, time.time()) is None
 
 
+def _found(r, keys, now):
+    """find_many's answer as find's: {i: (position, seq, offset, nbytes)}."""
+    idx, rows, seqs, offs, sizes = r.find_many(keys, now)
+    pos = (rows * sd.ENTRY_BYTES + sd.HEADER_BYTES).tolist()
+    return {i: (p, int(q), o, n) for i, p, q, o, n in zip(idx, pos, seqs.tolist(), offs, sizes)}
+
+
+@pytest.mark.parametrize("key_len", [16, 32, "mixed"])
+def test_find_many_answers_as_find_does(key_len):
+    """Random publishes, moves, removes and stale deadlines in a small table (full buckets,
+    overwritten ways, entries that kept a removed key's bytes): for every batch, find_many finds
+    what find finds, and unchanged_many agrees with unchanged."""
+    import random
+    rng = random.Random(7)
+    w, r = table(buckets=8, search=True)
+    lens = [16, 24, 32, 8] if key_len == "mixed" else [key_len]
+    pool = [rng.randbytes(rng.choice(lens)) for _ in range(80)]
+    now = time.time()
+    for step in range(400):
+        k = rng.choice(pool)
+        if rng.random() < 0.7:
+            w.publish(k, rng.randrange(1 << 40), rng.randrange(1, 1 << 20), now + rng.choice([-1, 60]))
+        else:
+            w.remove(k)
+        if step % 20 == 0:
+            batch = rng.sample(pool, rng.randint(1, 40))
+            want = {i: h for i, h in enumerate(r.find(k, now) for k in batch) if h is not None}
+            assert _found(r, batch, now) == want
+            idx, rows, seqs, _, _ = r.find_many(batch, now)
+            assert r.unchanged_many(rows, seqs).all()
+    batch = [k for k in pool if r.find(k, now) is not None][:20]
+    if len(batch) >= sd.BATCH_FROM:
+        idx, rows, seqs, _, _ = r.find_many(batch, now)
+        w.publish(batch[idx[0]], 0, 1, now + 60)                 # moved: its entry's seq moves on
+        assert r.unchanged_many(rows, seqs).tolist() == [j != 0 for j in range(len(idx))]
+
+
+def test_find_many_skips_a_half_written_entry():
+    w, r = table(buckets=1, search=True)
+    keys = [bytes([i]) * 16 for i in range(sd.BATCH_FROM)]
+    for i, k in enumerate(keys[: sd.WAYS]):
+        w.publish(k, i * 4096, 10, FAR)
+    pos = r.find(keys[0], time.time())[0]
+    seq = int.from_bytes(w.buf[pos: pos + 8], "little")
+    w.buf[pos: pos + 8] = (seq + 1).to_bytes(8, "little")        # a writer stopped between its two bumps
+    assert sorted(_found(r, keys, time.time())) == list(range(1, sd.WAYS))
+
+
 def test_reader_refuses_a_table_it_does_not_know():
     w, _ = table()
     bad = bytearray(w.buf)
